@@ -1,0 +1,88 @@
+"""The transformer: packing isolation, KV-cached decode == full forward, presets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from async_rl import models
+
+
+def _cfg(**kw):
+  return models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                            head_dim=8, d_ff=64, **kw)
+
+
+def _full_logits(params, cfg, tokens_T):
+  tokens = jnp.asarray(tokens_T)[None]
+  T = tokens.shape[1]
+  return models.forward(params, cfg, tokens, jnp.arange(T)[None], jnp.ones_like(tokens))[0]
+
+
+@pytest.mark.parametrize("kw", [{}, {"qk_norm": True, "qkv_bias": False},
+                                {"tie_embeddings": True}])
+def test_packed_segments_do_not_attend_across(kw):
+  cfg = _cfg(**kw)
+  params = models.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  a, b = rng.integers(0, 61, 7), rng.integers(0, 61, 5)
+  row = np.concatenate([a, b, np.zeros(4, int)])[None]
+  positions = np.concatenate([np.arange(7), np.arange(5), np.zeros(4, int)])[None]
+  segments = np.concatenate([np.full(7, 1), np.full(5, 2), np.zeros(4, int)])[None]
+  packed = models.forward(params, cfg, row, positions, segments)[0]
+  np.testing.assert_allclose(packed[:7], _full_logits(params, cfg, a), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(packed[7:12], _full_logits(params, cfg, b), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cached_decode_matches_full_forward():
+  cfg = _cfg(qk_norm=True)
+  params = models.init_params(cfg, jax.random.key(1))
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, 61, 5), rng.integers(0, 61, 3)]
+  continuations = [rng.integers(0, 61, 6), rng.integers(0, 61, 6)]
+  P = 8
+  tokens_BP = np.zeros((2, P), np.int32)
+  for i, p in enumerate(prompts):
+    tokens_BP[i, :len(p)] = p
+  lengths = np.array([len(p) for p in prompts])
+  logits_BPV, prompt_cache = models.prefill(params, cfg, tokens_BP, lengths)
+  cache = models.init_cache(cfg, num_slots=2, max_len=16)
+  cache = jax.tree.map(lambda c, p: c.at[:, :, :P].set(p), cache, prompt_cache)
+  for i, p in enumerate(prompts):
+    np.testing.assert_allclose(logits_BPV[i, len(p) - 1], _full_logits(params, cfg, p)[-1],
+                               atol=1e-5, rtol=1e-5)
+  positions = lengths.copy()
+  for step in range(6):
+    tokens_S = np.array([c[step] for c in continuations])
+    logits_SV, cache = models.decode(params, cfg, cache, tokens_S, positions)
+    for i in range(2):
+      seq = np.concatenate([prompts[i], continuations[i][:step + 1]])
+      np.testing.assert_allclose(logits_SV[i], _full_logits(params, cfg, seq)[-1],
+                                 atol=1e-5, rtol=1e-5)
+    positions = positions + 1
+
+
+def test_decode_past_cache_end_leaves_cache_untouched():
+  cfg = _cfg()
+  params = models.init_params(cfg, jax.random.key(2))
+  cache = models.init_cache(cfg, num_slots=2, max_len=4)
+  cache = jax.tree.map(lambda c: c + 1.0, cache)
+  _, new = models.decode(params, cfg, cache, jnp.array([3, 4]), jnp.array([4, 2]))
+  np.testing.assert_array_equal(new["k"][:, 0], cache["k"][:, 0])
+  assert not np.allclose(new["k"][:, 1, 2], cache["k"][:, 1, 2])
+
+
+def test_presets_have_documented_sizes():
+  assert 0.9e6 < models.preset("tiny").num_params() < 1.2e6
+  assert 20e6 < models.preset("small").num_params() < 30e6
+  assert abs(models.preset("qwen2.5-0.5b").num_params() - 494e6) < 1e6
+  cfg = models.preset("tiny")
+  shapes = jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0))
+  assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params()
+
+
+def test_bad_model_config_names_field():
+  with pytest.raises(ValueError, match="model.n_kv_heads"):
+    models.ModelConfig(n_heads=4, n_kv_heads=3)
+  with pytest.raises(ValueError, match="unknown model preset"):
+    models.preset("huge")

@@ -1,0 +1,172 @@
+"""Outcome-reward advantages: shaping, DAPO overlong penalty, group normalisation."""
+
+import operator
+
+import jax.numpy as jnp
+
+_LEVELS = ("group", "batch", None)
+
+
+def _float(x):
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _check_normalize_args(mean_level, std_level, leave_one_out, eps):
+  if mean_level not in _LEVELS:
+    raise ValueError(f"mean_level must be one of {_LEVELS}, got {mean_level!r}")
+  if std_level not in _LEVELS:
+    raise ValueError(f"std_level must be one of {_LEVELS}, got {std_level!r}")
+  if leave_one_out and mean_level is None:
+    raise ValueError("leave_one_out needs a mean_level ('group' or 'batch'), got None")
+  if not eps >= 0:
+    raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _check_shape_args(scale, clip):
+  if not scale > 0:
+    raise ValueError(f"scale must be > 0, got {scale}")
+  if clip is not None and not clip > 0:
+    raise ValueError(f"clip must be > 0 or None, got {clip}")
+
+
+def _check_overlong_args(max_len, cache_len, factor, prefix=""):
+  if not max_len > 0:
+    raise ValueError(f"{prefix}max_len must be > 0, got {max_len}")
+  if not 0 < cache_len <= max_len:
+    raise ValueError(f"{prefix}cache_len must be in (0, {prefix}max_len={max_len}], "
+                     f"got {cache_len}")
+  if not factor >= 0:
+    raise ValueError(f"{prefix}factor must be >= 0, got {factor}")
+
+
+def group_normalize(rewards, group_size, *, mean_level="group", std_level="group",
+                    leave_one_out=False, eps=1e-6):
+  """Normalises per-sample rewards within groups of consecutive samples.
+
+  `advantages = (r - mean) / (std + eps)`, with the mean and the unbiased (ddof=1)
+  std each taken over the sample's group or over the whole batch. A level of None
+  skips that step: `std_level=None` is Dr.GRPO (no scaling, no eps). With
+  `leave_one_out=True` (RLOO) sample i's mean excludes sample i.
+
+  Args:
+    rewards: [N] rewards; samples g * group_size ... (g + 1) * group_size - 1 form
+      group g.
+    group_size: samples per group (static under jit); must divide N.
+    mean_level: "group", "batch" or None.
+    std_level: "group", "batch" or None.
+    leave_one_out: exclude each sample from its own mean.
+    eps: added to the std, >= 0.
+
+  Returns:
+    [N] advantages, float32 or wider.
+
+  Raises:
+    ValueError: bad level, N not a multiple of group_size, or a mean or std that
+      needs at least two samples at its level.
+  """
+  _check_normalize_args(mean_level, std_level, leave_one_out, eps)
+  rewards_N = _float(rewards)
+  if rewards_N.ndim != 1:
+    raise ValueError(f"rewards must be 1-D [N], got shape {rewards_N.shape}")
+  num_samples = rewards_N.shape[0]
+  try:
+    group_size = operator.index(group_size)
+  except TypeError:
+    raise ValueError(f"group_size must be an int, got {group_size!r}") from None
+  if group_size < 1 or num_samples % group_size:
+    raise ValueError(f"group_size must be >= 1 and divide N={num_samples}, got {group_size}")
+  sizes = {"group": group_size, "batch": num_samples}
+  axes = {"group": 1, "batch": None}
+  if leave_one_out and sizes[mean_level] < 2:
+    raise ValueError(f"leave_one_out at mean_level={mean_level!r} needs >= 2 samples, "
+                     f"got {sizes[mean_level]}")
+  if std_level is not None and sizes[std_level] < 2:
+    raise ValueError(f"std_level={std_level!r} needs >= 2 samples for an unbiased std, "
+                     f"got {sizes[std_level]}")
+
+  rewards_BG = rewards_N.reshape(-1, group_size)
+  centred_BG = rewards_BG
+  if mean_level is not None:
+    total = rewards_BG.sum(axis=axes[mean_level], keepdims=True)
+    if leave_one_out:
+      centred_BG = rewards_BG - (total - rewards_BG) / (sizes[mean_level] - 1)
+    else:
+      centred_BG = rewards_BG - total / sizes[mean_level]
+  if std_level is not None:
+    std = jnp.std(rewards_BG, axis=axes[std_level], ddof=1, keepdims=True)
+    centred_BG = centred_BG / (std + eps)
+  return centred_BG.reshape(num_samples)
+
+
+def shape_rewards(rewards, *, bias=0.0, scale=1.0, clip=None):
+  """Returns `clip((rewards + bias) * scale, -clip, clip)`; `clip=None` skips clipping."""
+  _check_shape_args(scale, clip)
+  shaped = (_float(rewards) + bias) * scale
+  return shaped if clip is None else jnp.clip(shaped, -clip, clip)
+
+
+def overlong_penalty(lengths, *, max_len, cache_len, factor):
+  """DAPO soft overlong punishment (Yu et al. 2025, arXiv 2503.14476).
+
+  0 up to `max_len - cache_len` tokens, then falling linearly to `-factor` at
+  `max_len`, and `-factor` beyond.
+
+  Args:
+    lengths: [N] generated lengths.
+    max_len: the generation budget, > 0.
+    cache_len: width of the soft-penalty band, 0 < cache_len <= max_len.
+    factor: the largest penalty, >= 0.
+
+  Returns:
+    [N] float32 penalties, <= 0.
+  """
+  _check_overlong_args(max_len, cache_len, factor)
+  lengths_N = _float(lengths)
+  start = max_len - cache_len
+  soft_N = (start - lengths_N) / cache_len * factor
+  return jnp.where(lengths_N <= start, 0.0, jnp.where(lengths_N <= max_len, soft_N, -factor))
+
+
+def make_advantage_fn(*, bias=0.0, scale=1.0, clip=None, overlong_max_len=None,
+                      overlong_cache_len=None, overlong_factor=1.0, zero_truncated=False,
+                      mean_level="group", std_level="group", leave_one_out=False, eps=1e-6):
+  """Returns `fn(rewards_N, lengths_N, truncated_N, group_size) -> advantages_N`.
+
+  In order: `shape_rewards`; if `zero_truncated`, truncated samples' shaped reward
+  becomes 0; if `overlong_max_len` is set, `overlong_penalty` is added (after the
+  zeroing, so a truncated sample still carries its length penalty); then
+  `group_normalize`. Pure jnp: jit it with `group_size` static.
+
+  Args:
+    bias, scale, clip: see `shape_rewards`.
+    overlong_max_len, overlong_cache_len, overlong_factor: see `overlong_penalty`;
+      the penalty is off unless both lengths are given.
+    zero_truncated: zero the reward of samples cut at the length budget.
+    mean_level, std_level, leave_one_out, eps: see `group_normalize`.
+
+  Raises:
+    ValueError: an invalid argument, named in the message.
+  """
+  _check_shape_args(scale, clip)
+  if (overlong_max_len is None) != (overlong_cache_len is None):
+    raise ValueError("overlong_max_len and overlong_cache_len must be given together, got "
+                     f"{overlong_max_len} and {overlong_cache_len}")
+  overlong = overlong_max_len is not None
+  if overlong:
+    _check_overlong_args(overlong_max_len, overlong_cache_len, overlong_factor,
+                         prefix="overlong_")
+  _check_normalize_args(mean_level, std_level, leave_one_out, eps)
+
+  def advantage_fn(rewards_N, lengths_N, truncated_N, group_size):
+    shaped_N = shape_rewards(rewards_N, bias=bias, scale=scale, clip=clip)
+    if zero_truncated:
+      shaped_N = jnp.where(jnp.asarray(truncated_N, bool), 0.0, shaped_N)
+    if overlong:
+      shaped_N = shaped_N + overlong_penalty(lengths_N, max_len=overlong_max_len,
+                                             cache_len=overlong_cache_len,
+                                             factor=overlong_factor)
+    return group_normalize(shaped_N, group_size, mean_level=mean_level,
+                           std_level=std_level, leave_one_out=leave_one_out, eps=eps)
+
+  return advantage_fn

@@ -1,0 +1,257 @@
+"""Dynamic micro-batching: length-aware allocation and packing into bucketed shapes.
+
+Host-side numpy. `ffd_allocate` groups sequences under a token budget (AReaL
+Algorithm 1); `pack` lays an allocation out as packed rows with segment ids and
+positions; `pack_dynamic` does both and pads to a small fixed set of shapes so the
+jitted train step compiles a bounded number of times.
+"""
+
+import dataclasses
+from collections.abc import Sequence as SequenceOf
+
+import numpy as np
+from flax import struct
+
+
+def ffd_allocate(lengths: SequenceOf[int], max_tokens_per_mb: int,
+                 min_groups: int = 1) -> list[list[int]]:
+  """Groups sequence indices so no group holds more than `max_tokens_per_mb` tokens.
+
+  First-fit-decreasing after AReaL (Fu et al. 2025, Algorithm 1): indices are taken
+  by length, longest first (ties: lower index first); each goes to the group that
+  fits it and holds the fewest sequences (ties: the earliest-created group), or
+  opens a new group when none fits. Choosing the group with the fewest sequences
+  rather than the first or tightest fit spreads short sequences over the groups.
+
+  If that yields fewer than `min_groups` groups, the allocation is redone starting
+  from `min_groups` empty groups: the longest `min_groups` sequences then land one
+  per group and the rest fill in by the same rule, so every group is non-empty when
+  there are at least `min_groups` sequences. With fewer sequences than that, each
+  sequence gets its own group and empty lists pad the result up to `min_groups`
+  (so `ffd_allocate([], b)` is `[[]]`).
+
+  Args:
+    lengths: token count of each sequence.
+    max_tokens_per_mb: token budget of one group.
+    min_groups: the least number of groups returned.
+
+  Returns:
+    Lists of indices into `lengths`; each index appears exactly once. Deterministic.
+
+  Raises:
+    ValueError: if a sequence alone exceeds the budget, or on invalid arguments.
+  """
+  if max_tokens_per_mb < 1:
+    raise ValueError(f"max_tokens_per_mb must be >= 1, got {max_tokens_per_mb}")
+  if min_groups < 0:
+    raise ValueError(f"min_groups must be >= 0, got {min_groups}")
+  lengths = [int(n) for n in lengths]
+  for i, n in enumerate(lengths):
+    if n < 0:
+      raise ValueError(f"sequence {i} has negative length {n}")
+    if n > max_tokens_per_mb:
+      raise ValueError(f"sequence {i} has length {n}, over the budget of "
+                       f"max_tokens_per_mb={max_tokens_per_mb} tokens")
+  order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+  groups = _fewest_fit(order, lengths, max_tokens_per_mb, num_open=0)
+  if len(groups) < min_groups:
+    groups = _fewest_fit(order, lengths, max_tokens_per_mb, num_open=min_groups)
+  return groups
+
+
+def _fewest_fit(order, lengths, budget, num_open):
+  groups = [[] for _ in range(num_open)]
+  totals = [0] * num_open
+  for i in order:
+    best = None
+    for g, total in enumerate(totals):
+      fits = total + lengths[i] <= budget
+      if fits and (best is None or len(groups[g]) < len(groups[best])):
+        best = g
+    if best is None:
+      groups.append([])
+      totals.append(0)
+      best = len(groups) - 1
+    groups[best].append(i)
+    totals[best] += lengths[i]
+  return groups
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sequence:
+  """One scored sample on the host, as the trainer receives it.
+
+  Attributes:
+    tokens: int32 [P + C], the prompt then the completion.
+    prompt_len: P, at least 1 (the first token is never predicted).
+    behav_logp: float32 [C], log-prob of each completion token under the behaviour
+      policy.
+    versions: int32 [C], policy version (>= 0) that generated each completion token.
+    advantage: the sample's advantage, shared by all its completion tokens.
+  """
+  tokens: np.ndarray
+  prompt_len: int
+  behav_logp: np.ndarray
+  versions: np.ndarray
+  advantage: float
+
+  def __post_init__(self):
+    tokens = np.asarray(self.tokens)
+    versions = np.asarray(self.versions)
+    behav_logp = np.asarray(self.behav_logp, dtype=np.float32)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f"Sequence.tokens must be a 1-D integer array, got dtype "
+                       f"{tokens.dtype} and shape {tokens.shape}")
+    if not 1 <= self.prompt_len <= tokens.size:
+      raise ValueError(f"Sequence.prompt_len must be in [1, len(tokens)={tokens.size}], "
+                       f"got {self.prompt_len}")
+    completion_len = tokens.size - self.prompt_len
+    for name, arr in (("behav_logp", behav_logp), ("versions", versions)):
+      if arr.shape != (completion_len,):
+        raise ValueError(f"Sequence.{name} must have shape ({completion_len},) (one entry "
+                         f"per completion token), got {arr.shape}")
+    if completion_len and not np.issubdtype(versions.dtype, np.integer):
+      raise ValueError(f"Sequence.versions must be integers, got dtype {versions.dtype}")
+    if completion_len and versions.min() < 0:
+      raise ValueError(f"Sequence.versions must be >= 0 (-1 marks prompt tokens), "
+                       f"got {versions.min()}")
+    object.__setattr__(self, "tokens", tokens.astype(np.int32))
+    object.__setattr__(self, "prompt_len", int(self.prompt_len))
+    object.__setattr__(self, "behav_logp", behav_logp)
+    object.__setattr__(self, "versions", versions.astype(np.int32))
+    object.__setattr__(self, "advantage", float(self.advantage))
+
+  def __len__(self):
+    return self.tokens.size
+
+
+@struct.dataclass
+class PackedBatch:
+  """Sequences packed as M micro-batches of R rows of T tokens; all fields are [M, R, T].
+
+  Position convention: position p of a row holds token p and the quantities of
+  predicting token p from the tokens before it in its segment. So `loss_mask` is 1
+  exactly where the token is a completion token, and `behav_logp`, `prox_logp`,
+  `advantages` and `versions` there belong to that token.
+
+  Attributes:
+    tokens: int32 token ids, 0 on padding.
+    positions: int32 position of the token within its sequence, 0..len-1; 0 on
+      padding.
+    segment_ids: int32 1, 2, 3, ... for the sequences of a row in order; 0 on
+      padding.
+    loss_mask: float32, 1 on completion tokens, 0 elsewhere.
+    behav_logp: float32 behaviour-policy log-prob, 0 off the mask.
+    prox_logp: float32 proximal-policy log-prob; zeros when packed, filled in by
+      the trainer.
+    advantages: float32 the sequence's advantage, 0 off the mask.
+    versions: int32 policy version of each completion token, -1 on prompt and
+      padding.
+  """
+  tokens: np.ndarray
+  positions: np.ndarray
+  segment_ids: np.ndarray
+  loss_mask: np.ndarray
+  behav_logp: np.ndarray
+  prox_logp: np.ndarray
+  advantages: np.ndarray
+  versions: np.ndarray
+
+
+def pack(seqs: SequenceOf[Sequence], groups: SequenceOf[SequenceOf[int]], *,
+         rows_per_mb: int, row_len: int) -> PackedBatch:
+  """Packs an allocation: group g becomes row g; rows m*R..(m+1)*R-1 form micro-batch m.
+
+  Each row holds its group's sequences concatenated in order, then padding up to
+  `row_len`. Empty rows pad the row count to a multiple of `rows_per_mb`; an empty
+  group gives an empty row.
+
+  Raises:
+    ValueError: if a group holds more than `row_len` tokens, or on invalid arguments.
+  """
+  if rows_per_mb < 1 or row_len < 1:
+    raise ValueError(f"rows_per_mb and row_len must be >= 1, got {rows_per_mb}, {row_len}")
+  num_mb = -(-len(groups) // rows_per_mb)
+  shape = (num_mb * rows_per_mb, row_len)
+  tokens = np.zeros(shape, np.int32)
+  positions = np.zeros(shape, np.int32)
+  segment_ids = np.zeros(shape, np.int32)
+  loss_mask = np.zeros(shape, np.float32)
+  behav_logp = np.zeros(shape, np.float32)
+  advantages = np.zeros(shape, np.float32)
+  versions = np.full(shape, -1, np.int32)
+  for r, group in enumerate(groups):
+    total = sum(len(seqs[i]) for i in group)
+    if total > row_len:
+      raise ValueError(f"group {r} holds {total} tokens, over row_len={row_len}")
+    start = 0
+    for segment, i in enumerate(group, start=1):
+      seq = seqs[i]
+      end = start + len(seq)
+      gen = slice(start + seq.prompt_len, end)
+      tokens[r, start:end] = seq.tokens
+      positions[r, start:end] = np.arange(len(seq))
+      segment_ids[r, start:end] = segment
+      loss_mask[r, gen] = 1.0
+      behav_logp[r, gen] = seq.behav_logp
+      advantages[r, gen] = seq.advantage
+      versions[r, gen] = seq.versions
+      start = end
+  to_mrt = lambda x: x.reshape(num_mb, rows_per_mb, row_len)
+  return PackedBatch(
+      tokens=to_mrt(tokens), positions=to_mrt(positions),
+      segment_ids=to_mrt(segment_ids), loss_mask=to_mrt(loss_mask),
+      behav_logp=to_mrt(behav_logp), prox_logp=np.zeros_like(to_mrt(behav_logp)),
+      advantages=to_mrt(advantages), versions=to_mrt(versions))
+
+
+def default_row_buckets(max_tokens_per_mb: int, num: int = 4) -> tuple[int, ...]:
+  """Row lengths max/2^(num-1), ..., max/2, max, each rounded up to a multiple of 8.
+
+  Halving keeps the padding waste of a row under half its length while allowing
+  only `num` row lengths; multiples of 8 keep the shapes friendly to the
+  accelerator's tiling. Duplicates (for a small max) are dropped.
+  """
+  if max_tokens_per_mb < 1 or num < 1:
+    raise ValueError(
+        f"max_tokens_per_mb and num must be >= 1, got {max_tokens_per_mb} and {num}")
+  round8 = lambda n: -(-n // 8) * 8
+  return tuple(sorted({round8(-(-max_tokens_per_mb // 2**k)) for k in range(num)}))
+
+
+def pack_dynamic(seqs: SequenceOf[Sequence], *, max_tokens_per_mb: int, rows_per_mb: int,
+                 row_buckets: SequenceOf[int]) -> PackedBatch:
+  """Allocates with `ffd_allocate` and packs into one of a bounded set of shapes.
+
+  Each allocated group (at most `max_tokens_per_mb` tokens, at least `rows_per_mb`
+  groups) becomes a row; T is the smallest of `row_buckets` that holds the longest
+  row, R is `rows_per_mb`, and M is rounded up to a power of two. Rows are dealt to
+  the micro-batches longest first in snake order, so real micro-batches differ in
+  token count by at most the longest row; all-empty padding micro-batches come last.
+
+  Raises:
+    ValueError: if a sequence exceeds `max_tokens_per_mb` or no bucket holds the
+      longest row.
+  """
+  if rows_per_mb < 1:
+    raise ValueError(f"rows_per_mb must be >= 1, got {rows_per_mb}")
+  lengths = [len(s) for s in seqs]
+  groups = ffd_allocate(lengths, max_tokens_per_mb, min_groups=rows_per_mb)
+  totals = [sum(lengths[i] for i in g) for g in groups]
+  longest = max(totals)
+  fitting = [b for b in sorted(row_buckets) if b >= longest]
+  if not fitting:
+    raise ValueError(f"no row bucket in {tuple(sorted(row_buckets))} holds a row of "
+                     f"{longest} tokens")
+  num_mb = -(-len(groups) // rows_per_mb)
+  rows_of_mb = [[] for _ in range(num_mb)]
+  for k, g in enumerate(sorted(range(len(groups)), key=lambda g: (-totals[g], g))):
+    lap, j = divmod(k, num_mb)
+    rows_of_mb[j if lap % 2 == 0 else num_mb - 1 - j].append(groups[g])
+  # M is a power of two so the train step sees O(log) shapes; it skips all-empty
+  # micro-batches with lax.cond, so the padding costs almost nothing.
+  padded_mb = 1 << (num_mb - 1).bit_length()
+  rows = []
+  for mb_rows in rows_of_mb + [[]] * (padded_mb - num_mb):
+    rows += mb_rows + [[]] * (rows_per_mb - len(mb_rows))
+  return pack(seqs, rows, rows_per_mb=rows_per_mb, row_len=fitting[0])

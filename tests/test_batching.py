@@ -1,0 +1,340 @@
+"""Tests for async_rl.batching: FFD allocation, packing, bucketed shapes."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from async_rl import batching
+from async_rl.batching import Sequence
+
+_SETTINGS = settings(max_examples=60, deadline=None)
+
+
+def _seq(prompt, completion, behav_logp=None, versions=None, advantage=0.0):
+  n = len(completion)
+  return Sequence(
+      tokens=np.array(list(prompt) + list(completion), np.int32), prompt_len=len(prompt),
+      behav_logp=np.zeros(n, np.float32) if behav_logp is None else behav_logp,
+      versions=np.zeros(n, np.int32) if versions is None else versions,
+      advantage=advantage)
+
+
+def _random_seqs(seed, n, max_prompt=6, max_completion=8):
+  rng = np.random.default_rng(seed)
+  seqs = []
+  for _ in range(n):
+    p, c = rng.integers(1, max_prompt + 1), rng.integers(0, max_completion + 1)
+    seqs.append(Sequence(
+        tokens=rng.integers(1, 1000, p + c).astype(np.int32), prompt_len=int(p),
+        behav_logp=-rng.exponential(size=c).astype(np.float32),
+        versions=rng.integers(0, 20, c).astype(np.int32),
+        advantage=float(np.float32(rng.normal()))))
+  return seqs
+
+
+def _unpack_rows(batch):
+  """Per flattened row, the segments as dicts; checks the layout invariants on the way."""
+  M, R, T = batch.tokens.shape
+  flat = {k: v.reshape(M * R, T) for k, v in vars(batch).items()}
+  rows = []
+  for r in range(M * R):
+    seg_T = flat["segment_ids"][r]
+    pad = seg_T == 0
+    assert not flat["tokens"][r][pad].any() and not flat["positions"][r][pad].any()
+    assert not flat["loss_mask"][r][pad].any() and not flat["behav_logp"][r][pad].any()
+    assert not flat["advantages"][r][pad].any() and (flat["versions"][r][pad] == -1).all()
+    ids = [k for k, _ in itertools.groupby(seg_T) if k]
+    # Segment ids run 1, 2, 3, ... in order, each one contiguous, so no two sequences
+    # of a row share an id.
+    assert ids == list(range(1, len(ids) + 1))
+    # Padding only after the last segment.
+    assert not pad[:int(np.count_nonzero(~pad))].any()
+    segments = []
+    for sid in ids:
+      idx = np.flatnonzero(seg_T == sid)
+      mask = flat["loss_mask"][r][idx]
+      assert set(np.unique(mask)) <= {0.0, 1.0}
+      np.testing.assert_array_equal(flat["positions"][r][idx], np.arange(idx.size))
+      prompt_len = int(np.argmax(mask)) if mask.any() else idx.size
+      # Completion positions are exactly the tail after the prompt.
+      np.testing.assert_array_equal(mask, np.arange(idx.size) >= prompt_len)
+      gen = idx[prompt_len:]
+      assert (flat["versions"][r][idx[:prompt_len]] == -1).all()
+      assert not flat["behav_logp"][r][idx[:prompt_len]].any()
+      assert not flat["advantages"][r][idx[:prompt_len]].any()
+      adv = np.unique(flat["advantages"][r][gen])
+      assert adv.size <= 1
+      segments.append(dict(
+          tokens=flat["tokens"][r][idx].tolist(), prompt_len=prompt_len,
+          behav_logp=flat["behav_logp"][r][gen].tolist(),
+          versions=flat["versions"][r][gen].tolist(),
+          advantage=float(adv[0]) if adv.size else None))
+    rows.append(segments)
+  assert not flat["prox_logp"].any()
+  return rows
+
+
+def _as_dict(seq):
+  has_completion = len(seq) > seq.prompt_len
+  return dict(tokens=seq.tokens.tolist(), prompt_len=seq.prompt_len,
+              behav_logp=seq.behav_logp.tolist(), versions=seq.versions.tolist(),
+              advantage=float(np.float32(seq.advantage)) if has_completion else None)
+
+
+# ffd_allocate: hand cases.
+
+def test_ffd_fewest_sequences_beats_first_fit():
+  # Budget 10. 7 and 7 open two groups; every 1 fits both. First fit would fill
+  # group 0 to [7,1,1,1]; "fewest sequences" alternates, earliest group on ties.
+  assert batching.ffd_allocate([7, 7, 1, 1, 1, 1], 10) == [[0, 2, 4], [1, 3, 5]]
+  # 6 and 5 open two groups; the 1s alternate (first fit: [[0, 2, 3, 4], [1]]).
+  assert batching.ffd_allocate([6, 5, 1, 1, 1], 10) == [[0, 2, 4], [1, 3]]
+
+
+def test_ffd_fewest_sequences_only_among_groups_that_fit():
+  # Budget 10: [9] [8] open; 2 goes to group 1, as group 0 (earlier, as few
+  # sequences) cannot take it; 1 then fits only group 0; the last 1 fits nowhere.
+  assert batching.ffd_allocate([9, 8, 2, 1, 1], 10) == [[0, 3], [1, 2], [4]]
+
+
+def test_ffd_decreasing_order_ties_by_index():
+  assert batching.ffd_allocate([3, 5, 3], 5) == [[1], [0], [2]]
+  assert batching.ffd_allocate([4, 4, 4], 8) == [[0, 1], [2]]
+
+
+def test_ffd_min_groups():
+  assert batching.ffd_allocate([2, 2, 2, 2], 100) == [[0, 1, 2, 3]]
+  # Redone from three empty groups: the longest three seed them.
+  assert batching.ffd_allocate([2, 2, 2, 2], 100, min_groups=3) == [[0, 3], [1], [2]]
+  assert batching.ffd_allocate([1, 3, 2, 4], 100, min_groups=2) == [[3, 2], [1, 0]]
+  # FFD already gives enough groups: unchanged.
+  assert batching.ffd_allocate([6, 6, 6], 10, min_groups=2) == [[0], [1], [2]]
+  # Fewer sequences than groups: singletons, then empty groups.
+  assert batching.ffd_allocate([2, 5], 100, min_groups=4) == [[1], [0], [], []]
+  assert batching.ffd_allocate([], 8) == [[]]
+  assert batching.ffd_allocate([], 8, min_groups=0) == []
+
+
+def test_ffd_oversize_sequence_names_index_length_and_budget():
+  with pytest.raises(ValueError, match=r"sequence 1 has length 12.*max_tokens_per_mb=10"):
+    batching.ffd_allocate([3, 12, 4], 10)
+  with pytest.raises(ValueError, match="max_tokens_per_mb"):
+    batching.ffd_allocate([1], 0)
+  with pytest.raises(ValueError, match="negative"):
+    batching.ffd_allocate([1, -1], 4)
+
+
+# ffd_allocate: properties.
+
+@st.composite
+def _allocation_problem(draw):
+  budget = draw(st.integers(1, 64))
+  lengths = draw(st.lists(st.integers(0, budget), max_size=40))
+  return lengths, budget, draw(st.integers(0, 8))
+
+
+def _check_fewest_fit_rule(lengths, budget, groups):
+  """Replays the allocation in processing order and checks each choice against the rule."""
+  where = {i: g for g, group in enumerate(groups) for i in group}
+  totals, counts = [], []
+  for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    fits = [g for g in range(len(totals)) if totals[g] + lengths[i] <= budget]
+    if fits:
+      assert where[i] == min(fits, key=lambda g: (counts[g], g))
+    else:
+      assert where[i] == len(totals)
+      totals.append(0)
+      counts.append(0)
+    totals[where[i]] += lengths[i]
+    counts[where[i]] += 1
+
+
+@_SETTINGS
+@given(_allocation_problem())
+def test_ffd_properties(problem):
+  lengths, budget, min_groups = problem
+  groups = batching.ffd_allocate(lengths, budget, min_groups)
+  assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+  assert all(sum(lengths[i] for i in g) <= budget for g in groups)
+  assert batching.ffd_allocate(list(lengths), budget, min_groups) == groups
+  assert len(groups) >= max(min_groups, 1 if lengths else 0)
+  for g in groups:
+    assert [lengths[i] for i in g] == sorted((lengths[i] for i in g), reverse=True)
+  if len(lengths) >= min_groups:
+    assert all(groups)
+  else:
+    assert len(groups) == min_groups
+    assert sum(1 for g in groups if g) == len(lengths)
+  plain = batching.ffd_allocate(lengths, budget, min_groups=0)
+  _check_fewest_fit_rule(lengths, budget, plain)
+  if len(plain) >= min_groups:
+    assert groups == plain
+
+
+# Sequence.
+
+def test_sequence_validation():
+  with pytest.raises(ValueError, match="behav_logp must have shape \\(2,\\)"):
+    _seq([1], [2, 3], behav_logp=np.zeros(3))
+  with pytest.raises(ValueError, match="versions must have shape \\(2,\\)"):
+    _seq([1], [2, 3], versions=np.zeros(1, np.int32))
+  with pytest.raises(ValueError, match="prompt_len"):
+    _seq([], [2, 3])
+  with pytest.raises(ValueError, match="prompt_len"):
+    Sequence(tokens=np.array([1, 2]), prompt_len=3, behav_logp=np.zeros(0),
+             versions=np.zeros(0, np.int32), advantage=0.0)
+  with pytest.raises(ValueError, match="1-D integer"):
+    Sequence(tokens=np.array([1.0, 2.0]), prompt_len=1, behav_logp=np.zeros(1),
+             versions=np.zeros(1, np.int32), advantage=0.0)
+  with pytest.raises(ValueError, match="versions must be >= 0"):
+    _seq([1], [2], versions=np.array([-1]))
+  seq = _seq([1, 2], [3], behav_logp=[-0.5], versions=[7], advantage=1)
+  assert seq.tokens.dtype == np.int32 and seq.behav_logp.dtype == np.float32
+  assert seq.versions.dtype == np.int32 and isinstance(seq.advantage, float)
+  assert len(seq) == 3
+
+
+# pack.
+
+def test_pack_hand_case():
+  a = _seq([11, 12], [13, 14], behav_logp=[-0.5, -0.25], versions=[3, 4], advantage=1.5)
+  b = _seq([21], [22, 23], behav_logp=[-1.0, -2.0], versions=[5, 5], advantage=-2.0)
+  batch = batching.pack([a, b], [[0, 1]], rows_per_mb=2, row_len=8)
+  assert batch.tokens.shape == (1, 2, 8)
+  expected = dict(
+      tokens=([11, 12, 13, 14, 21, 22, 23, 0], np.int32),
+      positions=([0, 1, 2, 3, 0, 1, 2, 0], np.int32),
+      segment_ids=([1, 1, 1, 1, 2, 2, 2, 0], np.int32),
+      loss_mask=([0, 0, 1, 1, 0, 1, 1, 0], np.float32),
+      behav_logp=([0, 0, -0.5, -0.25, 0, -1, -2, 0], np.float32),
+      prox_logp=([0] * 8, np.float32),
+      advantages=([0, 0, 1.5, 1.5, 0, -2, -2, 0], np.float32),
+      versions=([-1, -1, 3, 4, -1, 5, 5, -1], np.int32))
+  for name, (row, dtype) in expected.items():
+    got = getattr(batch, name)
+    assert got.dtype == dtype, name
+    np.testing.assert_array_equal(got[0, 0], np.array(row, dtype), err_msg=name)
+    pad = -1 if name == "versions" else 0
+    np.testing.assert_array_equal(got[0, 1], np.full(8, pad, dtype), err_msg=name)
+
+
+def test_packed_batch_is_a_pytree():
+  batch = batching.pack([_seq([1], [2])], [[0]], rows_per_mb=1, row_len=8)
+  leaves = jax.tree.leaves(batch)
+  assert len(leaves) == 8 and all(x.shape == (1, 1, 8) for x in leaves)
+  filled = batch.replace(prox_logp=np.ones((1, 1, 8), np.float32))
+  assert filled.prox_logp.sum() == 8 and not batch.prox_logp.any()
+
+
+def test_pack_rejects_group_over_row_len():
+  seqs = [_seq([1, 2], [3, 4]), _seq([5], [6, 7])]
+  with pytest.raises(ValueError, match="group 0 holds 7 tokens, over row_len=6"):
+    batching.pack(seqs, [[0, 1]], rows_per_mb=1, row_len=6)
+
+
+@_SETTINGS
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 12), rows_per_mb=st.integers(1, 3),
+       budget=st.integers(14, 40))
+def test_pack_round_trip(seed, n, rows_per_mb, budget):
+  seqs = _random_seqs(seed, n)
+  groups = batching.ffd_allocate([len(s) for s in seqs], budget)
+  batch = batching.pack(seqs, groups, rows_per_mb=rows_per_mb, row_len=budget)
+  num_rows = -(-len(groups) // rows_per_mb) * rows_per_mb
+  assert batch.tokens.shape == (num_rows // rows_per_mb, rows_per_mb, budget)
+  rows = _unpack_rows(batch)
+  assert rows == [[_as_dict(seqs[i]) for i in g] for g in groups] + [[]] * (
+      num_rows - len(groups))
+
+
+# pack_dynamic and bucketed shapes.
+
+def test_default_row_buckets():
+  assert batching.default_row_buckets(64) == (8, 16, 32, 64)
+  assert batching.default_row_buckets(100) == (16, 32, 56, 104)
+  assert batching.default_row_buckets(8) == (8,)
+  assert batching.default_row_buckets(1024, num=2) == (512, 1024)
+
+
+def test_pack_dynamic_hand_case():
+  seqs = [_seq([1] * 2, [2] * n) for n in (8, 7, 6, 3, 2)]  # lengths 10, 9, 8, 5, 4
+  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=16, rows_per_mb=2,
+                                row_buckets=(8, 16))
+  # FFD under 16: 10, 9, 8 open three groups; 5 joins the first (all hold one,
+  # earliest wins); 4 fits only the second and third and joins the second. Rows of
+  # 15, 13 and 8 tokens make two micro-batches, dealt longest first in snake order.
+  assert batching.ffd_allocate([len(s) for s in seqs], 16) == [[0, 3], [1, 4], [2]]
+  assert batch.tokens.shape == (2, 2, 16)
+  tokens_MR = (batch.segment_ids > 0).sum(-1)
+  np.testing.assert_array_equal(tokens_MR, [[15, 0], [13, 8]])
+  np.testing.assert_array_equal(batch.segment_ids[1, 0, 13:], [0, 0, 0])
+
+
+def test_pack_dynamic_pads_micro_batches_to_power_of_two():
+  seqs = [_seq([1] * 4, [2] * 4) for _ in range(5)]  # 5 rows of 8 under budget 8
+  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=8, rows_per_mb=1,
+                                row_buckets=(8,))
+  assert batch.tokens.shape == (8, 1, 8)
+  assert batch.segment_ids[:5].all() and not batch.segment_ids[5:].any()
+  assert not batch.loss_mask[5:].any()
+
+
+def test_pack_dynamic_errors():
+  seqs = [_seq([1] * 10, [2] * 20)]
+  with pytest.raises(ValueError, match="no row bucket in \\(8, 16\\) holds a row of 30"):
+    batching.pack_dynamic(seqs, max_tokens_per_mb=64, rows_per_mb=1, row_buckets=(16, 8))
+  with pytest.raises(ValueError, match="sequence 0 has length 30"):
+    batching.pack_dynamic(seqs, max_tokens_per_mb=16, rows_per_mb=1, row_buckets=(16,))
+
+
+@_SETTINGS
+@given(seed=st.integers(0, 2**31), n=st.integers(0, 24), rows_per_mb=st.integers(1, 4))
+def test_pack_dynamic_round_trip_and_layout(seed, n, rows_per_mb):
+  budget, buckets = 32, (8, 16, 32)
+  seqs = _random_seqs(seed, n, max_prompt=8, max_completion=24)
+  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=budget, rows_per_mb=rows_per_mb,
+                                row_buckets=buckets)
+  M, R, T = batch.tokens.shape
+  groups = batching.ffd_allocate([len(s) for s in seqs], budget, min_groups=rows_per_mb)
+  real_mb = -(-len(groups) // rows_per_mb)
+  assert R == rows_per_mb and M & (M - 1) == 0 and real_mb <= M < 2 * real_mb
+  row_tokens_MR = (batch.segment_ids > 0).sum(-1)
+  longest = max(sum(len(seqs[i]) for i in g) for g in groups)
+  assert row_tokens_MR.max() == longest
+  assert T == min(b for b in buckets if b >= longest)
+  rows = _unpack_rows(batch)
+  key = lambda d: repr(sorted(d.items()))
+  assert sorted(map(key, (d for row in rows for d in row))) == sorted(
+      key(_as_dict(s)) for s in seqs)
+  assert sum(1 for row in rows if row) == sum(1 for g in groups if g)
+  mb_tokens_M = row_tokens_MR.sum(-1)
+  # All-empty padding micro-batches come last; real ones are balanced to within
+  # the longest row.
+  assert not mb_tokens_M[real_mb:].any()
+  if n >= real_mb:
+    assert mb_tokens_M[:real_mb].all()
+  assert mb_tokens_M[:real_mb].max() - mb_tokens_M[:real_mb].min() <= longest
+
+
+def test_pack_dynamic_shapes_stay_in_bucket_set():
+  rng = np.random.default_rng(0)
+  budget, rows_per_mb, max_n = 64, 2, 40
+  buckets = batching.default_row_buckets(budget)
+  max_m = 1 << (-(-max_n // rows_per_mb) - 1).bit_length()
+  allowed = {(1 << k, rows_per_mb, t) for k in range(max_m.bit_length()) for t in buckets}
+  shapes = set()
+  for _ in range(300):
+    n = int(rng.integers(1, max_n + 1))
+    hi = int(rng.choice([8, 16, 32, budget]))
+    totals = rng.integers(2, hi + 1, n)
+    prompts = [int(rng.integers(1, t + 1)) for t in totals]
+    seqs = [_seq([1] * p, [2] * (t - p)) for t, p in zip(totals, prompts)]
+    batch = batching.pack_dynamic(seqs, max_tokens_per_mb=budget, rows_per_mb=rows_per_mb,
+                                  row_buckets=buckets)
+    shapes.add(batch.tokens.shape)
+    assert len({x.shape for x in jax.tree.leaves(batch)}) == 1
+  assert shapes <= allowed
+  assert len(shapes) > 1

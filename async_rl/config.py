@@ -1,0 +1,268 @@
+"""Typed, frozen experiment configuration and its one conversion from ConfigDict.
+
+Config files (`configs/*.py`) return an `ml_collections.ConfigDict`; binaries call
+`from_config_dict` once, and library code only ever sees these dataclasses. Every
+field is declared here once, with its default, and validated with a message that
+names it.
+"""
+
+import dataclasses
+import types
+import typing
+from typing import Any, Optional
+
+from async_rl.models.config import ModelConfig
+
+_LEVELS = ("group", "batch", None)
+UPDATE_MODES = ("retract", "keep", "drain")
+LOSSES = ("decoupled_ppo", "naive_ppo")
+SCHEDULES = ("constant", "cosine")
+
+
+def _fail(field, value, why):
+  raise ValueError(f"{field} {why}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with global-norm clipping and a warmup + constant/cosine schedule."""
+  learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  schedule: str = "constant"
+  decay_steps: int = 1000
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    if self.learning_rate <= 0:
+      _fail("optimizer.learning_rate", self.learning_rate, "must be > 0")
+    if self.warmup_steps < 0:
+      _fail("optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
+    if self.schedule not in SCHEDULES:
+      _fail("optimizer.schedule", self.schedule, f"must be one of {SCHEDULES}")
+    if self.decay_steps < 1:
+      _fail("optimizer.decay_steps", self.decay_steps, "must be >= 1")
+    if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+      _fail("optimizer.b1/b2", (self.b1, self.b2), "must lie in [0, 1)")
+    if self.weight_decay < 0:
+      _fail("optimizer.weight_decay", self.weight_decay, "must be >= 0")
+    if self.grad_clip <= 0:
+      _fail("optimizer.grad_clip", self.grad_clip, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+  """The decoupled PPO objective of DESIGN.md; `loss="naive_ppo"` uses π_behav as π_prox."""
+  loss: str = "decoupled_ppo"
+  eps_clip: float = 0.2
+  eps_clip_higher: Optional[float] = None
+  c_clip: Optional[float] = None
+  behav_imp_weight_cap: Optional[float] = None
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    if self.loss not in LOSSES:
+      _fail("ppo.loss", self.loss, f"must be one of {LOSSES}")
+    if self.eps_clip <= 0:
+      _fail("ppo.eps_clip", self.eps_clip, "must be > 0")
+    if self.eps_clip_higher is not None and self.eps_clip_higher <= 0:
+      _fail("ppo.eps_clip_higher", self.eps_clip_higher, "must be > 0")
+    if self.c_clip is not None and self.c_clip <= 1:
+      _fail("ppo.c_clip", self.c_clip, "must be > 1")
+    if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
+      _fail("ppo.behav_imp_weight_cap", self.behav_imp_weight_cap, "must be > 1")
+    if self.temperature <= 0:
+      _fail("ppo.temperature", self.temperature, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+  """Reward shaping, DAPO overlong penalty and group/batch normalisation."""
+  reward_bias: float = 0.0
+  reward_scale: float = 1.0
+  reward_clip: Optional[float] = None
+  overlong_cache_len: Optional[int] = None
+  overlong_factor: float = 1.0
+  zero_truncated: bool = False
+  mean_level: Optional[str] = "group"
+  std_level: Optional[str] = "group"
+  leave_one_out: bool = False
+
+  def __post_init__(self):
+    if self.reward_clip is not None and self.reward_clip <= 0:
+      _fail("advantage.reward_clip", self.reward_clip, "must be > 0")
+    if self.overlong_cache_len is not None and self.overlong_cache_len < 1:
+      _fail("advantage.overlong_cache_len", self.overlong_cache_len, "must be >= 1")
+    for name in ("mean_level", "std_level"):
+      if getattr(self, name) not in _LEVELS:
+        _fail(f"advantage.{name}", getattr(self, name), f"must be one of {_LEVELS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+  """Token-budget micro-batching; `row_buckets` empty means `default_row_buckets`."""
+  max_tokens_per_mb: int = 1024
+  row_buckets: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.max_tokens_per_mb < 1:
+      _fail("batching.max_tokens_per_mb", self.max_tokens_per_mb, "must be >= 1")
+    if any(b < 1 or b > self.max_tokens_per_mb for b in self.row_buckets):
+      _fail("batching.row_buckets", self.row_buckets,
+            "must lie in [1, batching.max_tokens_per_mb]")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh axis sizes; one axis may be -1 to take the remaining devices."""
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    if sum(v == -1 for v in sizes.values()) > 1:
+      _fail("mesh", sizes, "may have at most one axis of -1")
+    for name, v in sizes.items():
+      if v == 0 or v < -1:
+        _fail(f"mesh.{name}", v, "must be >= 1 or -1")
+
+  def axis_sizes(self, num_devices: int) -> dict[str, int]:
+    """Resolves -1 and checks that the axes multiply to `num_devices`."""
+    sizes = dataclasses.asdict(self)
+    known = 1
+    for v in sizes.values():
+      known *= v if v > 0 else 1
+    for name, v in sizes.items():
+      if v == -1:
+        if num_devices % known:
+          _fail(f"mesh.{name}", v, f"cannot fill {num_devices} devices with the other "
+                f"axes' product {known}")
+        sizes[name] = num_devices // known
+    product = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    if product != num_devices:
+      _fail("mesh (data*fsdp*tensor)", sizes, f"must multiply to the {num_devices} devices")
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+  """Sampling and generator-pool settings; `group_size` samples per prompt."""
+  max_prompt_len: int = 64
+  max_new_tokens: int = 128
+  group_size: int = 8
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  num_slots: int = 32
+  update_mode: str = "retract"
+
+  def __post_init__(self):
+    for name in ("max_prompt_len", "max_new_tokens", "group_size", "num_slots"):
+      if getattr(self, name) < 1:
+        _fail(f"generation.{name}", getattr(self, name), "must be >= 1")
+    if self.temperature < 0:
+      _fail("generation.temperature", self.temperature, "must be >= 0")
+    if self.top_k < 0:
+      _fail("generation.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+    if not 0 < self.top_p <= 1:
+      _fail("generation.top_p", self.top_p, "must lie in (0, 1]")
+    if self.update_mode not in UPDATE_MODES:
+      _fail("generation.update_mode", self.update_mode, f"must be one of {UPDATE_MODES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessConfig:
+  """η = `max_staleness` (None = unbounded); groups are counted in prompts."""
+  max_staleness: Optional[int] = 4
+  admit_stale: bool = False
+  max_concurrent: int = 64
+
+  def __post_init__(self):
+    if self.max_staleness is not None and self.max_staleness < 0:
+      _fail("staleness.max_staleness", self.max_staleness, "must be >= 0 or None")
+    if self.max_concurrent < 1:
+      _fail("staleness.max_concurrent", self.max_concurrent, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything one run needs; `batch_groups` is B, prompt groups per training batch."""
+  seed: int = 0
+  batch_groups: int = 8
+  num_steps: int = 100
+  model: ModelConfig = ModelConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  ppo: PPOConfig = PPOConfig()
+  advantage: AdvantageConfig = AdvantageConfig()
+  batching: BatchingConfig = BatchingConfig()
+  mesh: MeshConfig = MeshConfig()
+  generation: GenerationConfig = GenerationConfig()
+  staleness: StalenessConfig = StalenessConfig()
+
+  def __post_init__(self):
+    for name in ("batch_groups", "num_steps"):
+      if getattr(self, name) < 1:
+        _fail(name, getattr(self, name), "must be >= 1")
+    longest = self.generation.max_prompt_len + self.generation.max_new_tokens
+    if self.batching.max_tokens_per_mb < longest:
+      _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
+            f"must hold the longest allowed sequence (generation.max_prompt_len + "
+            f"generation.max_new_tokens = {longest})")
+    if longest > self.model.max_seq_len:
+      _fail("model.max_seq_len", self.model.max_seq_len,
+            f"must be >= generation.max_prompt_len + generation.max_new_tokens = {longest}")
+
+
+def from_config_dict(cd: Any) -> ExperimentConfig:
+  """Converts a ConfigDict (or nested mapping) to an `ExperimentConfig`, strictly."""
+  return _build(ExperimentConfig, _to_plain(cd), "")
+
+
+def _to_plain(x):
+  if hasattr(x, "to_dict"):
+    return x.to_dict()
+  return x
+
+
+def _build(cls, values, prefix):
+  if not isinstance(values, typing.Mapping):
+    raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; "
+                     f"known: {sorted(prefix + n for n in names)}")
+  kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in values.items()}
+  return cls(**kwargs)
+
+
+def _coerce(hint, value, path):
+  optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+  if optional:
+    if value is None:
+      return None
+    hint = next(a for a in typing.get_args(hint) if a is not type(None))
+  if dataclasses.is_dataclass(hint):
+    return _build(hint, _to_plain(value), path + ".")
+  if typing.get_origin(hint) is tuple:
+    if not isinstance(value, (list, tuple)):
+      raise ValueError(f"{path} must be a sequence, got {value!r}")
+    (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+    return tuple(_coerce(item, v, path) for v in value)
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if hint is int and isinstance(value, float) and value.is_integer():
+    return int(value)
+  if value is None or not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+    raise ValueError(f"{path} must be of type {hint.__name__}, got {value!r}")
+  return value
+
+
+def to_dict(cfg) -> dict:
+  """The resolved config as plain nested dicts (for logging and saving)."""
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,98 @@
+"""The device mesh and the one table of partition rules for params and batches.
+
+Axes: `data` (pure data parallelism: params replicated), `fsdp` (data parallelism with
+params and optimizer state sharded along their model-width dimension), `tensor`
+(heads, MLP width and vocabulary split across devices). Batches shard their row
+dimension over `data` x `fsdp`.
+"""
+
+import re
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from async_rl.config import MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# (regex on the "/"-joined param path, spec). Stacked layer params lead with L,
+# which is never sharded: `lax.scan` slices it. First match wins.
+PARAM_RULES: tuple[tuple[str, P], ...] = (
+    (r"^embed$", P("tensor", "fsdp")),
+    (r"^lm_head$", P("fsdp", "tensor")),
+    (r"layers/(q|k|v)$", P(None, "fsdp", "tensor", None)),
+    (r"layers/(q|k|v)_bias$", P(None, "tensor", None)),
+    (r"layers/o$", P(None, "tensor", None, "fsdp")),
+    (r"layers/(gate|up)$", P(None, "fsdp", "tensor")),
+    (r"layers/down$", P(None, "tensor", "fsdp")),
+    (r"norm$", P()),
+)
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A mesh over `devices` (default: all) with the config's axis sizes."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = cfg.axis_sizes(len(devices))
+  return Mesh(np.array(devices).reshape([sizes[a] for a in AXES]), AXES)
+
+
+def _fit(spec: P, shape, mesh: Mesh) -> P:
+  """Drops mesh axes from dims they do not divide (e.g. 2 kv heads on tensor=4)."""
+  out = []
+  for axis, dim in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape):
+    size = mesh.shape[axis] if axis else 1
+    out.append(axis if axis and dim % size == 0 else None)
+  return P(*out)
+
+
+def param_spec(path: str, shape, mesh: Mesh) -> P:
+  for pattern, spec in PARAM_RULES:
+    if re.search(pattern, path):
+      if len(spec) > len(shape):
+        raise ValueError(f"partition rule {pattern!r} has rank {len(spec)} but param "
+                         f"{path!r} has shape {shape}")
+      return _fit(spec, shape, mesh)
+  raise ValueError(f"no partition rule matches param {path!r}; add one to PARAM_RULES")
+
+
+def _path_str(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_shardings(abstract_params, mesh: Mesh):
+  """NamedShardings for a (possibly abstract) params tree, from `PARAM_RULES`."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, param_spec(_path_str(path), x.shape, mesh)),
+      abstract_params)
+
+
+def state_shardings(abstract_state, abstract_params, mesh: Mesh):
+  """Shards any sub-tree shaped like the params (optimizer moments) like the params.
+
+  Leaves of optimizer state that mirror a param have that param's path as a suffix
+  of their own; everything else (counts, scalars) is replicated.
+  """
+  by_path = {}
+  jax.tree_util.tree_map_with_path(
+      lambda path, x: by_path.setdefault(_path_str(path), x.shape), abstract_params)
+
+  def one(path, x):
+    p = _path_str(path)
+    for param_path, shape in by_path.items():
+      if p.endswith(param_path) and tuple(x.shape) == tuple(shape):
+        return NamedSharding(mesh, param_spec(param_path, x.shape, mesh))
+    return NamedSharding(mesh, P())
+
+  return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def batch_sharding(mesh: Mesh, leading_axes: int = 1) -> NamedSharding:
+  """Rows of a batch over data x fsdp; `leading_axes` unsharded dims come first."""
+  return NamedSharding(mesh, P(*([None] * leading_axes), BATCH_AXES))
+
+
+def num_batch_shards(mesh: Mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]

@@ -1,0 +1,165 @@
+"""The train step: micro-batched decoupled-PPO update over a device mesh.
+
+`train_step` and `recompute_logp` are pure functions of (state or params, batch);
+`jit_train_step` / `jit_recompute_logp` compile them with explicit shardings.
+A batch is a `PackedBatch` of M micro-batches of R rows: gradients are accumulated
+over M with `lax.scan`, each micro-batch's loss divided by the valid-token count of
+the whole batch, so the update equals the full-batch one. Micro-batches with no valid
+token (bucket padding) are skipped with `lax.cond`.
+"""
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from async_rl import policy, sharding
+from async_rl.batching import PackedBatch
+from async_rl.config import OptimizerConfig
+from async_rl.models import ModelConfig, init_params
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Params and optimizer state; `step` counts applied (finite) updates = version v."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping, with linear warmup then constant or cosine."""
+  if cfg.schedule == "cosine":
+    lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
+                                            cfg.warmup_steps + cfg.decay_steps)
+  else:
+    lr = optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
+         optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+
+
+def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
+                       params=None) -> TrainState:
+  """A sharded TrainState built in place: shapes first, then jit with out_shardings.
+
+  With `params` given (e.g. a warm start), they are resharded and used instead of a
+  random init.
+  """
+  def init(key, params):
+    params = init_params(model_cfg, key) if params is None else params
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params), tx=tx)
+
+  abstract = jax.eval_shape(init, key, params)
+  shardings = train_state_shardings(abstract, mesh)
+  return jax.jit(init, out_shardings=shardings)(key, params)
+
+
+def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
+  params_sh = sharding.param_shardings(abstract_state.params, mesh)
+  return abstract_state.replace(
+      step=NamedSharding(mesh, P()), params=params_sh,
+      opt_state=sharding.state_shardings(abstract_state.opt_state, abstract_state.params,
+                                         mesh))
+
+
+def _mb_loss(params, mb: PackedBatch, num_tokens, *, model_cfg, loss_fn, temperature):
+  logp, ent = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
+                                      mb.segment_ids, temperature=temperature)
+  return loss_fn(logp, mb.prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
+                 num_tokens=num_tokens, entropy=ent)
+
+
+def _combine(acc, new):
+  """Mean-type metrics are pre-divided by the global token count, so they add up."""
+  return {k: jnp.maximum(acc[k], new[k]) if k.endswith("_max") else acc[k] + new[k]
+          for k in acc}
+
+
+def train_step(state: TrainState, batch: PackedBatch, *, model_cfg: ModelConfig,
+               loss_fn: Callable, temperature: float = 1.0):
+  """One optimizer update on a [M, R, T] batch; returns (state, metrics).
+
+  A non-finite loss or gradient norm leaves params and optimizer state unchanged and
+  reports `skipped = 1`.
+  """
+  num_tokens = batch.loss_mask.sum()
+  grad_fn = jax.value_and_grad(
+      functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
+                        temperature=temperature), has_aux=True)
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+  first_mb = jax.tree.map(lambda x: x[0], batch)
+  _, metrics_shape = jax.eval_shape(grad_fn, state.params, first_mb, num_tokens)[0]
+  zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
+
+  def one(mb):
+    (loss, metrics), grads = grad_fn(state.params, mb, num_tokens)
+    return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+  def skip(mb):
+    return jnp.zeros((), jnp.float32), zero_metrics, zeros
+
+  def body(carry, mb):
+    loss_acc, metrics_acc, grads_acc = carry
+    loss, metrics, grads = jax.lax.cond(mb.loss_mask.sum() > 0, one, skip, mb)
+    return (loss_acc + loss, _combine(metrics_acc, metrics),
+            jax.tree.map(jnp.add, grads_acc, grads)), None
+
+  (loss, metrics, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zero_metrics, zeros), batch)
+  grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, state.params)
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  new_state = state.replace(step=state.step + ok.astype(jnp.int32),
+                            params=keep(params, state.params),
+                            opt_state=keep(opt_state, state.opt_state))
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=1 - ok.astype(jnp.int32))
+  return new_state, metrics
+
+
+def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,
+                   temperature: float = 1.0):
+  """Log-probs [M, R, T] of the batch's tokens under `params` (the proximal policy)."""
+  def one(mb):
+    logp, _ = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
+                                      mb.segment_ids, temperature=temperature)
+    return logp * mb.loss_mask
+
+  def body(_, mb):
+    return None, jax.lax.cond(mb.loss_mask.sum() > 0, one, lambda mb: jnp.zeros_like(
+        mb.loss_mask), mb)
+
+  return jax.lax.scan(body, None, batch)[1]
+
+
+def batch_shardings(mesh: Mesh) -> PackedBatch:
+  """Every [M, R, T] field sharded on R over data x fsdp."""
+  sh = sharding.batch_sharding(mesh, leading_axes=1)
+  return PackedBatch(**{f: sh for f in PackedBatch.__dataclass_fields__})
+
+
+def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelConfig,
+                   loss_fn: Callable, temperature: float = 1.0):
+  """`train_step` compiled over `mesh`; the input state is donated."""
+  fn = functools.partial(train_step, model_cfg=model_cfg, loss_fn=loss_fn,
+                         temperature=temperature)
+  return jax.jit(fn, in_shardings=(state_shardings, batch_shardings(mesh)),
+                 out_shardings=(state_shardings, NamedSharding(mesh, P())),
+                 donate_argnums=0)
+
+
+def jit_recompute_logp(mesh: Mesh, params_shardings, *, model_cfg: ModelConfig,
+                       temperature: float = 1.0):
+  fn = functools.partial(recompute_logp, model_cfg=model_cfg, temperature=temperature)
+  return jax.jit(fn, in_shardings=(params_shardings, batch_shardings(mesh)),
+                 out_shardings=sharding.batch_sharding(mesh, leading_axes=1))

@@ -1,0 +1,65 @@
+"""Typed config: strict conversion, validation messages that name the field."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from async_rl import config as config_lib
+from async_rl.config import ExperimentConfig, MeshConfig, from_config_dict
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.py"))
+
+
+def _load(path):
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_file_converts(path):
+  cfg = from_config_dict(_load(path))
+  assert isinstance(cfg, ExperimentConfig)
+  assert config_lib.to_dict(cfg)["model"]["vocab_size"] == cfg.model.vocab_size
+
+
+def test_conversion_types_and_defaults():
+  cfg = from_config_dict({"ppo": {"eps_clip": 1, "c_clip": None}, "batching": {
+      "max_tokens_per_mb": 512, "row_buckets": [128, 512]}})
+  assert cfg.ppo.eps_clip == 1.0 and isinstance(cfg.ppo.eps_clip, float)
+  assert cfg.batching.row_buckets == (128, 512)
+  assert cfg.generation == config_lib.GenerationConfig()
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"ppo": {"eps": 0.2}}, "ppo.eps"),
+    ({"bogus": 1}, "bogus"),
+    ({"ppo": {"eps_clip": -0.1}}, "ppo.eps_clip"),
+    ({"ppo": {"c_clip": 0.5}}, "ppo.c_clip"),
+    ({"ppo": {"loss": "ppo2"}}, "ppo.loss"),
+    ({"staleness": {"max_staleness": -1}}, "staleness.max_staleness"),
+    ({"batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
+    ({"generation": {"top_p": 0.0}}, "generation.top_p"),
+    ({"generation": {"update_mode": "swap"}}, "generation.update_mode"),
+    ({"advantage": {"std_level": "prompt"}}, "advantage.std_level"),
+    ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads"),
+    ({"model": {"max_seq_len": 100}}, "model.max_seq_len"),
+    ({"optimizer": {"learning_rate": "fast"}}, "optimizer.learning_rate"),
+    ({"num_steps": True}, "num_steps"),
+])
+def test_invalid_values_name_the_field(values, field):
+  with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    from_config_dict(values)
+
+
+def test_mesh_axes_must_multiply_to_device_count():
+  assert MeshConfig(data=2, fsdp=-1, tensor=2).axis_sizes(8) == {"data": 2, "fsdp": 2,
+                                                                 "tensor": 2}
+  with pytest.raises(ValueError, match="mesh"):
+    MeshConfig(data=3, fsdp=1, tensor=1).axis_sizes(8)
+  with pytest.raises(ValueError, match="mesh.fsdp"):
+    MeshConfig(data=3, fsdp=-1, tensor=1).axis_sizes(8)
+  with pytest.raises(ValueError, match="at most one axis"):
+    MeshConfig(data=-1, fsdp=-1)

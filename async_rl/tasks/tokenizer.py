@@ -1,0 +1,75 @@
+"""A character-level tokenizer over a fixed vocabulary; nothing to download.
+
+Ids 0, 1 and 2 are PAD, BOS and EOS; the rest are one character each: digits,
+`+ - * = ( ) #`, space and newline. Its `vocab_size` (22) fits any model whose
+vocabulary is at least that large; a model with a larger vocabulary can still emit
+ids the tokenizer does not know, which `decode(..., strict=False)` renders as U+FFFD
+so that a verifier scores them as wrong instead of crashing.
+"""
+
+from collections.abc import Iterable
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHARS = "0123456789+-*=()# \n"
+REPLACEMENT = "\ufffd"
+
+
+class CharTokenizer:
+  """Maps text to ids one character at a time; the vocabulary is fixed."""
+
+  def __init__(self):
+    self._id_to_token = (PAD, BOS, EOS) + tuple(CHARS)
+    self._char_to_id = {c: i for i, c in enumerate(self._id_to_token) if len(c) == 1}
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self._id_to_token)
+
+  @property
+  def pad_id(self) -> int:
+    return 0
+
+  @property
+  def bos_id(self) -> int:
+    return 1
+
+  @property
+  def eos_id(self) -> int:
+    return 2
+
+  def encode(self, text: str) -> list[int]:
+    """The ids of `text`, one per character, without BOS or EOS.
+
+    Raises:
+      ValueError: naming the first character outside the vocabulary and its position.
+    """
+    ids = []
+    for position, char in enumerate(text):
+      token = self._char_to_id.get(char)
+      if token is None:
+        raise ValueError(f"character {char!r} at position {position} of {text!r} is not "
+                         f"in the vocabulary {CHARS!r}")
+      ids.append(token)
+    return ids
+
+  def decode(self, ids: Iterable[int], *, strict: bool = True) -> str:
+    """The text of `ids` up to (not including) the first EOS; PAD and BOS are dropped.
+
+    Args:
+      ids: token ids (Python or NumPy integers).
+      strict: if true, an id outside [0, vocab_size) raises ValueError naming it and
+        its position; if false, it becomes U+FFFD (for decoding model samples).
+    """
+    chars = []
+    for position, token in enumerate(ids):
+      token = int(token)
+      if token == self.eos_id:
+        break
+      if not 0 <= token < self.vocab_size:
+        if strict:
+          raise ValueError(f"token id {token} at position {position} is outside the "
+                           f"vocabulary [0, {self.vocab_size})")
+        chars.append(REPLACEMENT)
+      elif token not in (self.pad_id, self.bos_id):
+        chars.append(self._id_to_token[token])
+    return "".join(chars)

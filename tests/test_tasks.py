@@ -1,0 +1,215 @@
+"""Arithmetic tasks: tokenizer, verifier, length distribution, splits, resumable stream."""
+
+import itertools
+import json
+import re
+
+import numpy as np
+import pytest
+
+from async_rl.tasks import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, CharTokenizer,
+                            TaskConfig, TrainStream, extract_answer, heldout_set,
+                            is_heldout, length_stats, make_problem, verify)
+from async_rl.tasks.arithmetic import Problem
+from async_rl.tasks.tokenizer import CHARS
+
+TOK = CharTokenizer()
+
+
+def _problems(cfg, n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [make_problem(rng, cfg) for _ in range(n)]
+
+
+def test_tokenizer_ids_and_round_trip():
+  assert (TOK.pad_id, TOK.bos_id, TOK.eos_id) == (0, 1, 2)
+  assert TOK.vocab_size == 3 + len(CHARS) <= 64
+  assert TOK.decode(TOK.encode(CHARS)) == CHARS
+  text = "7+12-(5*3)=\n#17 "
+  ids = TOK.encode(text)
+  assert len(ids) == len(text) and all(3 <= i < TOK.vocab_size for i in ids)
+  assert TOK.decode(ids) == text
+
+
+def test_tokenizer_decode_drops_specials_and_stops_at_eos():
+  ids = [TOK.bos_id, *TOK.encode("3+4"), TOK.pad_id, *TOK.encode("=7"), TOK.eos_id,
+         *TOK.encode("#9")]
+  assert TOK.decode(ids) == "3+4=7"
+  assert TOK.decode(np.asarray(ids, np.int32)) == "3+4=7"
+
+
+def test_tokenizer_errors_name_the_culprit():
+  with pytest.raises(ValueError, match=r"'x' at position 2"):
+    TOK.encode("1+x=")
+  with pytest.raises(ValueError, match=r"token id 40 at position 1"):
+    TOK.decode([3, 40, 4])
+  with pytest.raises(ValueError, match=r"token id -1 at position 0"):
+    TOK.decode([-1])
+  assert TOK.decode([3, 40, TOK.eos_id, 50], strict=False) == "0\ufffd"
+
+
+P = Problem(prompt="7+2-5+3=", answer="7", num_terms=4,
+            solution="7+2=9\n9-5=4\n4+3=7\n#7")
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("7+2=9\n9-5=4\n4+3=7\n#7", "7", 1.0),
+    ("#7", "7", 1.0),
+    ("wrong scratchpad\n#7\ntrailing", "7", 1.0),
+    ("#3\n#7", "7", 1.0),
+    ("#7\n#3", "3", 0.0),
+    ("7+2=9\n9-5=4\n4+3=8\n#8", "8", 0.0),
+    ("#07", "07", 0.0),
+    ("# 7", " 7", 0.0),
+    ("#7 ", "7 ", 0.0),
+    ("#-7", "-7", 0.0),
+    ("#77", "77", 0.0),
+    ("7+2=9\n9-5=4\n4+3=7\n", None, 0.0),
+    ("7+2=9\n#", None, 0.0),
+    ("#\n7", None, 0.0),
+    ("", None, 0.0),
+])
+def test_extract_and_verify(completion, answer, reward):
+  assert extract_answer(completion) == answer
+  assert verify(completion, P) == reward
+
+
+def test_verify_decoded_sample_ignores_tokens_after_eos():
+  ids = TOK.encode(P.solution) + [TOK.eos_id] + TOK.encode("9")
+  assert verify(TOK.decode(ids), P) == 1.0
+  ids = TOK.encode(P.solution) + TOK.encode("9") + [TOK.eos_id]
+  assert verify(TOK.decode(ids), P) == 0.0
+
+
+@pytest.mark.parametrize("cfg", [TaskConfig(), TaskConfig(max_operand=20, max_value=40),
+                                 TaskConfig(min_terms=3, max_terms=12, tail_exponent=0.0)])
+def test_reference_solutions_are_correct_and_verify(cfg):
+  for problem in _problems(cfg, 2000):
+    assert verify(problem.solution, problem) == 1.0
+    chain = problem.prompt[:-1]
+    # Python's + and - are left-associative with equal precedence, as the task's are.
+    assert str(eval(chain)) == problem.answer
+    terms = re.findall(r"[+-]?\d+", chain)
+    lines = problem.solution.split("\n")
+    assert len(terms) == len(lines) == problem.num_terms
+    assert lines[-1] == "#" + problem.answer
+    value = terms[0]
+    for term, line in zip(terms[1:], lines[:-1]):
+      left, right = line.split("=")
+      assert left == value + term and str(eval(left)) == right
+      assert 0 <= int(right) <= cfg.max_value
+      value = right
+
+
+def test_term_counts_follow_the_power_law():
+  cfg = TaskConfig()
+  probs = cfg.term_probs()
+  assert probs.shape == (cfg.max_terms - cfg.min_terms + 1,)
+  assert np.isclose(probs.sum(), 1.0) and np.all(np.diff(probs) < 0)
+  n = 20_000
+  counts = np.bincount([p.num_terms - cfg.min_terms for p in _problems(cfg, n)],
+                       minlength=len(probs))
+  assert np.all(np.abs(counts / n - probs) < 5 * np.sqrt(probs * (1 - probs) / n))
+  assert np.allclose(TaskConfig(tail_exponent=0.0).term_probs(), 1 / len(probs))
+
+
+def test_solution_lengths_are_long_tailed_and_controllable():
+  heavy = length_stats(TaskConfig(), 5000)["solution_tokens"]
+  light = length_stats(TaskConfig(tail_exponent=3.0), 5000)["solution_tokens"]
+  assert heavy["p99"] / heavy["median"] > 3
+  assert heavy["max"] >= TaskConfig().max_solution_tokens - 4
+  assert light["p99"] / light["median"] < heavy["p99"] / heavy["median"]
+  assert light["mean"] < heavy["mean"]
+
+
+def test_default_config_fits_the_token_budgets():
+  cfg = TaskConfig()
+  assert cfg.max_prompt_tokens <= MAX_PROMPT_TOKENS
+  assert cfg.max_solution_tokens <= MAX_SOLUTION_TOKENS
+  for prompt in itertools.islice(TrainStream(cfg), 5000):
+    assert len(prompt.tokens) <= cfg.max_prompt_tokens
+    assert len(prompt.target) <= cfg.max_solution_tokens
+    assert max(prompt.tokens + prompt.target) < TOK.vocab_size <= 64
+
+
+@pytest.mark.parametrize("cfg", [TaskConfig(min_terms=8, max_terms=8),
+                                 TaskConfig(min_terms=3, max_terms=3, max_operand=20,
+                                            max_value=40),
+                                 TaskConfig(min_terms=2, max_terms=2)])
+def test_length_bounds_are_tight(cfg):
+  problems = _problems(cfg, 3000)
+  prompt_lengths = [len(p.prompt) + 1 for p in problems]
+  solution_lengths = [len(p.solution) + 1 for p in problems]
+  assert max(prompt_lengths) == cfg.max_prompt_tokens
+  assert max(solution_lengths) == cfg.max_solution_tokens
+
+
+def test_prompt_records_tokenize_the_problem():
+  for prompt in itertools.islice(TrainStream(TaskConfig()), 200):
+    assert prompt.tokens[0] == TOK.bos_id and prompt.target[-1] == TOK.eos_id
+    assert TOK.decode(prompt.tokens) == prompt.problem.prompt
+    assert TOK.decode(prompt.target) == prompt.problem.solution
+
+
+def test_train_and_heldout_never_overlap():
+  cfg = TaskConfig()
+  train = {p.problem.prompt for p in itertools.islice(TrainStream(cfg), 20_000)}
+  for seed in (1, 2):
+    train |= {p.problem.prompt
+              for p in itertools.islice(TrainStream(TaskConfig(seed=seed)), 5000)}
+  heldout = {p.problem.prompt for p in heldout_set(cfg, 3000)}
+  assert not train & heldout
+  assert all(is_heldout(p, cfg.heldout_fraction) for p in heldout)
+  assert not any(is_heldout(p, cfg.heldout_fraction) for p in train)
+  # The hash spreads prompts evenly: about heldout_fraction of distinct prompts.
+  both = train | heldout
+  share = np.mean([is_heldout(p, cfg.heldout_fraction) for p in both])
+  assert abs(share - cfg.heldout_fraction) < 5 * np.sqrt(0.1 * 0.9 / len(both))
+  two_term_heldout = {p for p in heldout if p.count("+") + p.count("-") == 1}
+  assert two_term_heldout and not two_term_heldout & train
+
+
+def test_same_seed_same_data():
+  first = list(itertools.islice(TrainStream(TaskConfig(seed=3)), 300))
+  again = list(itertools.islice(TrainStream(TaskConfig(seed=3)), 300))
+  other = list(itertools.islice(TrainStream(TaskConfig(seed=4)), 300))
+  assert first == again
+  assert [p.problem for p in first] != [p.problem for p in other]
+  assert len({p.id for p in first + other}) == 600
+  assert heldout_set(TaskConfig(seed=3), 100) == heldout_set(TaskConfig(seed=4), 100)
+
+
+def test_stream_resumes_exactly():
+  cfg = TaskConfig(seed=5)
+  stream = TrainStream(cfg)
+  reference = list(itertools.islice(TrainStream(cfg), 120))
+  head = list(itertools.islice(stream, 37))
+  state = json.loads(json.dumps(stream.state()))
+  assert state == {"seed": 5, "index": 37}
+  tail = list(itertools.islice(TrainStream.resume(cfg, state), 83))
+  assert head + tail == reference
+  assert list(itertools.islice(stream, 83)) == tail
+
+
+def test_stream_resume_rejects_a_mismatched_state():
+  with pytest.raises(ValueError, match="seed 1 does not match task.seed 0"):
+    TrainStream.resume(TaskConfig(), {"seed": 1, "index": 0})
+  with pytest.raises(ValueError, match="keys"):
+    TrainStream.resume(TaskConfig(), {"index": 0})
+  with pytest.raises(ValueError, match="index"):
+    TrainStream(TaskConfig(), index=-1)
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"min_terms": 1}, "task.min_terms"),
+    ({"max_terms": 1}, "task.max_terms"),
+    ({"tail_exponent": -0.5}, "task.tail_exponent"),
+    ({"max_operand": 0}, "task.max_operand"),
+    ({"max_value": 17}, "task.max_value"),
+    ({"heldout_fraction": 0.0}, "task.heldout_fraction"),
+    ({"heldout_fraction": 1.0}, "task.heldout_fraction"),
+    ({"seed": -1}, "task.seed"),
+])
+def test_invalid_config_names_the_field(values, field):
+  with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    TaskConfig(**values)

@@ -1,0 +1,42 @@
+"""Reward functions by name: each is `fn(completion, reference) -> float`.
+
+`completion` is the generated text (or token ids, for a function that wants them)
+and `reference` whatever the task checks it against. Functions run in the reward
+workers, which look them up by name, so a name must resolve the same way there:
+a key of `REWARD_FNS`, or "module:function" naming a top-level function that the
+workers (which share the caller's sys.path) can import.
+"""
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from async_rl.rewards.code_tests import code_tests_all_reward, code_tests_reward
+from async_rl.rewards.math_answer import math_answer_reward
+
+RewardFn = Callable[[str | Sequence[int], Any], float]
+
+REWARD_FNS: dict[str, RewardFn] = {
+    "code_tests": code_tests_reward,
+    "code_tests_all": code_tests_all_reward,
+    "math": math_answer_reward,
+}
+
+
+def resolve_reward_fn(name: str) -> RewardFn:
+  """The reward function called `name`; raises ValueError for an unknown one."""
+  if name in REWARD_FNS:
+    return REWARD_FNS[name]
+  module_name, sep, attr = name.partition(":")
+  if not (sep and module_name and attr):
+    raise ValueError(f"unknown reward function {name!r}: use one of "
+                     f"{sorted(REWARD_FNS)} or 'module:function'")
+  try:
+    fn = importlib.import_module(module_name)
+    for part in attr.split("."):
+      fn = getattr(fn, part)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"cannot load reward function {name!r}: {e}") from e
+  if not callable(fn):
+    raise ValueError(f"reward function {name!r} is not callable")
+  return fn

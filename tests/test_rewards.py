@@ -1,0 +1,258 @@
+"""RewardService (timeouts, crashes, worker replacement, threads) and the sandbox."""
+
+import json
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from async_rl.rewards import code_tests
+from async_rl.rewards import (REWARD_FNS, RewardService, RewardTask, code_tests_all_reward,
+                              code_tests_reward, isolation, math_answer_reward,
+                              resolve_reward_fn, run_sandboxed)
+
+H = "reward_fns_for_tests:"  # Top-level functions the workers import by name.
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def service():
+  with RewardService(num_workers=2, timeout_s=20.0) as svc:
+    yield svc
+
+
+def _task(fn, reference=None, completion="x"):
+  return RewardTask(fn=H + fn, completion=completion, reference=reference)
+
+
+def _delta(svc, before):
+  return {k: v - before[k] for k, v in svc.metrics().items() if k != "mean_latency_s"}
+
+
+def test_correct_fn_returns_its_value(service):
+  before = service.metrics()
+  assert service.score_batch([_task("echo", 0.25), _task("length", completion="abc"),
+                              _task("echo", 1)]) == [0.25, 3.0, 1.0]
+  assert _delta(service, before) == dict(calls=3, errors=0, timeouts=0,
+                                         worker_restarts=0)
+  assert service.metrics()["mean_latency_s"] > 0
+
+
+@pytest.mark.parametrize("value", ["1.0", None, float("nan"), float("inf")])
+def test_bad_return_value_scores_zero_and_counts_an_error(service, value):
+  before = service.metrics()
+  assert service.submit(_task("echo", value)).result() == 0.0
+  assert _delta(service, before)["errors"] == 1
+
+
+def test_raising_fn_scores_zero_and_counts_an_error(service):
+  before = service.metrics()
+  assert service.score_batch([_task("raises"), _task("echo", 0.5)]) == [0.0, 0.5]
+  assert _delta(service, before) == dict(calls=2, errors=1, timeouts=0,
+                                         worker_restarts=0)
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def test_hanging_fn_is_killed_and_its_worker_replaced():
+  with RewardService(num_workers=1, timeout_s=TIMEOUT_S) as svc:
+    pid = svc.submit(_task("worker_pid")).result()
+    start = time.monotonic()
+    assert svc.submit(_task("hangs")).result() == 0.0
+    assert time.monotonic() - start < TIMEOUT_S + 2.0
+    assert not _alive(int(pid))
+    new_pid = svc.submit(_task("worker_pid")).result()
+    assert new_pid != pid
+    assert svc.metrics()["timeouts"] == 1
+    assert svc.metrics()["worker_restarts"] == 1
+    assert svc.metrics()["errors"] == 0
+
+
+@pytest.mark.parametrize("fn", ["exits", "segfaults"])
+def test_dying_worker_scores_zero_and_is_replaced(fn):
+  with RewardService(num_workers=1, timeout_s=TIMEOUT_S) as svc:
+    pid = svc.submit(_task("worker_pid")).result()
+    start = time.monotonic()
+    assert svc.submit(_task(fn)).result() == 0.0
+    assert time.monotonic() - start < TIMEOUT_S
+    assert svc.submit(_task("worker_pid")).result() not in (pid, 0.0)
+    m = svc.metrics()
+    assert (m["errors"], m["timeouts"], m["worker_restarts"]) == (1, 0, 1)
+
+
+def test_concurrent_submissions_from_threads(service):
+  """Random mixes of good and raising calls from 6 threads: none lost or mixed up."""
+  before = service.metrics()
+  results, expected = {}, {}
+
+  def client(t):
+    rng = random.Random(t)
+    tasks = []
+    for i in range(15):
+      good = rng.random() < 0.8
+      expected[t, i] = float(100 * t + i) if good else 0.0
+      tasks.append(_task("echo", 100 * t + i) if good else _task("raises"))
+    futures = [service.submit(task) for task in tasks]
+    for i, f in enumerate(futures):
+      results[t, i] = f.result(timeout=30)
+
+  threads = [threading.Thread(target=client, args=(t,)) for t in range(6)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert results == expected
+  delta = _delta(service, before)
+  assert delta["calls"] == 90
+  assert delta["errors"] == sum(v == 0.0 for v in expected.values())
+
+
+def test_unknown_reward_fn_is_a_value_error(service):
+  with pytest.raises(ValueError, match="code_tests"):
+    service.submit(RewardTask(fn="no_such_reward", completion="", reference=None))
+  with pytest.raises(ValueError, match="cannot load"):
+    resolve_reward_fn(H + "no_such_fn")
+  with pytest.raises(ValueError, match="cannot load"):
+    resolve_reward_fn("no_such_module_xyz:fn")
+  assert resolve_reward_fn("math") is REWARD_FNS["math"]
+
+
+def test_closed_service_cancels_queued_calls_and_refuses_new_ones():
+  svc = RewardService(num_workers=1, timeout_s=TIMEOUT_S)
+  running = svc.submit(_task("hangs"))
+  queued = svc.submit(_task("echo", 1.0))
+  while not running.running():
+    time.sleep(0.01)
+  svc.close()
+  assert running.result() == 0.0
+  assert queued.cancelled()
+  with pytest.raises(RuntimeError, match="closed"):
+    svc.submit(_task("echo", 1.0))
+
+
+def test_sandbox_runs_code_on_stdin():
+  result = run_sandboxed("print(input()[::-1])", "hello", timeout_s=5)
+  assert (result.stdout, result.returncode, result.timed_out) == ("olleh\n", 0, False)
+  result = run_sandboxed("import sys; sys.exit('boom')", timeout_s=5)
+  assert result.returncode == 1 and "boom" in result.stderr
+
+
+def test_sandbox_isolates_the_environment():
+  os.environ["ASYNC_RL_SECRET"] = "x"
+  try:
+    result = run_sandboxed("import os, sys; print(sorted(os.environ), sys.flags.isolated)")
+  finally:
+    del os.environ["ASYNC_RL_SECRET"]
+  names, isolated = result.stdout.rsplit(" ", 1)
+  assert "ASYNC_RL_SECRET" not in names and "PATH" in names
+  assert isolated.strip() == "1"
+
+
+def test_sandbox_times_out_an_infinite_loop():
+  start = time.monotonic()
+  result = run_sandboxed("while True: pass", timeout_s=1.0)
+  assert result.timed_out and result.returncode != 0
+  assert time.monotonic() - start < 3.0
+
+
+def test_sandbox_memory_limit_stops_a_huge_allocation():
+  result = run_sandboxed("x = bytearray(4 << 30); print('allocated')", memory_mb=256)
+  assert result.returncode != 0 and "MemoryError" in result.stderr
+  assert "allocated" not in result.stdout
+
+
+def test_sandbox_works_in_a_temporary_directory_that_is_removed():
+  code = ("import os; open('f.txt', 'w').write('data'); "
+          "print(os.getcwd()); print(open('f.txt').read())")
+  result = run_sandboxed(code)
+  workdir, data = result.stdout.split()
+  assert data == "data" and os.path.basename(workdir).startswith("async_rl_sandbox_")
+  assert not os.path.exists(workdir)
+
+
+def test_sandbox_cannot_write_outside(tmp_path):
+  if isolation().user is None:
+    pytest.skip("the sandbox runs as the calling user, who may write here")
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  tmp_path.chmod(0o755)
+  result = run_sandboxed(f"open({str(outside / 'f')!r}, 'w').write('x')")
+  assert "PermissionError" in result.stderr
+  assert not (outside / "f").exists()
+
+
+def test_sandbox_limits_processes():
+  if not isolation().process_limit_enforced:
+    pytest.skip("RLIMIT_NPROC is not enforced for root")
+  code = """
+import os, time
+started = 0
+for _ in range(30):
+  try:
+    pid = os.fork()
+  except OSError:
+    break
+  if pid == 0:
+    time.sleep(2)
+    os._exit(0)
+  started += 1
+print(started)
+"""
+  result = run_sandboxed(code, max_processes=4, timeout_s=5)
+  assert int(result.stdout) < 4
+
+
+def test_sandbox_has_no_network():
+  if not isolation().namespaces:
+    pytest.skip("cannot create a network namespace here")
+  code = """
+import socket
+print([name for _, name in socket.if_nameindex()])
+try:
+  socket.create_connection(("1.1.1.1", 80), timeout=2)
+  print("connected")
+except OSError as e:
+  print(type(e).__name__)
+"""
+  interfaces, outcome = run_sandboxed(code).stdout.splitlines()
+  assert interfaces == "['lo']"
+  assert outcome != "connected"
+
+
+TESTS = [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"},
+         {"input": "1 1\n", "output": "2\n"}]
+
+
+def test_code_tests_reward(monkeypatch):
+  monkeypatch.setattr(code_tests, "CASE_TIMEOUT_S", 0.5)
+  right = "Here:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\n"
+  wrong_on_one = "a, b = map(int, input().split())\nprint(a + b if a < 9 else 0)"
+  assert code_tests_reward(right, TESTS) == 1.0
+  assert code_tests_reward(wrong_on_one, json.dumps(TESTS)) == pytest.approx(2 / 3)
+  assert code_tests_all_reward(right, TESTS) == 1.0
+  assert code_tests_all_reward(wrong_on_one, TESTS) == 0.0
+  assert code_tests_reward("while True: pass", TESTS[:1]) == 0.0
+  with pytest.raises(ValueError, match="test case 0"):
+    code_tests_reward(right, [{"input": "1"}])
+
+
+def test_code_tests_through_the_service(service):
+  right = "a, b = map(int, input().split())\nprint(a + b)"
+  tasks = [RewardTask("code_tests", right, TESTS), RewardTask("code_tests", "x", TESTS),
+           RewardTask("code_tests", right, "not json")]
+  assert service.score_batch(tasks) == [1.0, 0.0, 0.0]
+
+
+def test_math_answer_reward():
+  pytest.importorskip("math_verify")
+  assert math_answer_reward(r"so the answer is $\boxed{\frac{1}{2}}$", "0.5") == 1.0
+  assert math_answer_reward(r"$\boxed{3}$", r"\frac{6}{2}") == 1.0
+  assert math_answer_reward(r"$\boxed{4}$", "5") == 0.0

@@ -10,7 +10,7 @@ import pytest
 
 from async_rl.rewards import code_tests
 from async_rl.rewards import (REWARD_FNS, RewardService, RewardTask, code_tests_all_reward,
-                              code_tests_reward, isolation, math_answer_reward,
+                              code_tests_reward, isolation,
                               resolve_reward_fn, run_sandboxed)
 
 H = "reward_fns_for_tests:"  # Top-level functions the workers import by name.
@@ -250,9 +250,3 @@ def test_code_tests_through_the_service(service):
            RewardTask("code_tests", right, "not json")]
   assert service.score_batch(tasks) == [1.0, 0.0, 0.0]
 
-
-def test_math_answer_reward():
-  pytest.importorskip("math_verify")
-  assert math_answer_reward(r"so the answer is $\boxed{\frac{1}{2}}$", "0.5") == 1.0
-  assert math_answer_reward(r"$\boxed{3}$", r"\frac{6}{2}") == 1.0
-  assert math_answer_reward(r"$\boxed{4}$", "5") == 0.0

@@ -1,7 +1,6 @@
 """Rewards: reward functions by name, run in worker processes under a hard timeout."""
 
 from async_rl.rewards.code_tests import code_tests_all_reward, code_tests_reward
-from async_rl.rewards.math_answer import math_answer_reward
 from async_rl.rewards.registry import REWARD_FNS, RewardFn, resolve_reward_fn
 from async_rl.rewards.sandbox import Isolation, SandboxResult, isolation, run_sandboxed
 from async_rl.rewards.service import RewardService, RewardTask
@@ -16,7 +15,6 @@ __all__ = [
     "code_tests_all_reward",
     "code_tests_reward",
     "isolation",
-    "math_answer_reward",
     "resolve_reward_fn",
     "run_sandboxed",
 ]

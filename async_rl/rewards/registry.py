@@ -12,14 +12,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from async_rl.rewards.code_tests import code_tests_all_reward, code_tests_reward
-from async_rl.rewards.math_answer import math_answer_reward
+from async_rl.tasks.arithmetic import verify as arithmetic_reward
+from async_rl.tasks.math_data import math_reward
 
 RewardFn = Callable[[str | Sequence[int], Any], float]
 
 REWARD_FNS: dict[str, RewardFn] = {
+    "arithmetic": arithmetic_reward,
     "code_tests": code_tests_reward,
     "code_tests_all": code_tests_all_reward,
-    "math": math_answer_reward,
+    "math": math_reward,
 }
 
 

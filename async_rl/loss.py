@@ -126,7 +126,7 @@ LOSSES = {"decoupled_ppo": decoupled_ppo_loss, "naive_ppo": naive_ppo_loss}
 
 
 def make_loss(name, **hparams):
-  """Returns the loss registered as `name` with its hyper-parameters bound_BT.
+  """Returns the loss registered as `name` with its hyper-parameters bound.
 
   Args:
     name: a key of `LOSSES`.

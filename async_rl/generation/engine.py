@@ -1,0 +1,244 @@
+"""A generation engine with JetStream's `Engine` interface over the model's KV cache.
+
+The method and argument names follow `jetstream.engine.engine_api.Engine`
+(`prefill(*, params, padded_tokens, true_length)`, `insert(prefix, decode_state,
+slot)`, `generate(params, decode_state)`, `init_decode_state`, `load_params`,
+`max_concurrent_decodes`, `max_prefill_length`, `samples_per_slot`, `mesh`), so an
+adapter can present it as a real JetStream engine. Differences are deliberate:
+sampling parameters, seed included, travel with each request (`prefill(...,
+sampling=)`) and live in the decode state as per-slot arrays, instead of a `sampler`
+callable and an `rng` argument; results carry log-probs (`ResultTokens` here is
+ours, not JetStream's packed array); `resample` draws another sample of a prefilled
+prompt without recomputing it. `existing_prefix` (prefix caching) is not supported.
+
+Compilation is bounded: prefill and insert compile once per length bucket (powers
+of two from 16, then `max_target_length`), generate and resample once. The slot
+index of `insert` is traced, so filling different slots never recompiles.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from async_rl import models
+from async_rl.generation import sampling as sampling_lib
+from async_rl.generation.sampling import SlotSampling
+
+_MIN_BUCKET = 16
+
+
+@struct.dataclass
+class Prefix:
+  """A prefilled prompt, ready to be inserted into a slot.
+
+  `cache` holds k and v of shape [L, 1, P, K, E] for the padded prompt; `logits_V`
+  are the logits after the last real token (kept so more samples of the same
+  prompt can be drawn with `resample` without recomputing the prompt); `token` and
+  `logp` are the first generated token, which sits at position `length`.
+  """
+  cache: dict
+  logits_V: jax.Array
+  length: jax.Array
+  token: jax.Array
+  logp: jax.Array
+  sampling: SlotSampling
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything one decode step transforms, for all S slots.
+
+  `tokens_S` is each slot's last generated token, not yet fed to the model;
+  `positions_S` its sequence position. The cache holds k and v of shape
+  [L, S, T, K, E]. An idle slot sits at position T, where decoding writes nothing.
+  """
+  cache: dict
+  tokens_S: jax.Array
+  positions_S: jax.Array
+  sampling_S: SlotSampling
+
+
+@struct.dataclass
+class ResultTokens:
+  """Tokens emitted by one prefill (S = 1) or one decode step, with their log-probs
+  and the sequence positions they occupy."""
+  tokens_S: jax.Array
+  logp_S: jax.Array
+  positions_S: jax.Array
+
+
+def _first_token(logits_V, length, sampling):
+  """Draws the token at position `length`; returns the Prefix fields it sets and the
+  result. `sampling` is passed through so the Prefix holds device arrays either way."""
+  sampling_1 = jax.tree.map(lambda x: x[None], sampling)
+  tokens_1, logp_1 = sampling_lib.sample(logits_V[None], sampling_1, length[None])
+  fields = dict(token=tokens_1[0], logp=logp_1[0], sampling=sampling)
+  return fields, ResultTokens(tokens_1, logp_1, length[None])
+
+
+def _prefill(params, tokens_P, length, sampling, *, cfg):
+  logits_1PV, cache = models.prefill(params, cfg, tokens_P[None], length[None])
+  logits_V = jax.lax.dynamic_index_in_dim(logits_1PV[0], length - 1, keepdims=False)
+  fields, result = _first_token(logits_V, length, sampling)
+  return Prefix(cache=cache, logits_V=logits_V, length=length, **fields), result
+
+
+def _insert(prefix, state, slot):
+  cache = jax.tree.map(
+      lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, slot, 0, 0, 0)),
+      state.cache, prefix.cache)
+  sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, prefix.sampling)
+  return DecodeState(cache=cache, tokens_S=state.tokens_S.at[slot].set(prefix.token),
+                     positions_S=state.positions_S.at[slot].set(prefix.length),
+                     sampling_S=sampling_S)
+
+
+def _generate(params, state, *, cfg):
+  logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, state.positions_S)
+  # Idle slots stay parked at position T (past the cache end) instead of counting up.
+  positions_S = jnp.minimum(state.positions_S + 1, state.cache["k"].shape[2])
+  tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
+  new_state = DecodeState(cache=cache, tokens_S=tokens_S, positions_S=positions_S,
+                          sampling_S=state.sampling_S)
+  return new_state, ResultTokens(tokens_S, logp_S, positions_S)
+
+
+def _init_decode_state(*, cfg, num_slots, max_len):
+  return DecodeState(cache=models.init_cache(cfg, num_slots, max_len),
+                     tokens_S=jnp.zeros(num_slots, jnp.int32),
+                     positions_S=jnp.full(num_slots, max_len, jnp.int32),
+                     sampling_S=jax.tree.map(jnp.asarray, SlotSampling.zeros(num_slots)))
+
+
+def prefill_buckets(max_length: int) -> tuple[int, ...]:
+  """Padded prefill lengths: powers of two from 16 below `max_length`, then `max_length`."""
+  buckets, b = [], _MIN_BUCKET
+  while b < max_length:
+    buckets.append(b)
+    b *= 2
+  return tuple(buckets) + (max_length,)
+
+
+class Engine:
+  """Prefill, insert and batched decode of one model over S KV-cache slots.
+
+  Args:
+    cfg: the model config.
+    max_concurrent_decodes: S, the number of slots.
+    max_prefill_length: longest prompt accepted from users.
+    max_target_length: T, the cache length: prompt plus completion never exceed it.
+      Re-prefilling a sequence (retract) may use prefill lengths up to T.
+    mesh: devices of this engine; defaults to the first local device.
+    param_sharding: a sharding (or pytree prefix of shardings) for the params on
+      `mesh`; defaults to fully replicated.
+  """
+
+  def __init__(self, cfg: models.ModelConfig, *, max_concurrent_decodes: int,
+               max_prefill_length: int, max_target_length: int, mesh: Mesh | None = None,
+               param_sharding=None):
+    if max_concurrent_decodes < 1:
+      raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
+    if not 1 <= max_prefill_length < max_target_length:
+      raise ValueError(f"need 1 <= max_prefill_length ({max_prefill_length}) < "
+                       f"max_target_length ({max_target_length})")
+    self.cfg = cfg
+    self._num_slots = max_concurrent_decodes
+    self._max_prefill_length = max_prefill_length
+    self._max_target_length = max_target_length
+    self.prefill_buckets = prefill_buckets(max_target_length)
+    if mesh is None:
+      mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    self._mesh = mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    self._param_sharding = replicated if param_sharding is None else param_sharding
+    self._prefill_fn = jax.jit(functools.partial(_prefill, cfg=cfg), out_shardings=replicated)
+    self._resample_fn = jax.jit(_first_token, out_shardings=replicated)
+    # Donating the decode state lets XLA update the KV cache in place.
+    self._insert_fn = jax.jit(_insert, donate_argnums=(1,), out_shardings=replicated)
+    self._generate_fn = jax.jit(functools.partial(_generate, cfg=cfg), donate_argnums=(1,),
+                                out_shardings=replicated)
+    self._init_fn = jax.jit(functools.partial(_init_decode_state, cfg=cfg,
+                                              num_slots=max_concurrent_decodes,
+                                              max_len=max_target_length),
+                            out_shardings=replicated)
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self._num_slots
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self._max_prefill_length
+
+  @property
+  def max_target_length(self) -> int:
+    return self._max_target_length
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  def load_params(self, params):
+    """A copy of `params` on this engine's devices and sharding.
+
+    Never aliases the input, so the caller may donate or delete its buffers.
+    """
+    return jax.device_put(params, self._param_sharding, may_alias=False)
+
+  def init_decode_state(self) -> DecodeState:
+    return self._init_fn()
+
+  def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
+    """Right-pads `tokens` with zeros to the smallest bucket; returns (padded, length)."""
+    n = len(tokens)
+    if not 1 <= n <= self.max_target_length:
+      raise ValueError(f"sequence length {n} outside [1, {self.max_target_length}]")
+    bucket = next(b for b in self.prefill_buckets if b >= n)
+    padded = np.zeros(bucket, np.int32)
+    padded[:n] = tokens
+    return padded, n
+
+  def prefill(self, *, params, padded_tokens, true_length: int,
+              sampling: SlotSampling) -> tuple[Prefix, ResultTokens]:
+    """Runs a padded prompt and draws its first generated token with `sampling`."""
+    return self._prefill_fn(params, padded_tokens, np.int32(true_length), sampling)
+
+  def resample(self, prefix: Prefix, sampling: SlotSampling) -> tuple[Prefix, ResultTokens]:
+    """The same prefix with its first token redrawn under `sampling` (another sample)."""
+    fields, result = self._resample_fn(prefix.logits_V, prefix.length, sampling)
+    return prefix.replace(**fields), result
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Puts `prefix` into `slot`; the old `decode_state` is donated (unusable after)."""
+    return self._insert_fn(prefix, decode_state, np.int32(slot))
+
+  def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+    """One decode step over all slots; the old `decode_state` is donated."""
+    return self._generate_fn(params, decode_state)
+
+  def warmup(self, params) -> None:
+    """Compiles prefill and insert for every bucket, resample and generate.
+
+    `params` go through `load_params` first, as the pool's do: compiled code is
+    specific to the shardings of its inputs, so warming up on params placed
+    differently would not cover the pool's calls.
+    """
+    params = self.load_params(params)
+    state = self.init_decode_state()
+    sampling = SlotSampling.create(sampling_lib.SamplingParams(), seed=0, index=0)
+    for bucket in self.prefill_buckets:
+      prefix, _ = self.prefill(params=params, padded_tokens=np.zeros(bucket, np.int32),
+                               true_length=1, sampling=sampling)
+      state = self.insert(prefix, state, 0)
+      prefix, _ = self.resample(prefix, sampling)
+      state = self.insert(prefix, state, 0)
+    state, result = self.generate(params, state)
+    jax.block_until_ready(result)

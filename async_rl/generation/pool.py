@@ -1,0 +1,365 @@
+"""GeneratorPool: continuous batching over an `Engine`, with pause, abort and weight swaps.
+
+One decode thread owns the engine, the params and the decode state. Public methods
+only post work to it under a lock (`update_weights` also copies the new params onto
+the engine's devices, in the caller's thread, while decoding goes on), so all other
+device work happens on that thread, between two decode steps. Free slots are refilled
+from a FIFO queue of samples before each step, so short samples never wait for long
+ones. Step t is dispatched before step t-1's tokens are read (see `batch`).
+
+Weight updates (DESIGN.md, "Interruptible generation"), applied between two steps:
+  * "retract": every in-flight sequence is re-prefilled (prompt + tokens so far)
+    under the new params, so its KV cache is recomputed, then it continues.
+  * "keep": the params are swapped and the existing KV cache is kept.
+  * "drain": no new sample starts; in-flight samples finish on the old params;
+    then the params are swapped and queued samples start.
+Each token is tagged with the version of the params that produced it.
+"""
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+
+from async_rl.generation.batch import HostBatch, Job
+from async_rl.generation.engine import Engine
+from async_rl.generation.request import Request, empty_sample, validate
+from async_rl.generation.sampling import SlotSampling
+
+UPDATE_MODES = ("retract", "keep", "drain")
+
+
+@dataclasses.dataclass(eq=False)
+class _Update:
+  params: object
+  version: int
+  mode: str
+  future: Future
+  transfer_s: float
+  blocked_since: float | None = None
+
+
+@dataclasses.dataclass
+class _Stats:
+  decode_s: float = 0.0
+  paused_s: float = 0.0
+  swaps: int = 0
+  swap_transfer_s: float = 0.0
+  swap_pause_s: float = 0.0
+  swap_transfer_s_total: float = 0.0
+  swap_pause_s_total: float = 0.0
+
+
+def _running_future() -> Future:
+  # A running future cannot be cancelled; `abort` is the way to stop a request.
+  future = Future()
+  future.set_running_or_notify_cancel()
+  return future
+
+
+class GeneratorPool:
+  """Serves `Request`s on one engine from a background decode thread.
+
+  Futures complete on the decode thread, so their callbacks must be quick and must
+  not call `pause`. Use as a context manager or call `shutdown`.
+
+  Args:
+    engine: the engine (its slots, cache length and devices).
+    params: initial params; copied onto the engine's devices.
+    version: the version of `params`.
+    seed: seeds the draw of per-request seeds for requests without one.
+  """
+
+  def __init__(self, engine: Engine, params, *, version: int = 0, seed: int = 0):
+    self.engine = engine
+    self._params = engine.load_params(params)
+    self._version = version
+    self._state = engine.init_decode_state()
+    self._batch = HostBatch(engine.max_concurrent_decodes, engine.max_target_length,
+                            self._complete)
+    self._cv = threading.Condition()
+    self._update_lock = threading.Lock()
+    self._queue: deque[tuple[Job, int]] = deque()
+    self._jobs: dict[Hashable, Job] = {}
+    self._aborts: list[Job] = []
+    self._updates: deque[_Update] = deque()
+    self._requested_version = version
+    self._paused = self._halted = self._closing = False
+    self._pause_started = 0.0
+    self._error: BaseException | None = None
+    self._seeds = np.random.default_rng(seed)
+    self._stats = _Stats()
+    self._thread = threading.Thread(target=self._run, name="generator-pool", daemon=True)
+    self._thread.start()
+
+  # Public API: called from any thread.
+
+  @property
+  def version(self) -> int:
+    """Version of the params now used for decoding."""
+    return self._version
+
+  def submit(self, request: Request) -> Future:
+    """Queues `request`; the future resolves to its n `Sample`s, in index order.
+
+    Raises:
+      ValueError: a malformed request or a request_id already in flight.
+      RuntimeError: the pool is shut down or its decode thread failed.
+    """
+    prompt_P = validate(request, vocab_size=self.engine.cfg.vocab_size,
+                        max_prefill_length=self.engine.max_prefill_length)
+    with self._cv:
+      self._check_open()
+      if request.request_id in self._jobs:
+        raise ValueError(f"request_id {request.request_id!r} is already in flight")
+      seed = request.sampling.seed
+      if seed is None:
+        seed = int(self._seeds.integers(2 ** 32))
+      job = Job(request, prompt_P, seed, _running_future(), [None] * request.n, request.n)
+      self._jobs[request.request_id] = job
+      self._queue.extend((job, i) for i in range(request.n))
+      self._cv.notify_all()
+    return job.future
+
+  def abort(self, request_id: Hashable) -> bool:
+    """Stops a request: its slots are freed before the next decode step and its
+    future resolves with what was generated (unfinished samples: "aborted").
+    Returns False if the request is unknown or already finished."""
+    with self._cv:
+      job = self._jobs.get(request_id)
+      if job is None or job.aborted:
+        return False
+      job.aborted = True
+      self._aborts.append(job)
+      self._cv.notify_all()
+      return True
+
+  def pause(self) -> None:
+    """Stops decoding between two steps; returns once no step is running.
+
+    Aborts and weight updates are still applied while paused (a "drain" update
+    waits for `resume`, since draining needs decoding)."""
+    with self._cv:
+      if not self._paused:
+        self._paused, self._halted = True, False
+        self._pause_started = time.perf_counter()
+        self._cv.notify_all()
+      self._cv.wait_for(lambda: self._halted or self._closing or self._error is not None)
+
+  def resume(self) -> None:
+    with self._cv:
+      if self._paused:
+        self._stats.paused_s += time.perf_counter() - self._pause_started
+        self._paused = False
+        self._cv.notify_all()
+
+  def update_weights(self, params, version: int, mode: str = "retract") -> Future:
+    """Copies `params` onto the engine's devices, then has them swapped in.
+
+    Returns once the copy is complete, so the caller may donate or free its
+    buffers; the returned future resolves to {"transfer_s", "pause_s"} once the new
+    params are live. `pause_s` is how long decoding (retract, keep) or admission of
+    new samples (drain) was held back for the swap.
+
+    Raises:
+      ValueError: an unknown mode, or `version` not above every earlier version.
+      RuntimeError: the pool is shut down or its decode thread failed.
+    """
+    if mode not in UPDATE_MODES:
+      raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
+    with self._update_lock:
+      with self._cv:
+        self._check_open()
+        if version <= self._requested_version:
+          raise ValueError(f"version {version} must exceed the latest version "
+                           f"{self._requested_version}")
+      start = time.perf_counter()
+      params = jax.block_until_ready(self.engine.load_params(params))
+      update = _Update(params, version, mode, _running_future(), time.perf_counter() - start)
+      with self._cv:
+        self._check_open()
+        self._requested_version = version
+        self._updates.append(update)
+        self._cv.notify_all()
+    return update.future
+
+  def metrics(self) -> dict:
+    """Slot occupancy, throughput, queue length, pause time and swap latencies."""
+    with self._cv:
+      s, b = self._stats, self._batch
+      paused_s = s.paused_s + (time.perf_counter() - self._pause_started if self._paused else 0)
+      return {
+          "version": self._version,
+          "active_slots": b.num_active(),
+          "slot_occupancy": b.step_tokens / max(b.steps * len(b.slots), 1),
+          "queue_length": len(self._queue),
+          "decode_steps": b.steps,
+          "generated_tokens": b.generated_tokens,
+          "decode_tokens_per_s": b.step_tokens / s.decode_s if s.decode_s else 0.0,
+          "time_paused_s": paused_s,
+          "weight_updates": s.swaps,
+          "swap_transfer_s": s.swap_transfer_s,
+          "swap_pause_s": s.swap_pause_s,
+          "swap_transfer_s_total": s.swap_transfer_s_total,
+          "swap_pause_s_total": s.swap_pause_s_total,
+      }
+
+  def shutdown(self) -> None:
+    """Aborts everything outstanding and stops the decode thread; idempotent."""
+    with self._cv:
+      self._closing = True
+      self._cv.notify_all()
+    self._thread.join()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.shutdown()
+
+  def _check_open(self):
+    if self._error is not None:
+      raise RuntimeError("the generator pool's decode thread failed") from self._error
+    if self._closing:
+      raise RuntimeError("the generator pool is shut down")
+
+  # The decode thread.
+
+  def _update_ready(self) -> bool:
+    return bool(self._updates) and (self._updates[0].mode != "drain"
+                                    or not self._batch.num_active())
+
+  def _has_work(self) -> bool:
+    if self._closing or self._aborts or (self._paused and not self._halted):
+      return True
+    if self._update_ready():
+      return True
+    return not self._paused and (bool(self._queue) or self._batch.num_active() > 0)
+
+  def _run(self):
+    try:
+      while self._iterate():
+        pass
+      self._close_out()
+    except BaseException as e:  # noqa: BLE001 - every waiter must learn of the failure.
+      self._fail(e)
+
+  def _iterate(self) -> bool:
+    with self._cv:
+      self._cv.wait_for(self._has_work)
+      if self._closing:
+        return False
+      aborts, self._aborts = self._aborts, []
+      self._queue = deque(item for item in self._queue if item[0] not in aborts)
+      halt = self._paused and not self._halted
+      paused = self._paused
+      update = self._updates[0] if self._updates else None
+    if aborts or paused or update is not None:
+      # Everything below needs every token produced so far.
+      self._batch.flush()
+    if halt:
+      with self._cv:
+        self._halted = self._paused
+        self._cv.notify_all()
+    for job in aborts:
+      self._abort_job(job)
+    if update is not None:
+      if update.mode != "drain" or not self._batch.num_active():
+        self._apply(update)
+        return True
+      update.blocked_since = update.blocked_since or time.perf_counter()
+    if paused:
+      return True
+    start = time.perf_counter()
+    if update is None:
+      self._admit()
+    if self._batch.num_active():
+      self._state, result = self.engine.generate(self._params, self._state)
+      self._batch.add_step(result, self._version)
+    self._stats.decode_s += time.perf_counter() - start
+    return True
+
+  def _admit(self):
+    for slot in self._batch.free_slots():
+      with self._cv:
+        if not self._queue:
+          return
+        job, index = self._queue.popleft()
+      self._start(job, index, slot)
+
+  def _start(self, job: Job, index: int, slot: int):
+    sampling = SlotSampling.create(job.request.sampling, job.seed, index)
+    if job.prefix is None or job.prefix_version != self._version:
+      padded_P, length = self.engine.pad_tokens(job.prompt_P)
+      prefix, result = self.engine.prefill(params=self._params, padded_tokens=padded_P,
+                                           true_length=length, sampling=sampling)
+      job.prefix, job.prefix_version = prefix, self._version
+    else:
+      prefix, result = self.engine.resample(job.prefix, sampling)
+    job.unstarted -= 1
+    if not job.unstarted:
+      job.prefix = None
+    self._state = self.engine.insert(prefix, self._state, slot)
+    self._batch.occupy(slot, job, index, sampling, result, self._version)
+
+  def _complete(self, job: Job):
+    job.done, job.prefix = True, None
+    with self._cv:
+      del self._jobs[job.request.request_id]
+    job.future.set_result(list(job.samples))
+
+  def _abort_job(self, job: Job):
+    if job.done:
+      return
+    self._batch.release(job)
+    if not job.done:
+      for i, x in enumerate(job.samples):
+        if x is None:
+          job.samples[i] = empty_sample(job.request.request_id, i, job.prompt_P, "aborted")
+      self._complete(job)
+
+  def _apply(self, update: _Update):
+    blocked_since = update.blocked_since or time.perf_counter()
+    self._params, self._version = update.params, update.version
+    if update.mode == "retract":
+      for slot, s in self._batch.occupied():
+        padded, length = self.engine.pad_tokens(np.concatenate([s.job.prompt_P, s.tokens]))
+        prefix, result = self.engine.prefill(params=self._params, padded_tokens=padded,
+                                             true_length=length, sampling=s.sampling)
+        self._state = self.engine.insert(prefix, self._state, slot)
+        self._batch.restart(slot, result, self._version)
+      self._batch.flush()
+    pause_s = time.perf_counter() - blocked_since
+    with self._cv:
+      self._updates.popleft()
+      st = self._stats
+      st.swaps += 1
+      st.swap_transfer_s, st.swap_pause_s = update.transfer_s, pause_s
+      st.swap_transfer_s_total += update.transfer_s
+      st.swap_pause_s_total += pause_s
+    update.future.set_result({"transfer_s": update.transfer_s, "pause_s": pause_s})
+
+  def _close_out(self):
+    self._batch.flush()
+    for job in list(self._jobs.values()):
+      self._abort_job(job)
+    with self._cv:
+      self._queue.clear()
+      updates, self._updates = list(self._updates), deque()
+    for update in updates:
+      update.future.set_exception(RuntimeError("the generator pool shut down before the update"))
+
+  def _fail(self, error: BaseException):
+    with self._cv:
+      self._error = error
+      jobs, self._jobs = list(self._jobs.values()), {}
+      updates, self._updates = list(self._updates), deque()
+      self._queue.clear()
+      self._cv.notify_all()
+    for waiter in [j.future for j in jobs if not j.done] + [u.future for u in updates]:
+      waiter.set_exception(error)

@@ -1,0 +1,83 @@
+"""What goes into the generator pool (`Request`) and what comes out (`Sample`)."""
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from async_rl.generation.sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "aborted")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """A prompt to complete `n` times.
+
+  Attributes:
+    request_id: unique among the pool's unfinished requests; `abort` uses it.
+    prompt: prompt token ids.
+    n: number of independent samples.
+    sampling: how to sample them.
+  """
+  request_id: Hashable
+  prompt: Sequence[int]
+  n: int = 1
+  sampling: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One finished completion.
+
+  Attributes:
+    request_id: the request it answers.
+    index: which of the request's n samples it is.
+    prompt_P: prompt token ids (int32).
+    tokens_T: generated token ids (int32), including a final stop token.
+    logp_T: behaviour log-prob of each generated token (float32); see `sampling`.
+    versions_T: version of the params that produced each token (int32).
+    finish_reason: "stop", "length" or "aborted".
+  """
+  request_id: Hashable
+  index: int
+  prompt_P: np.ndarray
+  tokens_T: np.ndarray
+  logp_T: np.ndarray
+  versions_T: np.ndarray
+  finish_reason: str
+
+
+def validate(request: Request, *, vocab_size: int, max_prefill_length: int) -> np.ndarray:
+  """Raises ValueError naming the first bad field; returns the prompt as int32."""
+  if not isinstance(request, Request):
+    raise ValueError(f"expected a Request, got {type(request).__name__}")
+  if not isinstance(request.sampling, SamplingParams):
+    raise ValueError(f"request.sampling must be SamplingParams, got "
+                     f"{type(request.sampling).__name__}")
+  prompt_P = np.asarray(request.prompt)
+  if prompt_P.ndim != 1 or prompt_P.size == 0:
+    raise ValueError(f"request {request.request_id!r}: prompt must be a non-empty 1-D "
+                     f"sequence of token ids, got shape {prompt_P.shape}")
+  if not np.issubdtype(prompt_P.dtype, np.integer):
+    raise ValueError(f"request {request.request_id!r}: prompt token ids must be integers, "
+                     f"got dtype {prompt_P.dtype}")
+  if prompt_P.size > max_prefill_length:
+    raise ValueError(f"request {request.request_id!r}: prompt has {prompt_P.size} tokens, "
+                     f"more than max_prefill_length={max_prefill_length}")
+  if prompt_P.min() < 0 or prompt_P.max() >= vocab_size:
+    raise ValueError(f"request {request.request_id!r}: prompt token ids must be in "
+                     f"[0, {vocab_size})")
+  if not isinstance(request.n, int) or request.n < 1:
+    raise ValueError(f"request {request.request_id!r}: n must be an int >= 1, got {request.n!r}")
+  bad_stops = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab_size]
+  if bad_stops:
+    raise ValueError(f"request {request.request_id!r}: stop_token_ids {bad_stops} are not in "
+                     f"the vocabulary [0, {vocab_size})")
+  return prompt_P.astype(np.int32)
+
+
+def empty_sample(request_id: Hashable, index: int, prompt_P: np.ndarray, reason: str) -> Sample:
+  """A sample that never produced a token (aborted before it started)."""
+  return Sample(request_id, index, prompt_P, np.zeros(0, np.int32), np.zeros(0, np.float32),
+                np.zeros(0, np.int32), reason)

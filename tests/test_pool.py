@@ -1,0 +1,264 @@
+"""GeneratorPool: pause/resume, weight-update modes, abort, concurrency, bad input."""
+
+import random
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from async_rl import models, policy
+from async_rl.generation import (FINISH_REASONS, Engine, GeneratorPool, Request,
+                                 SamplingParams)
+
+CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=8, d_ff=64)
+T = 64
+_init = jax.jit(models.init_params, static_argnums=0)
+_logp_and_entropy = jax.jit(policy.logp_and_entropy, static_argnums=1,
+                            static_argnames="temperature")
+
+
+@pytest.fixture(scope="module")
+def params():
+  return _init(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def new_params():
+  return _init(CFG, jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+  engine = Engine(CFG, max_concurrent_decodes=2, max_prefill_length=16, max_target_length=T)
+  engine.warmup(params)
+  return engine
+
+
+def _recompute_logp(params, sample, temperature):
+  seq = np.concatenate([sample.prompt_P, sample.tokens_T])
+  tokens_T = np.zeros(T, np.int32)
+  tokens_T[:len(seq)] = seq
+  segments_T = (np.arange(T) < len(seq)).astype(np.int32)
+  logp_1T, _ = _logp_and_entropy(params, CFG, tokens_T[None], np.arange(T)[None],
+                                 segments_T[None], temperature=temperature)
+  return np.asarray(logp_1T)[0, len(sample.prompt_P):len(seq)]
+
+
+def _long(request_id, n=1, seed=0, temperature=0.7):
+  return Request(request_id, [1, 2, 3], n=n,
+                 sampling=SamplingParams(temperature=temperature, max_new_tokens=T, seed=seed))
+
+
+def _pause_mid_generation(pool, min_tokens=4):
+  """Pauses once some tokens exist; asserts work is still in flight, so the tests
+  below really exercise an interruption."""
+  while pool.metrics()["generated_tokens"] < min_tokens:
+    time.sleep(0.0005)
+  pool.pause()
+  assert pool.metrics()["active_slots"] > 0
+
+
+def _tokens(results):
+  return [[s.tokens_T.tolist() for s in samples] for samples in results]
+
+
+def test_pause_resume_loses_and_duplicates_nothing(engine, params):
+  requests = [_long(i, n=2, seed=i) for i in range(3)]
+  with GeneratorPool(engine, params) as pool:
+    reference = [pool.submit(r).result(timeout=60) for r in requests]
+  with GeneratorPool(engine, params) as pool:
+    futures = [pool.submit(r) for r in requests]
+    _pause_mid_generation(pool)
+    before = pool.metrics()["generated_tokens"]
+    time.sleep(0.05)
+    assert pool.metrics()["generated_tokens"] == before
+    pool.resume()
+    results = [f.result(timeout=60) for f in futures]
+    assert pool.metrics()["time_paused_s"] >= 0.05
+  assert _tokens(results) == _tokens(reference)
+
+
+def test_stop_tokens_max_new_tokens_and_cache_bound(engine, params):
+  with GeneratorPool(engine, params) as pool:
+    stop = pool.submit(Request("stop", [5], n=4, sampling=SamplingParams(
+        stop_token_ids=range(0, 61, 2), max_new_tokens=T))).result(timeout=60)
+    short = pool.submit(Request("short", [5], sampling=SamplingParams(max_new_tokens=5)))
+    full = pool.submit(Request("full", list(range(16)), sampling=SamplingParams(
+        max_new_tokens=1000)))
+    (short,), (full,) = short.result(timeout=60), full.result(timeout=60)
+  for s in stop:
+    assert s.finish_reason == "stop" and s.tokens_T[-1] % 2 == 0
+    assert np.all(s.tokens_T[:-1] % 2 == 1)
+  assert short.finish_reason == "length" and len(short.tokens_T) == 5
+  assert full.finish_reason == "length" and len(full.tokens_T) == T - 16
+
+
+def test_retract_recomputes_kv_under_new_params(engine, params, new_params):
+  with GeneratorPool(engine, params) as pool:
+    futures = [pool.submit(_long(i, seed=i)) for i in range(2)]
+    _pause_mid_generation(pool)
+    latency = pool.update_weights(new_params, 1, "retract").result(timeout=60)
+    pool.resume()
+    samples = [s for f in futures for s in f.result(timeout=60)]
+    assert pool.version == 1 and pool.metrics()["weight_updates"] == 1
+  assert set(latency) == {"transfer_s", "pause_s"}
+  for s in samples:
+    old = s.versions_T == 0
+    assert old[0] and not old[-1] and np.all(np.diff(s.versions_T) >= 0)
+    np.testing.assert_allclose(s.logp_T[old], _recompute_logp(params, s, 0.7)[old], atol=1e-4)
+    np.testing.assert_allclose(s.logp_T[~old], _recompute_logp(new_params, s, 0.7)[~old],
+                               atol=1e-4)
+
+
+def test_keep_swaps_params_but_keeps_old_kv(engine, params, new_params):
+  with GeneratorPool(engine, params) as pool:
+    future = pool.submit(_long("a"))
+    _pause_mid_generation(pool)
+    pool.update_weights(new_params, 1, "keep").result(timeout=60)
+    pool.resume()
+    (s,) = future.result(timeout=60)
+  old = s.versions_T == 0
+  assert old[0] and not old[-1] and np.all(np.diff(s.versions_T) >= 0)
+  np.testing.assert_allclose(s.logp_T[old], _recompute_logp(params, s, 0.7)[old], atol=1e-4)
+  # New-version tokens attend to KV computed under the old params, so they do not
+  # match a recomputation under the new params: this is what tells keep from retract.
+  assert np.max(np.abs(s.logp_T[~old] - _recompute_logp(new_params, s, 0.7)[~old])) > 1e-3
+
+
+def test_drain_finishes_in_flight_on_old_params(engine, params, new_params):
+  with GeneratorPool(engine, params) as pool:
+    in_flight = pool.submit(_long("old", n=2))
+    _pause_mid_generation(pool)
+    update = pool.update_weights(new_params, 1, "drain")
+    queued = pool.submit(_long("new", n=3))
+    pool.resume()
+    update.result(timeout=60)
+    old_samples, new_samples = in_flight.result(timeout=60), queued.result(timeout=60)
+    assert pool.metrics()["swap_pause_s"] > 0
+  assert all(np.all(s.versions_T == 0) for s in old_samples)
+  assert all(np.all(s.versions_T == 1) for s in new_samples)
+
+
+def test_update_weights_copies_and_validates(engine, params):
+  donated = jax.tree.map(lambda x: x + 0, params)
+  with GeneratorPool(engine, params) as pool:
+    pool.update_weights(donated, 3, "keep").result(timeout=60)
+    # The trainer may donate or free its buffers once update_weights returns.
+    jax.tree.map(lambda x: x.delete(), donated)
+    (s,) = pool.submit(_long("after")).result(timeout=60)
+    assert np.all(s.versions_T == 3)
+    with pytest.raises(ValueError, match="must exceed"):
+      pool.update_weights(params, 3, "keep")
+    with pytest.raises(ValueError, match="update mode"):
+      pool.update_weights(params, 4, "swap")
+
+
+def test_abort_frees_slot_for_queued_request(engine, params):
+  with GeneratorPool(engine, params) as pool:
+    running = pool.submit(_long("running", n=2))
+    queued = pool.submit(_long("queued", n=1))
+    never = pool.submit(_long("never", n=2))
+    _pause_mid_generation(pool)
+    assert pool.metrics()["queue_length"] == 3
+    assert pool.abort("never") and pool.abort("running")
+    assert not pool.abort("running") and not pool.abort("unknown")
+    pool.resume()
+    aborted = running.result(timeout=60)
+    (done,) = queued.result(timeout=60)
+    assert pool.metrics()["queue_length"] == 0
+  assert [s.finish_reason for s in aborted] == ["aborted", "aborted"]
+  assert all(0 < len(s.tokens_T) < T - 3 for s in aborted)
+  assert all(len(s.tokens_T) == len(s.logp_T) == len(s.versions_T) for s in aborted)
+  assert [(s.finish_reason, len(s.tokens_T)) for s in never.result(timeout=60)] == [
+      ("aborted", 0), ("aborted", 0)]
+  assert done.finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_concurrent_submitters_get_every_request_exactly_once(engine, params, seed):
+  rng = random.Random(seed)
+  plans = [[(f"t{t}-{i}", rng.randint(1, 3), [rng.randrange(61) for _ in range(rng.randint(1, 16))],
+             rng.randint(1, 12), rng.random() < 0.15, rng.random() * 0.003)
+            for i in range(rng.randint(3, 8))] for t in range(6)]
+  calls, lock = {}, threading.Lock()
+
+  def record(request_id):
+    def callback(_):
+      with lock:
+        calls[request_id] = calls.get(request_id, 0) + 1
+    return callback
+
+  def submitter(pool, plan, out):
+    for request_id, n, prompt, max_new, abort, pause_s in plan:
+      request = Request(request_id, prompt, n=n,
+                        sampling=SamplingParams(max_new_tokens=max_new, stop_token_ids=[7]))
+      future = pool.submit(request)
+      future.add_done_callback(record(request_id))
+      out.append((request, future))
+      time.sleep(pause_s)
+      if abort:
+        pool.abort(request_id)
+
+  outs = [[] for _ in plans]
+  with GeneratorPool(engine, params) as pool:
+    threads = [threading.Thread(target=submitter, args=(pool, plan, out))
+               for plan, out in zip(plans, outs)]
+    for th in threads:
+      th.start()
+    for th in threads:
+      th.join()
+    for request, future in (x for out in outs for x in out):
+      samples = future.result(timeout=60)
+      assert [s.index for s in samples] == list(range(request.n))
+      for s in samples:
+        assert s.request_id == request.request_id and s.finish_reason in FINISH_REASONS
+        assert list(s.prompt_P) == list(request.prompt)
+        assert len(s.tokens_T) == len(s.logp_T) == len(s.versions_T)
+        assert len(s.tokens_T) <= request.sampling.max_new_tokens
+        assert s.finish_reason == "aborted" or len(s.tokens_T) > 0
+    assert pool.metrics()["queue_length"] == 0 and pool.metrics()["active_slots"] == 0
+  assert calls == {r.request_id: 1 for out in outs for r, _ in out}
+
+
+@pytest.mark.parametrize("request_kw,match", [
+    (dict(prompt=[]), "non-empty"),
+    (dict(prompt=list(range(17))), "max_prefill_length"),
+    (dict(prompt=[61]), r"\[0, 61\)"),
+    (dict(prompt=[1.5]), "integers"),
+    (dict(n=0), "n must be"),
+    (dict(sampling=SamplingParams(stop_token_ids=[3, 99])), "stop_token_ids"),
+])
+def test_bad_request_is_rejected_without_disturbing_others(engine, params, request_kw, match):
+  with GeneratorPool(engine, params) as pool:
+    good = pool.submit(_long("good"))
+    with pytest.raises(ValueError, match=match):
+      pool.submit(Request(**{"request_id": "bad", "prompt": [1], **request_kw}))
+    with pytest.raises(ValueError, match="already in flight"):
+      pool.submit(_long("good"))
+    (s,) = good.result(timeout=60)
+    assert s.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(seed=-1), "seed"),
+])
+def test_bad_sampling_params(kw, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**kw)
+
+
+def test_submit_after_shutdown_raises(engine, params):
+  pool = GeneratorPool(engine, params)
+  pending = pool.submit(_long("pending", n=2))
+  pool.shutdown()
+  assert all(s.finish_reason in ("aborted", "length") for s in pending.result(timeout=1))
+  with pytest.raises(RuntimeError, match="shut down"):
+    pool.submit(_long("late"))
+  with pytest.raises(RuntimeError, match="shut down"):
+    pool.update_weights(params, 1)
+  pool.shutdown()

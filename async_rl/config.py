@@ -12,6 +12,7 @@ import typing
 from typing import Any, Optional
 
 from async_rl.models.config import ModelConfig
+from async_rl.tasks.arithmetic import TaskConfig
 
 _LEVELS = ("group", "batch", None)
 UPDATE_MODES = ("retract", "keep", "drain")
@@ -55,13 +56,16 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-  """The decoupled PPO objective of DESIGN.md; `loss="naive_ppo"` uses π_behav as π_prox."""
+  """The decoupled PPO objective of DESIGN.md; `loss="naive_ppo"` uses π_behav as π_prox.
+
+  Log-probs are taken at the sampling temperature (`generation.temperature`, or 1
+  for greedy), so the trainer's recomputation matches the recorded behaviour ones.
+  """
   loss: str = "decoupled_ppo"
   eps_clip: float = 0.2
   eps_clip_higher: Optional[float] = None
   c_clip: Optional[float] = None
   behav_imp_weight_cap: Optional[float] = None
-  temperature: float = 1.0
 
   def __post_init__(self):
     if self.loss not in LOSSES:
@@ -74,8 +78,6 @@ class PPOConfig:
       _fail("ppo.c_clip", self.c_clip, "must be > 1")
     if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
       _fail("ppo.behav_imp_weight_cap", self.behav_imp_weight_cap, "must be > 1")
-    if self.temperature <= 0:
-      _fail("ppo.temperature", self.temperature, "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,12 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
   """Sampling and generator-pool settings; `group_size` samples per prompt."""
+
+  @property
+  def logp_temperature(self) -> float:
+    """The temperature of the recorded log-probs (greedy records them at 1)."""
+    return self.temperature or 1.0
+
   max_prompt_len: int = 64
   max_new_tokens: int = 128
   group_size: int = 8
@@ -189,6 +197,53 @@ class StalenessConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS`."""
+  reward_fn: str = "arithmetic"
+  reward_timeout_s: float = 10.0
+  reward_workers: int = 1
+  dynamic_filter: bool = False
+
+  def __post_init__(self):
+    if self.reward_timeout_s <= 0:
+      _fail("rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
+    if self.reward_workers < 1:
+      _fail("rollout.reward_workers", self.reward_workers, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Checkpoint every `every_steps` updates (and at the end and on SIGTERM)."""
+  every_steps: int = 10
+  keep: int = 3
+
+  def __post_init__(self):
+    if self.every_steps < 1:
+      _fail("checkpoint.every_steps", self.every_steps, "must be >= 1")
+    if self.keep < 1:
+      _fail("checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation: greedy accuracy, and pass@k with `pass_k` samples at T=1.
+
+  Runs every `every_steps` updates (0: only before and after training).
+  """
+  every_steps: int = 0
+  num_prompts: int = 200
+  pass_k: int = 4
+
+  def __post_init__(self):
+    if self.every_steps < 0:
+      _fail("eval.every_steps", self.every_steps, "must be >= 0")
+    if self.num_prompts < 1:
+      _fail("eval.num_prompts", self.num_prompts, "must be >= 1")
+    if self.pass_k < 1:
+      _fail("eval.pass_k", self.pass_k, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """Everything one run needs; `batch_groups` is B, prompt groups per training batch."""
   seed: int = 0
@@ -202,6 +257,10 @@ class ExperimentConfig:
   mesh: MeshConfig = MeshConfig()
   generation: GenerationConfig = GenerationConfig()
   staleness: StalenessConfig = StalenessConfig()
+  task: TaskConfig = TaskConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  eval: EvalConfig = EvalConfig()
 
   def __post_init__(self):
     for name in ("batch_groups", "num_steps"):
@@ -261,6 +320,31 @@ def _coerce(hint, value, path):
   if value is None or not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
     raise ValueError(f"{path} must be of type {hint.__name__}, got {value!r}")
   return value
+
+
+def default_config_dict():
+  """Every field of `ExperimentConfig` with its default, as a ConfigDict.
+
+  Config files start from this so that every field can be overridden from the
+  command line (`--config.ppo.c_clip=3`); optional fields are typed placeholders.
+  """
+  import ml_collections  # only config files and binaries need it
+  from ml_collections.config_dict import placeholder
+
+  def convert(cls):
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      hint = hints[f.name]
+      if dataclasses.is_dataclass(hint):
+        out[f.name] = convert(hint)
+      elif f.default is None:
+        out[f.name] = placeholder(next(a for a in typing.get_args(hint) if a is not type(None)))
+      else:
+        out[f.name] = f.default
+    return ml_collections.ConfigDict(out)
+
+  return convert(ExperimentConfig)
 
 
 def to_dict(cfg) -> dict:

@@ -1,0 +1,35 @@
+"""Held-out evaluation: greedy accuracy and pass@k through a generator pool."""
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from async_rl.generation import GeneratorPool, Request, SamplingParams
+
+
+def evaluate(pool: GeneratorPool, prompts: Sequence, *,
+             score: Callable[[Sequence[tuple[object, str]]], Sequence[float]],
+             decode: Callable, max_new_tokens: int, stop_token_ids: Sequence[int],
+             pass_k: int, seed: int = 0) -> dict[str, float]:
+  """Greedy accuracy, pass@k (k samples at temperature 1) and mean completion length.
+
+  `score([(prompt, completion_text), ...])` returns 1.0 for each correct completion
+  (the run scores through its reward service, so a failing reward counts 0). Uses the
+  pool's current weights; requests are tagged `eval/...` so they never mix with
+  training requests.
+  """
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                          stop_token_ids=stop_token_ids, seed=seed)
+  sampled = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
+                           stop_token_ids=stop_token_ids, seed=seed)
+  greedy_f = [pool.submit(Request(f"eval/greedy/{i}", list(p.tokens), 1, greedy))
+              for i, p in enumerate(prompts)]
+  sampled_f = [pool.submit(Request(f"eval/pass/{i}", list(p.tokens), pass_k, sampled))
+               for i, p in enumerate(prompts)]
+  greedy_samples = [f.result()[0] for f in greedy_f]
+  correct = score([(p, decode(s.tokens_T)) for p, s in zip(prompts, greedy_samples)])
+  sampled = [(p, decode(x.tokens_T)) for p, f in zip(prompts, sampled_f) for x in f.result()]
+  passed = np.reshape(score(sampled), (len(prompts), pass_k)).max(axis=1)
+  lengths = [len(s.tokens_T) for s in greedy_samples]
+  return {"accuracy": float(np.mean(correct)), f"pass_at_{pass_k}": float(np.mean(passed)),
+          "completion_len": float(np.mean(lengths))}

@@ -1,0 +1,205 @@
+"""Ray placement: the parameter server, each rollout worker and the trainer as actors.
+
+The component classes are the in-process ones; each runs in its own Ray actor
+process and reaches the others through `_Proxy`, which turns method calls into
+actor calls. The driver only starts the actors, prints the trainer's step lines,
+forwards a stop request and shuts everything down.
+
+By default actors ask for no CPUs, so any number of them fits on a laptop. On a
+cluster, give them devices with Ray actor options, e.g.
+
+  run_on_ray(cfg, workdir, address="auto", num_rollout_workers=4,
+             trainer_options={"num_gpus": 8}, rollout_options={"num_gpus": 1})
+
+Ray then sets each actor's CUDA_VISIBLE_DEVICES, so the trainer and every generator
+own their GPUs. An actor given no GPUs sees all of them; actors that share a GPU
+(fractional `num_gpus`) must each cap JAX's preallocation, e.g. with
+`"runtime_env": {"env_vars": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4"}}` in their options.
+"""
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from typing import Any, Callable, Optional
+
+import ray
+from tqdm import tqdm
+
+from async_rl.config import ExperimentConfig
+from async_rl.param_server import ParameterServer
+from async_rl.rl.rollout_worker import RolloutWorker
+from async_rl.rl.trainer_loop import TrainerLoop
+
+_POLL_S = 0.5
+_CLOSE_TIMEOUT_S = 60.0
+
+
+class _Proxy:
+  """`proxy.f(*args)` is `ray.get(handle.f.remote(*args))`: an actor as a local object."""
+
+  def __init__(self, handle):
+    self._handle = handle
+
+  def __getattr__(self, name):
+    if name.startswith("_"):  # pickle probes dunders on a bare instance
+      raise AttributeError(name)
+    method = getattr(self._handle, name)
+    return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+class _Trainer:
+  """The trainer actor: a `TrainerLoop` whose step lines the driver collects."""
+
+  def __init__(self, cfg, workdir, server, init_params):
+    self._lines = queue.SimpleQueue()
+    self.loop = TrainerLoop(cfg, workdir, server, init_params=init_params,
+                            echo=self._lines.put, progress=False)
+
+  def prompt_state(self, worker_index):
+    return self.loop.prompt_state(worker_index)
+
+  def run(self, rollouts):
+    summary = self.loop.run(rollouts)
+    summary["history"] = self.loop.history
+    return summary
+
+  def request_stop(self):
+    self.loop.stop.set()
+
+  def lines(self) -> list[str]:
+    out = []
+    while not self._lines.empty():
+      out.append(self._lines.get())
+    return out
+
+  def close(self):
+    self.loop.close()
+
+
+def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = None,
+               stop: Optional[threading.Event] = None, init_params=None,
+               num_rollout_workers: int = 1,
+               trainer_options: Optional[dict[str, Any]] = None,
+               rollout_options: Optional[dict[str, Any]] = None,
+               echo: Callable[[str], None] = print,
+               progress: bool = True) -> dict[str, Any]:
+  """Runs (or resumes from `workdir`) the experiment with its components as Ray actors.
+
+  Args:
+    cfg: the experiment.
+    workdir: as for `run_in_process`; every actor must see it (a shared file system
+      on a cluster).
+    address: an existing Ray cluster; None starts a local instance (or uses the one
+      this process already started) for the run.
+    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
+    init_params: params to start from when not resuming.
+    num_rollout_workers: rollout worker actors, each a generator pool and reward
+      service with its own prompt stream.
+    trainer_options, rollout_options: Ray actor options (`num_gpus`, `num_cpus`,
+      `resources`, ...) for the trainer and for each rollout worker.
+    echo: receives the one-line summary of every step.
+    progress: show a progress bar.
+
+  Returns:
+    The trainer loop's summary, its `history` of step metrics and `pids`: the process
+    id of the driver, the server, the trainer and each rollout worker.
+  """
+  workdir = os.path.abspath(workdir)
+  started = not ray.is_initialized()
+  if started:
+    _init_ray(address)
+  server = trainer = None
+  rollouts = []
+  try:
+    server = ray.remote(ParameterServer).options(
+        num_cpus=0, max_concurrency=_server_concurrency(cfg, num_rollout_workers)
+    ).remote(cfg.staleness, cfg.batch_groups)
+    # request_stop and lines must run while run() does.
+    trainer = ray.remote(_Trainer).options(
+        **{"num_cpus": 0, **(trainer_options or {}), "max_concurrency": 4}
+    ).remote(cfg, workdir, _Proxy(server), init_params)
+    # The trainer publishes the (restored) params before the workers fetch them.
+    states = ray.get([trainer.prompt_state.remote(i) for i in range(num_rollout_workers)])
+    rollout_cls = ray.remote(RolloutWorker).options(**{"num_cpus": 0, **(rollout_options or {})})
+    rollouts = [rollout_cls.remote(cfg, _Proxy(server), worker_index=i, stream_state=s)
+                for i, s in enumerate(states)]
+    pids = ray.get([a.__ray_call__.remote(_pid) for a in (server, trainer, *rollouts)])
+    summary = _drive(cfg, server, trainer, rollouts, stop, echo, progress)
+    summary["pids"] = {"driver": os.getpid(), "server": pids[0], "trainer": pids[1],
+                       "rollout": pids[2:]}
+    return summary
+  finally:
+    _shutdown(server, trainer, rollouts)
+    if started:
+      ray.shutdown()
+
+
+def _init_ray(address):
+  # ray.init replaces the SIGTERM handler with sys.exit; keep the caller's (which
+  # sets `stop`, so that the trainer checkpoints).
+  sigterm = signal.getsignal(signal.SIGTERM)
+  if address is not None:
+    ray.init(address=address)
+  else:
+    # Local actors inherit this process's environment; PYTHONPATH adds its sys.path,
+    # so they import what it imports (e.g. reward functions in "module:function" form).
+    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, sigterm)
+
+
+def _server_concurrency(cfg, num_rollout_workers):
+  # Every blocking call holds an actor thread: per rollout worker, its controller's
+  # acquire and the offers from its reward threads and decode thread; the trainer's
+  # get_batch; a few short calls around them.
+  return 4 + num_rollout_workers * (2 + cfg.rollout.reward_workers)
+
+
+def _pid(_actor):
+  return os.getpid()
+
+
+def _drive(cfg, server, trainer, rollouts, stop, echo, progress):
+  """Runs the trainer, printing its lines and forwarding `stop`, until it returns."""
+  server_proxy = _Proxy(server)
+  start = server_proxy.version()
+  bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
+             disable=not progress, dynamic_ncols=True)
+  run = trainer.run.remote([_Proxy(r) for r in rollouts])
+  stop_sent = finished = False
+  try:
+    while True:
+      finished = bool(ray.wait([run], timeout=_POLL_S)[0])
+      for line in ray.get(trainer.lines.remote()):
+        echo(line)
+      if finished:
+        summary = ray.get(run)  # raises the trainer's error, with its remote traceback
+        bar.update(summary["end_version"] - bar.n)
+        return summary
+      bar.update(server_proxy.version() - bar.n)
+      if stop is not None and stop.is_set() and not stop_sent:
+        trainer.request_stop.remote()
+        stop_sent = True
+  finally:
+    bar.close()
+    if not finished:  # the driver failed: let the trainer return before closing it
+      trainer.request_stop.remote()
+      ray.wait([run], timeout=_CLOSE_TIMEOUT_S)
+
+
+def _shutdown(server, trainer, rollouts):
+  """Closes the server (waking its waiters), the rollout workers, the trainer; kills them."""
+  for group in ([server], rollouts, [trainer]):
+    refs = [a.close.remote() for a in group if a is not None]
+    for ref in refs:
+      try:
+        ray.get(ref, timeout=_CLOSE_TIMEOUT_S)
+      except Exception:  # keep closing the rest; an earlier error is already raised
+        logging.exception("error while closing a Ray actor")
+  for a in (server, trainer, *rollouts):
+    if a is not None:
+      ray.kill(a)

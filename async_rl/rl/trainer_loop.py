@@ -1,0 +1,190 @@
+"""The trainer side of a run: take B admitted groups, update, publish v + 1, repeat.
+
+It owns the `Trainer`, checkpoints, metrics and held-out evaluation, and reaches the
+parameter server and the rollout workers only through their methods, so they may be
+local objects (in process) or proxies to Ray actors. With η = 0 the gate lets one
+batch of groups start per version, so the same loop is the synchronous baseline.
+"""
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from async_rl import config as config_lib, sharding
+from async_rl.config import ExperimentConfig
+from async_rl.generation import GeneratorPool
+from async_rl.rewards import RewardService, RewardTask
+from async_rl.rl.checkpoint import Checkpointer
+from async_rl.rl.components import ArithmeticTask, make_engine
+from async_rl.rl.evaluate import evaluate
+from async_rl.rl.metrics_log import MetricsLog
+from async_rl.rl.trainer import Trainer
+
+_BATCH_POLL_S = 0.5
+
+
+class TrainerLoop:
+  """Builds the trainer, resumes from `workdir` if it holds a checkpoint, publishes v.
+
+  Args:
+    cfg: the experiment.
+    workdir: checkpoints, `metrics.jsonl`, TensorBoard files and `config.json`.
+    server: the parameter server or a proxy with the same methods.
+    init_params: params to start from (e.g. a warm start) when not resuming.
+    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
+    echo: receives the one-line summary of every step.
+  """
+
+  def __init__(self, cfg: ExperimentConfig, workdir: str, server, *, init_params=None,
+               stop: Optional[threading.Event] = None,
+               echo: Callable[[str], None] = print, progress: bool = True):
+    self.cfg, self.workdir, self.server = cfg, workdir, server
+    self.stop = stop or threading.Event()
+    self.echo, self.progress = echo, progress
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config_lib.to_dict(cfg), f, indent=2)
+    self.task = ArithmeticTask(cfg.task)
+    self.trainer = Trainer(cfg, sharding.make_mesh(cfg.mesh), params=init_params)
+    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                     keep=cfg.checkpoint.keep)
+    self.resume_meta = self._maybe_restore()
+    params = self.trainer.host_params()
+    server.publish(self.trainer.version, params)
+    self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
+    self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s)
+    self.log = MetricsLog(workdir)
+    self.history: list[dict[str, Any]] = []
+
+  def prompt_state(self, worker_index: int) -> Optional[dict]:
+    """The resumed prompt-stream position of a rollout worker (None when fresh)."""
+    states = (self.resume_meta or {}).get("prompts", [])
+    return states[worker_index] if worker_index < len(states) else None
+
+  def _maybe_restore(self):
+    step = self.checkpointer.latest_step()
+    if step is None:
+      return None
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(lambda: self.trainer.state),
+                            self.trainer.state_shardings)
+    self.trainer.state, meta = self.checkpointer.restore(step, abstract)
+    self.server.load_state_dict(meta["server"])
+    logging.info("resumed from checkpoint %d in %s", step, self.workdir)
+    return meta
+
+  def evaluate(self) -> dict[str, float]:
+    """Held-out metrics of the trainer's current params (greedy, pass@k)."""
+    version = self.trainer.version
+    if version > self.eval_pool.version:
+      self.eval_pool.update_weights(self.trainer.host_params(), version, "keep").result()
+    fn = self.cfg.rollout.reward_fn
+
+    def score(pairs):
+      return self.eval_rewards.score_batch(
+          [RewardTask(fn, text, self.task.reference(p)) for p, text in pairs])
+
+    return evaluate(
+        self.eval_pool, self.task.heldout(self.cfg.eval.num_prompts), score=score,
+        decode=self.task.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
+        stop_token_ids=(self.task.tokenizer.eos_id,), pass_k=self.cfg.eval.pass_k,
+        seed=self.cfg.seed)
+
+  def run(self, rollouts: Sequence) -> dict[str, Any]:
+    """Starts `rollouts` and trains to `cfg.num_steps` (or until `stop`)."""
+    cfg = self.cfg
+    start_version = self.trainer.version
+    summary: dict[str, Any] = {"start_version": start_version}
+    if start_version == 0:
+      summary["eval_before"] = self._eval_and_log()
+    for r in rollouts:
+      r.start()
+    bar = tqdm(total=cfg.num_steps, initial=start_version, desc="train", unit="step",
+               disable=not self.progress, dynamic_ncols=True)
+    last = {"t": time.perf_counter(), "gen_tokens": 0}
+    while self.trainer.version < cfg.num_steps and not self.stop.is_set():
+      groups, waited = self._next_batch(rollouts)
+      if groups is None:
+        break
+      metrics = self._train(groups, waited, rollouts, last)
+      version = self.trainer.version
+      self.echo(_line(version, metrics))
+      bar.update(1)
+      if cfg.eval.every_steps and version % cfg.eval.every_steps == 0:
+        self._eval_and_log()
+      if version % cfg.checkpoint.every_steps == 0:
+        self._checkpoint(rollouts)
+    bar.close()
+    self._checkpoint(rollouts, wait=True)
+    summary["end_version"] = self.trainer.version
+    if self.trainer.version >= cfg.num_steps:
+      summary["eval_after"] = self._eval_and_log()
+    return summary
+
+  def _next_batch(self, rollouts):
+    t0 = time.perf_counter()
+    while not self.stop.is_set():
+      for r in rollouts:
+        if (error := r.error()) is not None:
+          raise RuntimeError(f"rollout worker failed: {error}")
+      groups = self.server.get_batch(timeout=_BATCH_POLL_S)
+      if groups is not None:
+        return groups, time.perf_counter() - t0
+    return None, time.perf_counter() - t0
+
+  def _train(self, groups, waited, rollouts, last):
+    metrics = self.trainer.train(groups)
+    t0 = time.perf_counter()
+    self.server.publish(self.trainer.version, self.trainer.host_params())
+    now = time.perf_counter()
+    rewards = np.array([s.reward for g in groups for s in g.samples])
+    workers = [r.metrics() for r in rollouts]
+    gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
+    metrics.update(
+        reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
+        time_wait_s=waited, time_publish_s=now - t0,
+        train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
+        gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
+        server={k: v for k, v in self.server.metrics().items() if k != "staleness_hist"},
+        **(workers[0] if len(workers) == 1 else {"workers": workers}))
+    last.update(t=now, gen_tokens=gen_tokens)
+    self.log.write(self.trainer.version, metrics)
+    self.history.append(metrics)
+    return metrics
+
+  def _eval_and_log(self):
+    metrics = self.evaluate()
+    version = self.trainer.version
+    self.log.write(version, {"eval": metrics})
+    self.echo(f"eval v={version}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    return metrics
+
+  def _checkpoint(self, rollouts, wait=False):
+    if self.checkpointer.latest_step() == self.trainer.version:
+      return
+    meta = {"server": self.server.state_dict(), "version": self.trainer.version,
+            "prompts": [r.prompt_state() for r in rollouts]}
+    self.checkpointer.save(self.trainer.version, self.trainer.state, meta, wait=wait)
+
+  def close(self):
+    for closer in (self.eval_pool.shutdown, self.eval_rewards.close,
+                   self.checkpointer.close, self.log.close):
+      try:
+        closer()
+      except Exception:  # keep closing the rest; an earlier error is already raised
+        logging.exception("error while closing")
+
+
+def _line(version, m) -> str:
+  return (f"v={version} reward={m['reward_mean']:.3f} acc={m['accuracy']:.3f} "
+          f"stale={m['staleness_mean']:.2f}/{m['staleness_max']} "
+          f"gen={m['gen_tokens_per_s']:.0f}tok/s train={m['train_tokens_per_s']:.0f}tok/s "
+          f"wait={m['time_wait_s']:.2f}s train={m['time_train_s']:.2f}s "
+          f"publish={m['time_publish_s']:.2f}s loss={m['loss']:.4f}")

@@ -1,0 +1,52 @@
+r"""Asynchronous RL training binary.
+
+  python -m launch.train --config=configs/tiny.py --workdir=/tmp/async_rl_tiny \
+      [--config.staleness.max_staleness=0] [--placement=ray]
+
+Starting again with the same --workdir resumes from its latest checkpoint. SIGTERM
+(or Ctrl-C) checkpoints and exits.
+"""
+
+import signal
+import threading
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from async_rl.config import from_config_dict
+from async_rl.rl import launch
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+_PLACEMENT = flags.DEFINE_enum("placement", "in_process", launch.PLACEMENTS,
+                               "Where the components run.")
+_RAY_ADDRESS = flags.DEFINE_string("ray_address", None,
+                                   "An existing Ray cluster (default: start a local one).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "Multi-host trainer: jax.distributed coordinator "
+                                   "host:port (with --num_processes, --process_id).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "jax.distributed processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's jax.distributed id.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
+  cfg = from_config_dict(_CONFIG.value)
+  if _COORDINATOR.value:
+    import jax  # noqa: PLC0415 (only multi-host runs pay for the import here)
+    jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  summary = launch.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop,
+                       ray_address=_RAY_ADDRESS.value)
+  logging.info("done: %s", summary)
+
+
+if __name__ == "__main__":
+  app.run(main)

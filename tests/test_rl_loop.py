@@ -1,0 +1,42 @@
+"""End-to-end in-process runs: async and sync, metrics, staleness bound, failing rewards."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from async_rl.rl.run import run_in_process
+from rl_test_utils import small_config
+
+
+def _steps(workdir):
+  lines = [json.loads(l) for l in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  return [l for l in lines if "eval" not in l], [l for l in lines if "eval" in l]
+
+
+@pytest.mark.parametrize("eta, mode", [(1, "retract"), (0, "drain"), (2, "keep")])
+def test_run_trains_within_the_staleness_bound(tmp_path, eta, mode):
+  cfg = small_config(**{"staleness.max_staleness": eta, "generation.update_mode": mode})
+  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  assert summary["end_version"] == 3
+  steps, evals = _steps(tmp_path)
+  assert [s["step"] for s in steps] == [1, 2, 3]
+  assert len(evals) == 2 and "accuracy" in evals[0]["eval"]
+  for s in steps:
+    assert s["staleness_max"] <= eta
+    assert s["trained_tokens"] > 0 and s["skipped"] == 0
+    assert s["server"]["version"] == s["step"]
+    assert 0.0 <= s["reward_mean"] <= 1.0
+  assert (tmp_path / "config.json").exists()
+  assert list((tmp_path / "tensorboard").glob("events.*"))
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())[-1] == "3"
+
+
+def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path):
+  cfg = small_config(**{"rollout.reward_fn": "reward_fns_for_tests:raises",
+                        "num_steps": 2})
+  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  assert summary["end_version"] == 2
+  steps, _ = _steps(tmp_path)
+  assert steps[-1]["rewards"]["errors"] >= 2 * 2 * 2
+  assert all(s["reward_mean"] == 0.0 for s in steps)

@@ -244,6 +244,25 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """Supervised warm start on reference solutions before RL (0 steps: none)."""
+  steps: int = 0
+  batch_size: int = 64
+  learning_rate: float = 1e-3
+  log_every: int = 50
+
+  def __post_init__(self):
+    if self.steps < 0:
+      _fail("sft.steps", self.steps, "must be >= 0")
+    if self.batch_size < 1:
+      _fail("sft.batch_size", self.batch_size, "must be >= 1")
+    if self.learning_rate <= 0:
+      _fail("sft.learning_rate", self.learning_rate, "must be > 0")
+    if self.log_every < 1:
+      _fail("sft.log_every", self.log_every, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """Everything one run needs; `batch_groups` is B, prompt groups per training batch."""
   seed: int = 0
@@ -261,6 +280,7 @@ class ExperimentConfig:
   rollout: RolloutConfig = RolloutConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
+  sft: SFTConfig = SFTConfig()
 
   def __post_init__(self):
     for name in ("batch_groups", "num_steps"):
@@ -271,6 +291,14 @@ class ExperimentConfig:
       _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
             f"must hold the longest allowed sequence (generation.max_prompt_len + "
             f"generation.max_new_tokens = {longest})")
+    if self.task.max_prompt_tokens > self.generation.max_prompt_len:
+      _fail("generation.max_prompt_len", self.generation.max_prompt_len,
+            f"must hold the task's longest prompt ({self.task.max_prompt_tokens} tokens)")
+    sft_longest = self.task.max_prompt_tokens + self.task.max_solution_tokens
+    if self.sft.steps and self.batching.max_tokens_per_mb < sft_longest:
+      _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
+            f"must hold the longest warm-start sequence ({sft_longest} tokens) when "
+            f"sft.steps > 0")
     if longest > self.model.max_seq_len:
       _fail("model.max_seq_len", self.model.max_seq_len,
             f"must be >= generation.max_prompt_len + generation.max_new_tokens = {longest}")

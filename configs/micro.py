@@ -19,4 +19,5 @@ def get_config():
   c.staleness.update(max_staleness=1, max_concurrent=8)
   c.eval.update(num_prompts=4, pass_k=2)
   c.checkpoint.every_steps = 1
+  c.task.max_terms = 3
   return c

@@ -46,6 +46,10 @@ def test_conversion_types_and_defaults():
     ({"advantage": {"std_level": "prompt"}}, "advantage.std_level"),
     ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads"),
     ({"model": {"max_seq_len": 100}}, "model.max_seq_len"),
+    ({"generation": {"max_prompt_len": 8}, "batching": {"max_tokens_per_mb": 256}},
+     "generation.max_prompt_len"),
+    ({"sft": {"steps": 10}, "generation": {"max_prompt_len": 20, "max_new_tokens": 20},
+      "batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
     ({"optimizer": {"learning_rate": "fast"}}, "optimizer.learning_rate"),
     ({"num_steps": True}, "num_steps"),
 ])

@@ -26,6 +26,7 @@ from async_rl.rl.components import ArithmeticTask, make_engine
 from async_rl.rl.evaluate import evaluate
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
+from async_rl.sft import warm_start
 
 _BATCH_POLL_S = 0.5
 
@@ -52,9 +53,12 @@ class TrainerLoop:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(config_lib.to_dict(cfg), f, indent=2)
     self.task = ArithmeticTask(cfg.task)
-    self.trainer = Trainer(cfg, sharding.make_mesh(cfg.mesh), params=init_params)
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=cfg.checkpoint.keep)
+    mesh = sharding.make_mesh(cfg.mesh)
+    if self.checkpointer.latest_step() is None and init_params is None and cfg.sft.steps:
+      init_params = warm_start(cfg, mesh, echo=echo)
+    self.trainer = Trainer(cfg, mesh, params=init_params)
     self.resume_meta = self._maybe_restore()
     params = self.trainer.host_params()
     server.publish(self.trainer.version, params)

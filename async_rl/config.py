@@ -11,12 +11,12 @@ import types
 import typing
 from typing import Any, Optional
 
+from async_rl.generation.pool import UPDATE_MODES
+from async_rl.loss import LOSSES
 from async_rl.models.config import ModelConfig
 from async_rl.tasks.arithmetic import TaskConfig
 
 _LEVELS = ("group", "batch", None)
-UPDATE_MODES = ("retract", "keep", "drain")
-LOSSES = ("decoupled_ppo", "naive_ppo")
 SCHEDULES = ("constant", "cosine")
 
 
@@ -69,7 +69,7 @@ class PPOConfig:
 
   def __post_init__(self):
     if self.loss not in LOSSES:
-      _fail("ppo.loss", self.loss, f"must be one of {LOSSES}")
+      _fail("ppo.loss", self.loss, f"must be one of {sorted(LOSSES)}")
     if self.eps_clip <= 0:
       _fail("ppo.eps_clip", self.eps_clip, "must be > 0")
     if self.eps_clip_higher is not None and self.eps_clip_higher <= 0:
@@ -153,12 +153,6 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
   """Sampling and generator-pool settings; `group_size` samples per prompt."""
-
-  @property
-  def logp_temperature(self) -> float:
-    """The temperature of the recorded log-probs (greedy records them at 1)."""
-    return self.temperature or 1.0
-
   max_prompt_len: int = 64
   max_new_tokens: int = 128
   group_size: int = 8
@@ -180,6 +174,11 @@ class GenerationConfig:
       _fail("generation.top_p", self.top_p, "must lie in (0, 1]")
     if self.update_mode not in UPDATE_MODES:
       _fail("generation.update_mode", self.update_mode, f"must be one of {UPDATE_MODES}")
+
+  @property
+  def logp_temperature(self) -> float:
+    """The temperature of the recorded log-probs (greedy records them at 1)."""
+    return self.temperature or 1.0
 
 
 @dataclasses.dataclass(frozen=True)

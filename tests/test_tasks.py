@@ -10,6 +10,7 @@ import pytest
 from async_rl.tasks import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, CharTokenizer,
                             TaskConfig, TrainStream, extract_answer, heldout_set,
                             is_heldout, length_stats, make_problem, verify)
+from async_rl.tasks.arithmetic import answer_correct
 from async_rl.tasks.arithmetic import Problem
 from async_rl.tasks.tokenizer import CHARS
 
@@ -52,25 +53,28 @@ P = Problem(prompt="7+2-5+3=", answer="7", num_terms=4,
             solution="7+2=9\n9-5=4\n4+3=7\n#7")
 
 
-@pytest.mark.parametrize("completion, answer, reward", [
-    ("7+2=9\n9-5=4\n4+3=7\n#7", "7", 1.0),
-    ("#7", "7", 1.0),
-    ("wrong scratchpad\n#7\ntrailing", "7", 1.0),
-    ("#3\n#7", "7", 1.0),
-    ("#7\n#3", "3", 0.0),
-    ("7+2=9\n9-5=4\n4+3=8\n#8", "8", 0.0),
-    ("#07", "07", 0.0),
-    ("# 7", " 7", 0.0),
-    ("#7 ", "7 ", 0.0),
-    ("#-7", "-7", 0.0),
-    ("#77", "77", 0.0),
-    ("7+2=9\n9-5=4\n4+3=7\n", None, 0.0),
-    ("7+2=9\n#", None, 0.0),
-    ("#\n7", None, 0.0),
-    ("", None, 0.0),
+@pytest.mark.parametrize("completion, answer, answer_ok, reward", [
+    ("7+2=9\n9-5=4\n4+3=7\n#7", "7", 1.0, 1.0),
+    ("#7", "7", 1.0, 0.0),  # a guess: right answer, no work
+    ("wrong scratchpad\n#7\ntrailing", "7", 1.0, 0.0),
+    ("7+2=9\n9-5=4\n#7", "7", 1.0, 0.0),  # a step skipped
+    ("7+2=9\n9-5=5\n5+3=7\n#7", "7", 1.0, 0.0),  # a wrong step
+    ("#3\n#7", "7", 1.0, 0.0),
+    ("#7\n#3", "3", 0.0, 0.0),
+    ("7+2=9\n9-5=4\n4+3=8\n#8", "8", 0.0, 0.0),
+    ("7+2=9\n9-5=4\n4+3=7\n#07", "07", 0.0, 0.0),
+    ("7+2=9\n9-5=4\n4+3=7\n# 7", " 7", 0.0, 0.0),
+    ("7+2=9\n9-5=4\n4+3=7\n#7 ", "7 ", 0.0, 0.0),
+    ("7+2=9\n9-5=4\n4+3=7\n#7\n", "7", 1.0, 0.0),
+    ("#-7", "-7", 0.0, 0.0),
+    ("7+2=9\n9-5=4\n4+3=7\n", None, 0.0, 0.0),
+    ("7+2=9\n#", None, 0.0, 0.0),
+    ("#\n7", None, 0.0, 0.0),
+    ("", None, 0.0, 0.0),
 ])
-def test_extract_and_verify(completion, answer, reward):
+def test_extract_and_verify(completion, answer, answer_ok, reward):
   assert extract_answer(completion) == answer
+  assert answer_correct(completion, P) == answer_ok
   assert verify(completion, P) == reward
 
 

@@ -149,8 +149,18 @@ def extract_answer(completion: str) -> str | None:
 
 
 def verify(completion: str, problem: Problem) -> float:
-  """1.0 if the extracted answer equals `problem.answer` exactly, else 0.0.
+  """1.0 if the completion is a correct worked solution, else 0.0.
 
-  The scratchpad is not checked, only the final answer.
+  Every step must apply the prompt's next operator and operand to the running value
+  with the right result, one step per line, and end in `#answer`; for this task that
+  is exactly `problem.solution`. Checking the work, not only the final answer, is
+  what keeps the reward honest: answers are small numbers with a peaked
+  distribution, and with answer-only checking RL learned to skip the work and guess
+  the most frequent answer (every completion collapsed to `4\n#4`).
   """
+  return 1.0 if completion == problem.solution else 0.0
+
+
+def answer_correct(completion: str, problem: Problem) -> float:
+  """1.0 if the final answer alone is right (a diagnostic; guesses can score here)."""
   return 1.0 if extract_answer(completion) == problem.answer else 0.0

@@ -2,7 +2,10 @@
 
   python -m launch.train --config=configs/tiny.py --workdir=/tmp/async_rl_tiny
 
-Asynchronous (η = 4, retract updates); a few minutes on a 2-core CPU.
+A supervised warm start (100 steps), then asynchronous RL (η = 2, retract updates,
+200 steps of 8 prompts x 8 samples), with held-out evaluation before and after.
+About 2.5 minutes on a 2-core CPU. Expect held-out accuracy near 30% after the warm
+start; RL at this scale does not yet raise it reliably (see README).
 """
 
 from async_rl.config import default_config_dict
@@ -12,19 +15,21 @@ from async_rl.models import PRESETS
 def get_config():
   c = default_config_dict()
   c.batch_groups = 8
-  c.num_steps = 20
+  c.num_steps = 200
   c.model.update(PRESETS["tiny"])
   c.model.vocab_size = 32
   c.model.max_seq_len = 96
-  c.optimizer.learning_rate = 3e-4
+  c.optimizer.learning_rate = 1e-4
   c.optimizer.warmup_steps = 2
   c.ppo.behav_imp_weight_cap = 5.0
   c.batching.max_tokens_per_mb = 256
   c.generation.max_prompt_len = 32
   c.generation.max_new_tokens = 64
-  c.generation.group_size = 4
+  c.generation.group_size = 8
   c.generation.num_slots = 32
-  c.staleness.max_staleness = 4
+  c.staleness.max_staleness = 2
   c.staleness.max_concurrent = 32
-  c.eval.num_prompts = 100
+  c.eval.num_prompts = 200
+  c.sft.steps = 100
+  c.checkpoint.every_steps = 50
   return c

@@ -29,17 +29,14 @@ Compatibility shims, both applied on import:
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -60,6 +57,7 @@ from async_rl import models  # noqa: E402
 from async_rl.config import ExperimentConfig  # noqa: E402
 from async_rl.generation import engine as engine_lib  # noqa: E402
 from async_rl.generation.sampling import SamplingParams, SlotSampling  # noqa: E402
+from async_rl.rl.checkpoint import restore_params  # noqa: E402
 from async_rl.tasks import CharTokenizer  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -227,31 +225,6 @@ class Completion:
   """
   text: str
   token_ids: list[int]
-
-
-def restore_params(directory: str, cfg: models.ModelConfig, *, step: int | None = None,
-                   sharding: jax.sharding.Sharding | None = None):
-  """The params of a training checkpoint (`rl.checkpoint.Checkpointer`) under `directory`.
-
-  Reads only the params of the checkpoint at `step` (default: the latest), not the
-  optimizer state, onto `sharding` (default: the first device).
-  """
-  manager = ocp.CheckpointManager(os.path.abspath(directory),
-                                  options=ocp.CheckpointManagerOptions(create=False))
-  try:
-    step = manager.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {directory}")
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
-    target = {"params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)}
-    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True)))
-    return out["state"]["params"]
-  finally:
-    manager.close()
 
 
 class JetStreamServer:

@@ -5,11 +5,14 @@ a JSON item (`meta`) with the parameter server's counters, the prompt stream's
 position and anything else the loop needs to resume exactly.
 """
 
+import functools
 import os
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+
+from async_rl import models
 
 
 class Checkpointer:
@@ -43,6 +46,31 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def restore_params(directory: str, cfg: models.ModelConfig, *, step: int | None = None,
+                   sharding: jax.sharding.Sharding | None = None):
+  """The params of a `Checkpointer` checkpoint under `directory`, without its optimizer state.
+
+  Reads only the params of the checkpoint at `step` (default: the latest), onto
+  `sharding` (default: the first device): enough to serve or sample a trained policy.
+  """
+  manager = ocp.CheckpointManager(os.path.abspath(directory),
+                                  options=ocp.CheckpointManagerOptions(create=False))
+  try:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint under {directory}")
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
+    target = {"params": jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)}
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True)))
+    return out["state"]["params"]
+  finally:
+    manager.close()
 
 
 def _arrays(state) -> dict[str, Any]:

@@ -1,0 +1,46 @@
+"""Memory use of a run, computed from its shapes: the numbers the accelerator configs quote.
+
+Counts what lives for a whole run, in bytes, for the model as a whole (not per device):
+
+  params        N params in `model.param_dtype`.
+  optimizer     AdamW's two moments; optax keeps them in the params' dtype.
+  gradients     one gradient tree in float32 (`train_step` accumulates micro-batches
+                in float32 before the update).
+  kv_cache      one engine's cache: 2 (k and v) * L * S * T * K * E in `model.dtype`,
+                S = `generation.num_slots`, T = `generation.max_prompt_len +
+                generation.max_new_tokens`.
+
+Activations are left out: they scale with `batching.max_tokens_per_mb` and, with
+`model.remat`, are small next to these. `trainer` = params + optimizer + gradients,
+sharded over the mesh by `sharding.PARAM_RULES`; `generator` = params + kv_cache, one
+full copy per engine (the in-process placement runs two: rollout and evaluation).
+"""
+
+import jax.numpy as jnp
+
+from async_rl.config import ExperimentConfig
+
+GIB = 2**30
+
+
+def estimate_memory(cfg: ExperimentConfig) -> dict[str, int]:
+  """Bytes of params, optimizer, gradients, kv_cache, and the trainer/generator sums."""
+  m, g = cfg.model, cfg.generation
+  n = m.num_params()
+  param_bytes = jnp.dtype(m.param_dtype).itemsize
+  T = g.max_prompt_len + g.max_new_tokens
+  out = dict(
+      params=n * param_bytes,
+      optimizer=2 * n * param_bytes,
+      gradients=n * 4,
+      kv_cache=2 * m.n_layers * g.num_slots * T * m.n_kv_heads * m.head_dim
+      * jnp.dtype(m.dtype).itemsize,
+  )
+  out["trainer"] = out["params"] + out["optimizer"] + out["gradients"]
+  out["generator"] = out["params"] + out["kv_cache"]
+  return out
+
+
+def describe(cfg: ExperimentConfig) -> str:
+  """`estimate_memory(cfg)` as one line per entry, in GiB (what config docstrings quote)."""
+  return "\n".join(f"{k}: {v / GIB:.2f} GiB" for k, v in estimate_memory(cfg).items())

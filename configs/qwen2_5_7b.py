@@ -1,0 +1,60 @@
+"""Qwen2.5-7B shapes, bf16, sized for GSM8K-style math on one or eight GPUs.
+
+  python -m launch.train --config=configs/qwen2_5_7b.py --workdir=/tmp/q7
+
+Mesh: `data=1, fsdp=-1, tensor=1`, so the trainer's params, AdamW state and gradients
+are sharded over every device (fsdp=1 on one GPU, fsdp=8 on eight). Other 8-GPU
+layouts: `--config.mesh.fsdp=4 --config.mesh.tensor=2`, or `--config.mesh.data=2
+--config.mesh.fsdp=4`. The generator engines (rollout and evaluation) are not on the
+mesh: each holds a full copy of the params and its KV cache on the first device.
+
+Expected memory (`async_rl.models.memory.describe(cfg)`; 7,615,616,512 params; whole
+model, before sharding; activations not counted):
+
+  params: 14.19 GiB       (bf16)
+  optimizer: 28.37 GiB    (AdamW moments, bf16 like the params)
+  gradients: 28.37 GiB    (float32)
+  kv_cache: 3.50 GiB      (per engine: 2 * 28 L * 64 S * 1024 T * 4 K * 128 E * 2 bytes)
+  trainer: 70.93 GiB      (/ fsdp per device)
+  generator: 17.69 GiB    (per engine, all on the first device)
+
+One GPU needs 106.3 GiB before activations (trainer + two engines): an H200 (141 GB)
+holds it, an 80 GB GPU does not. On eight GPUs (fsdp=8) each holds 8.87 GiB of
+trainer state and the first also both engines (44.2 GiB in all there).
+
+What runs today: the training binary still builds the arithmetic task with its
+character tokenizer and random initial weights (see README, "Training a Qwen model
+from a local checkpoint"), so this config trains the 7B-shaped model on arithmetic.
+The shapes (256 prompt + 768 new tokens) and the group settings are those for GSM8K.
+"""
+
+from async_rl.config import default_config_dict
+from async_rl.models import PRESETS
+
+
+def get_config():
+  c = default_config_dict()
+  c.batch_groups = 32
+  c.num_steps = 200
+  c.model.update(PRESETS["qwen2.5-7b"])
+  c.model.max_seq_len = 1024
+  c.optimizer.learning_rate = 1e-6
+  c.optimizer.warmup_steps = 10
+  c.optimizer.grad_clip = 1.0
+  c.ppo.loss = "decoupled_ppo"
+  c.ppo.behav_imp_weight_cap = 5.0
+  c.batching.max_tokens_per_mb = 8192
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 1
+  c.generation.max_prompt_len = 256
+  c.generation.max_new_tokens = 768
+  c.generation.group_size = 8
+  c.generation.temperature = 1.0
+  c.generation.num_slots = 64
+  c.generation.update_mode = "retract"
+  c.staleness.max_staleness = 4
+  c.staleness.max_concurrent = 64
+  c.eval.num_prompts = 200
+  c.checkpoint.every_steps = 50
+  return c

@@ -1,0 +1,43 @@
+"""estimate_memory: a hand computation for Qwen2.5-1.5B, and the configs quote its numbers."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from async_rl.config import from_config_dict
+from async_rl.models.memory import GIB, describe, estimate_memory
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+ACCELERATOR_CONFIGS = ("qwen2_5_1_5b", "qwen2_5_7b")
+
+
+def _module(name):
+  spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_qwen2_5_1_5b_by_hand():
+  cfg = from_config_dict(_module("qwen2_5_1_5b").get_config())
+  # Per layer: q,o 2*1536*12*128; k,v 2*1536*2*128; gate,up,down 3*1536*8960; two norms;
+  # q/k/v biases (12+2+2)*128. Tied embedding 151936*1536, final norm 1536.
+  per_layer = 2 * 1536 * 1536 + 2 * 1536 * 256 + 3 * 1536 * 8960 + 2 * 1536 + 16 * 128
+  n = 28 * per_layer + 151936 * 1536 + 1536
+  assert n == 1_543_714_304
+  kv = 2 * 28 * 128 * (256 + 768) * 2 * 128 * 2
+  assert estimate_memory(cfg) == dict(
+      params=2 * n, optimizer=4 * n, gradients=4 * n, kv_cache=kv,
+      trainer=10 * n, generator=2 * n + kv)
+  assert kv == 3.5 * GIB
+
+
+@pytest.mark.parametrize("name", ACCELERATOR_CONFIGS)
+def test_docstring_quotes_the_estimate(name):
+  module = _module(name)
+  cfg = from_config_dict(module.get_config())
+  quoted = dict(re.findall(r"^  (\w+): ([\d.]+ GiB)", module.__doc__, re.MULTILINE))
+  printed = dict(line.split(": ") for line in describe(cfg).splitlines())
+  assert quoted == printed

@@ -1,0 +1,108 @@
+"""Configuration of the discrete-event simulator, and its output-length sampler."""
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+MODES = ("sync", "async")
+UPDATE_MODES = ("retract", "keep", "drain")
+LENGTH_DISTS = ("constant", "lognormal", "pareto")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  """One simulated system. Times in seconds, lengths in tokens.
+
+  `mode="sync"`: generation and training alternate on the same accelerators;
+  generation runs on `num_generators` of them and training on `trainer_accelerators`
+  (usually both equal to the whole cluster), and `max_staleness` must be 0, so the
+  alternation comes from the gate itself (DESIGN: η = 0 is the synchronous baseline).
+  `mode="async"`: `num_generators` and `trainer_accelerators` are disjoint and run
+  concurrently. `accelerators` is the hardware either mode occupies.
+
+  Costs: a decode step of a generator with `a` active slots takes
+  `decode_step_base + decode_step_per_slot * a` and yields one token per active slot;
+  starting a sample costs `prefill_per_token * prompt_tokens`; under `retract` every
+  in-flight sample is re-prefilled (prompt and tokens so far) at each weight update;
+  applying new weights costs a generator `weight_sync`; a finished group is scored
+  `reward_latency` later; a training step costs
+  `trainer_per_token * (prompt + output tokens) / trainer_accelerators`.
+
+  Output lengths: `length_dist` "constant" (`length_median` every time), "lognormal"
+  (median `length_median`, log-sd `length_sigma`) or "pareto" (minimum
+  `length_median / 2 ** (1 / length_alpha)`, so its median is `length_median`, tail
+  index `length_alpha`), rounded and clipped to [1, `max_length`].
+  """
+  mode: str = "async"
+  num_generators: int = 4
+  trainer_accelerators: int = 1
+  slots: int = 16
+  decode_step_base: float = 0.02
+  decode_step_per_slot: float = 0.0005
+  prefill_per_token: float = 1e-5
+  prompt_tokens: int = 128
+  reward_latency: float = 0.0
+  trainer_per_token: float = 3e-4
+  weight_sync: float = 0.0
+  max_staleness: Optional[int] = 4
+  batch_groups: int = 8
+  group_size: int = 8
+  update_mode: str = "retract"
+  length_dist: str = "lognormal"
+  length_median: float = 256.0
+  length_sigma: float = 1.0
+  length_alpha: float = 1.5
+  max_length: int = 4096
+
+  def __post_init__(self):
+    _check_choice("mode", self.mode, MODES)
+    _check_choice("update_mode", self.update_mode, UPDATE_MODES)
+    _check_choice("length_dist", self.length_dist, LENGTH_DISTS)
+    for name in ("num_generators", "trainer_accelerators", "slots", "prompt_tokens",
+                 "batch_groups", "group_size", "max_length"):
+      _check(name, isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+             "an int >= 1")
+    for name in ("decode_step_per_slot", "prefill_per_token", "reward_latency",
+                 "trainer_per_token", "weight_sync"):
+      _check(name, getattr(self, name) >= 0, ">= 0")
+    _check("decode_step_base", self.decode_step_base > 0, "> 0")
+    _check("length_median", 1 <= self.length_median <= self.max_length,
+           "in [1, max_length]")
+    _check("length_sigma", self.length_sigma >= 0, ">= 0")
+    _check("length_alpha", self.length_alpha > 0, "> 0")
+    if self.max_staleness is not None:
+      _check("max_staleness", isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+             "an int >= 0 or None")
+    if self.mode == "sync":
+      _check("max_staleness", self.max_staleness == 0,
+             "0 in sync mode (generation and training alternate)")
+
+  @property
+  def accelerators(self) -> int:
+    """The accelerators the system occupies: shared in sync mode, disjoint in async."""
+    if self.mode == "sync":
+      return max(self.num_generators, self.trainer_accelerators)
+    return self.num_generators + self.trainer_accelerators
+
+
+def _check(name, ok, what):
+  if not ok:
+    raise ValueError(f"SimConfig.{name} must be {what}")
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"SimConfig.{name} must be one of {choices}, got {value!r}")
+
+
+def sample_lengths(cfg: SimConfig, rng: np.random.Generator, n: int) -> np.ndarray:
+  """`n` output lengths drawn from `cfg`'s distribution, as ints in [1, max_length]."""
+  if cfg.length_dist == "constant":
+    raw = np.full(n, cfg.length_median)
+  elif cfg.length_dist == "lognormal":
+    raw = cfg.length_median * np.exp(cfg.length_sigma * rng.standard_normal(n))
+  else:
+    scale = cfg.length_median / 2 ** (1 / cfg.length_alpha)
+    raw = scale * (1 + rng.pareto(cfg.length_alpha, n))
+  return np.clip(np.rint(raw), 1, cfg.max_length).astype(np.int64)

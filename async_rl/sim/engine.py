@@ -1,0 +1,286 @@
+"""A discrete-event simulation of generators, reward, buffer, trainer and weight updates.
+
+Events are decode-segment ends: between two of them a generator's occupancy, and so
+its step time, is constant, so a segment runs until its shortest sample finishes, or
+until the next decode-step boundary after something the generator must react to (new
+weights, freed gate capacity). Admission goes through the real `StalenessGate`
+(acquired at the generator's weights version); the buffer mirrors `AdmissionBuffer`'s
+strict per-token rule: a group with a token older than v - η is dropped when offered
+or, while waiting, when v moves; the trainer takes the oldest groups first.
+"""
+
+import dataclasses
+import heapq
+import itertools
+import math
+import numpy as np
+
+from async_rl.param_server.gate import StalenessGate
+from async_rl.sim.config import SimConfig, sample_lengths
+
+Interval = tuple[float, float, str]
+
+
+@dataclasses.dataclass
+class SimResult:
+  """What `simulate` predicts. Staleness counts trained generated tokens."""
+  config: SimConfig
+  wall_time: float
+  trained_samples: int
+  trained_tokens: int
+  generated_tokens: int
+  dropped_groups: int
+  samples_per_s: float
+  tokens_per_s: float
+  generator_idle: float
+  trainer_idle: float
+  staleness_mean: float
+  staleness_max: int
+  staleness_hist: list[int]
+  step_end_times: list[float]
+  timelines: dict[str, list[Interval]]  # component -> merged busy (start, end, label)
+
+
+class _Sample:
+  __slots__ = ("group", "length", "done", "versions")
+
+  def __init__(self, group, length):
+    self.group, self.length, self.done = group, int(length), 0
+    self.versions: list[list[int]] = []  # [version, tokens] runs, oldest first.
+
+
+class _Group:
+  __slots__ = ("samples", "finished")
+
+  def __init__(self):
+    self.samples: list[_Sample] = []
+    self.finished = 0
+
+  def min_version(self):
+    return min(run[0] for s in self.samples for run in s.versions)
+
+
+class _Generator:
+
+  def __init__(self, idx):
+    self.name = f"generator{idx}"
+    self.version = 0
+    self.active: list[_Sample] = []
+    self.queue: list[_Sample] = []
+    self.seg_start = self.seg_end = 0.0
+    self.dt = 0.0
+    self.scheduled = False
+    self.epoch = 0
+
+
+class _Simulation:
+
+  def __init__(self, cfg: SimConfig, num_steps: int, seed: int):
+    self.cfg, self.num_steps = cfg, num_steps
+    self.rng = np.random.default_rng(seed)
+    self.gate = StalenessGate(max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups,
+                              max_concurrent=cfg.num_generators * cfg.slots)
+    self.gens = [_Generator(i) for i in range(cfg.num_generators)]
+    self.events: list = []
+    self.order = itertools.count()
+    self.published = 0  # Trainer version v: updates completed.
+    self.buffer: list = []  # Heap of (min_version, order, group).
+    self.trainer_busy = False
+    self.dropped = self.generated = self.trained_samples = self.trained_tokens = 0
+    self.stale_counts: dict[int, int] = {}
+    self.step_end_times: list[float] = []
+    self.timelines: dict[str, list[Interval]] = {g.name: [] for g in self.gens}
+    self.timelines["trainer"] = []
+
+  def run(self) -> float:
+    for gen in self.gens:
+      self._wake(gen, 0.0)
+    while len(self.step_end_times) < self.num_steps:
+      if not self.events:
+        raise RuntimeError("simulation stalled: no event left before the last step")
+      now, _, kind, obj, epoch = heapq.heappop(self.events)
+      if kind == "gen":
+        if epoch == obj.epoch:
+          obj.scheduled = False
+          self._advance(obj, now)
+      elif kind == "reward":
+        self._offer(obj, now)
+        self._try_train(now)
+      else:
+        self._trained(now)
+    return self.step_end_times[-1]
+
+  def _push(self, time, kind, obj=None, epoch=0):
+    heapq.heappush(self.events, (time, next(self.order), kind, obj, epoch))
+
+  def _busy(self, name, start, end, label):
+    if end <= start:
+      return
+    lane = self.timelines[name]
+    if lane and lane[-1][2] == label and lane[-1][1] == start:
+      lane[-1] = (lane[-1][0], end, label)
+    else:
+      lane.append((start, end, label))
+
+  def _wake(self, gen, time):
+    gen.epoch += 1
+    gen.scheduled = True
+    self._push(time, "gen", gen, gen.epoch)
+
+  def _poke(self, gen, now):
+    """Makes `gen` react at its next decode-step boundary (between two steps)."""
+    if not gen.scheduled:
+      self._wake(gen, now)
+      return
+    if not gen.active or now >= gen.seg_end:
+      return
+    steps = math.ceil(max(0.0, now - gen.seg_start) / gen.dt - 1e-9)
+    boundary = gen.seg_start + steps * gen.dt
+    if boundary < gen.seg_end:
+      self._wake(gen, boundary)
+
+  def _advance(self, gen, now):
+    cfg = self.cfg
+    if gen.active and now > gen.seg_start:
+      steps = round((now - gen.seg_start) / gen.dt)
+      self._busy(gen.name, gen.seg_start, now, "decode")
+      still = []
+      for sample in gen.active:
+        sample.done += steps
+        runs = sample.versions
+        if runs and runs[-1][0] == gen.version:
+          runs[-1][1] += steps
+        else:
+          runs.append([gen.version, steps])
+        if sample.done < sample.length:
+          still.append(sample)
+          continue
+        group = sample.group
+        group.finished += 1
+        if group.finished == cfg.group_size:
+          self._push(now + cfg.reward_latency, "reward", group)
+      self.generated += steps * len(gen.active)
+      gen.active = still
+    overhead, label = 0.0, "prefill"
+    if self.published > gen.version:
+      if cfg.update_mode == "drain" and gen.active:
+        self._schedule(gen, now, 0.0)  # In-flight finish on the old weights.
+        return
+      if cfg.update_mode == "retract":
+        overhead += cfg.prefill_per_token * sum(cfg.prompt_tokens + s.done for s in gen.active)
+      overhead += cfg.weight_sync
+      gen.version = self.published
+      label = "update"
+    while cfg.slots - len(gen.active) - len(gen.queue) > 0 and self.gate.acquire(gen.version):
+      group = _Group()
+      group.samples = [_Sample(group, n) for n in sample_lengths(cfg, self.rng, cfg.group_size)]
+      gen.queue.extend(group.samples)
+    starting = gen.queue[:cfg.slots - len(gen.active)]
+    del gen.queue[:len(starting)]
+    gen.active.extend(starting)
+    overhead += cfg.prefill_per_token * cfg.prompt_tokens * len(starting)
+    self._busy(gen.name, now, now + overhead, label)
+    self._schedule(gen, now + overhead, overhead)
+
+  def _schedule(self, gen, start, overhead):
+    gen.seg_start = start
+    if not gen.active:
+      gen.seg_end = start
+      if overhead > 0:
+        self._wake(gen, start)  # Pick up whatever arrived while updating.
+      return
+    gen.dt = self.cfg.decode_step_base + self.cfg.decode_step_per_slot * len(gen.active)
+    gen.seg_end = start + min(s.length - s.done for s in gen.active) * gen.dt
+    self._wake(gen, gen.seg_end)
+
+  def _is_stale(self, min_version, version):
+    eta = self.cfg.max_staleness
+    return eta is not None and version - min_version > eta
+
+  def _offer(self, group, now):
+    min_version = group.min_version()
+    if self._is_stale(min_version, self.published):
+      self.gate.finish_rejected()
+      self.dropped += 1
+      self._poke_all(now)
+    else:
+      self.gate.finish_accepted()
+      heapq.heappush(self.buffer, (min_version, next(self.order), group))
+
+  def _try_train(self, now):
+    cfg = self.cfg
+    if self.trainer_busy or len(self.buffer) < cfg.batch_groups:
+      return
+    groups = [heapq.heappop(self.buffer)[2] for _ in range(cfg.batch_groups)]
+    tokens = 0
+    for group in groups:
+      for sample in group.samples:
+        tokens += cfg.prompt_tokens + sample.length
+        self.trained_tokens += sample.length
+        for version, count in sample.versions:
+          lag = self.published - version
+          self.stale_counts[lag] = self.stale_counts.get(lag, 0) + count
+    self.trained_samples += cfg.batch_groups * cfg.group_size
+    duration = cfg.trainer_per_token * tokens / cfg.trainer_accelerators
+    self.trainer_busy = True
+    self._busy("trainer", now, now + duration, "train")
+    self._push(now + duration, "trained")
+
+  def _trained(self, now):
+    self.trainer_busy = False
+    self.published += 1
+    self.step_end_times.append(now)
+    self.gate.set_version(self.published)
+    stale = 0
+    while self.buffer and self._is_stale(self.buffer[0][0], self.published):
+      heapq.heappop(self.buffer)
+      stale += 1
+    if stale:
+      self.gate.drop_accepted(stale)
+      self.dropped += stale
+    self._poke_all(now)
+    self._try_train(now)
+
+  def _poke_all(self, now):
+    for gen in self.gens:
+      draining = self.cfg.update_mode == "drain" and gen.active
+      wants = self.published > gen.version or (
+          self.cfg.slots - len(gen.active) - len(gen.queue) > 0)
+      if wants and not draining:
+        self._poke(gen, now)
+
+  def result(self, end: float) -> SimResult:
+    cfg = self.cfg
+    for gen in self.gens:
+      if gen.active:
+        self._busy(gen.name, gen.seg_start, end, "decode")
+    for name, lane in self.timelines.items():
+      self.timelines[name] = [(s, min(e, end), label) for s, e, label in lane if s < end]
+    busy = {name: sum(e - s for s, e, _ in lane) for name, lane in self.timelines.items()}
+    gen_busy = sum(v for k, v in busy.items() if k != "trainer")
+    hist = [self.stale_counts.get(k, 0) for k in range(max(self.stale_counts, default=-1) + 1)]
+    counted = sum(hist)
+    return SimResult(
+        config=cfg, wall_time=end, trained_samples=self.trained_samples,
+        trained_tokens=self.trained_tokens, generated_tokens=self.generated,
+        dropped_groups=self.dropped, samples_per_s=self.trained_samples / end,
+        tokens_per_s=self.trained_tokens / end,
+        generator_idle=max(0.0, 1 - gen_busy / (cfg.num_generators * end)),
+        trainer_idle=max(0.0, 1 - busy["trainer"] / end),
+        staleness_mean=sum(k * c for k, c in enumerate(hist)) / max(counted, 1),
+        staleness_max=len(hist) - 1 if counted else 0, staleness_hist=hist,
+        step_end_times=list(self.step_end_times), timelines=self.timelines)
+
+
+def simulate(cfg: SimConfig, num_steps: int, seed: int = 0) -> SimResult:
+  """Simulates `num_steps` training steps of `cfg`; deterministic for a given `seed`.
+
+  Throughput counts the samples and generated tokens trained by the end of the last
+  step, over that step's end time.
+  """
+  if not isinstance(num_steps, int) or num_steps < 1:
+    raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+  if not isinstance(cfg, SimConfig):
+    raise ValueError(f"cfg must be a SimConfig, got {type(cfg).__name__}")
+  sim = _Simulation(cfg, num_steps, seed)
+  return sim.result(sim.run())

@@ -1,0 +1,142 @@
+"""The simulator's bookkeeping: mode equivalences, the staleness bound, determinism."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from async_rl.sim import SimConfig, sample_lengths, simulate
+
+# With constant lengths, B * G = generators * slots makes every wave fill all slots
+# and finish at once, so sync and async see the same event times, computed by the
+# same float operations in the same order; only summation order may differ.
+_REL = 1e-9
+
+
+def _aligned(**kw):
+  base = dict(num_generators=4, slots=8, batch_groups=8, group_size=4, length_dist="constant",
+              length_median=50, trainer_per_token=0.0, reward_latency=0.0, weight_sync=0.0,
+              prefill_per_token=1e-4)
+  base.update(kw)
+  return SimConfig(**base)
+
+
+# Under retract, async refills a slot at the wave's end and then re-prefills it when
+# the (instant) update lands; sync updates first. So retract coincides only with a
+# free prefill; `test_retract_pays_one_re_prefill_per_wave` checks the difference.
+@pytest.mark.parametrize("update_mode, prefill", [("keep", 1e-4), ("drain", 1e-4),
+                                                  ("retract", 0.0)])
+@pytest.mark.parametrize("eta", [1, 4, None])
+def test_zero_cost_trainer_constant_lengths_sync_equals_async(update_mode, prefill, eta):
+  sync = simulate(_aligned(mode="sync", trainer_accelerators=4, max_staleness=0,
+                           prefill_per_token=prefill), 6)
+  asyn = simulate(_aligned(mode="async", trainer_accelerators=1, max_staleness=eta,
+                           update_mode=update_mode, prefill_per_token=prefill), 6)
+  assert sync.trained_samples == asyn.trained_samples == 6 * 32
+  assert asyn.samples_per_s == pytest.approx(sync.samples_per_s, rel=_REL)
+  assert asyn.tokens_per_s == pytest.approx(sync.tokens_per_s, rel=_REL)
+  np.testing.assert_allclose(asyn.step_end_times, sync.step_end_times, rtol=_REL)
+  # One wave per step: 50 decode steps at full occupancy plus the prefill of 8 slots.
+  wave = 50 * (0.02 + 0.0005 * 8) + prefill * 128 * 8
+  assert sync.step_end_times[0] == pytest.approx(wave, rel=_REL)
+
+
+def test_retract_pays_one_re_prefill_per_wave():
+  sync = simulate(_aligned(mode="sync", trainer_accelerators=4, max_staleness=0), 4)
+  asyn = simulate(_aligned(mode="async", max_staleness=1, update_mode="retract"), 4)
+  wave = 50 * (0.02 + 0.0005 * 8) + 1e-4 * 128 * 8
+  np.testing.assert_allclose(sync.step_end_times, wave * np.arange(1, 5), rtol=_REL)
+  # Waves after the first re-prefill their 8 fresh slots (prompts only) once.
+  np.testing.assert_allclose(np.diff(asyn.step_end_times), wave + 1e-4 * 128 * 8, rtol=_REL)
+
+
+@pytest.mark.parametrize("update_mode", ["retract", "keep", "drain"])
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+def test_staleness_never_exceeds_eta(update_mode, eta):
+  maxes = []
+  for seed in range(3):
+    cfg = SimConfig(num_generators=3, trainer_accelerators=1, slots=8, batch_groups=4,
+                    group_size=4, max_staleness=eta, update_mode=update_mode,
+                    length_dist="pareto", length_alpha=1.2, length_median=40, max_length=2000,
+                    trainer_per_token=2e-5, reward_latency=0.05, weight_sync=0.01)
+    res = simulate(cfg, 12, seed)
+    assert res.staleness_max <= eta
+    assert len(res.staleness_hist) <= eta + 1
+    assert sum(res.staleness_hist) == res.trained_tokens
+    assert res.trained_samples == 12 * 16
+    maxes.append(res.staleness_max)
+  assert max(maxes) == eta  # The bound is reached, so the check above has teeth.
+
+
+def test_unbounded_staleness_exceeds_small_bounds():
+  """The bound test above could not fail if staleness never arose: here it does."""
+  cfg = SimConfig(num_generators=3, trainer_accelerators=1, slots=8, batch_groups=4,
+                  group_size=4, max_staleness=None, length_dist="pareto", length_alpha=1.2,
+                  length_median=40, max_length=2000, trainer_per_token=2e-5)
+  assert simulate(cfg, 12, 0).staleness_max >= 2
+
+
+def test_eta_zero_async_alternates_like_sync():
+  kw = dict(num_generators=4, trainer_accelerators=2, slots=8, batch_groups=6, group_size=4,
+            max_staleness=0, length_dist="lognormal", length_median=60, max_length=1000,
+            trainer_per_token=1e-4, reward_latency=0.03, weight_sync=0.02)
+  sync = simulate(SimConfig(mode="sync", **kw), 8, seed=3)
+  asyn = simulate(SimConfig(mode="async", **kw), 8, seed=3)
+  assert asyn.staleness_max == sync.staleness_max == 0
+  assert asyn.dropped_groups == 0
+  assert asyn.step_end_times == sync.step_end_times
+  assert asyn.timelines == sync.timelines
+  assert (sync.config.accelerators, asyn.config.accelerators) == (4, 6)
+  # Alternation: no generator is busy while the trainer trains.
+  for start, end, _ in sync.timelines["trainer"]:
+    for name, lane in sync.timelines.items():
+      if name != "trainer":
+        assert all(e <= start or s >= end for s, e, _ in lane), name
+
+
+def test_long_tail_makes_async_faster_at_equal_accelerators():
+  kw = dict(slots=16, batch_groups=32, group_size=4, length_dist="lognormal",
+            length_median=200, length_sigma=1.2, max_length=8000, trainer_per_token=1e-4,
+            weight_sync=0.1, reward_latency=0.05)
+  sync = simulate(SimConfig(mode="sync", num_generators=8, trainer_accelerators=8,
+                            max_staleness=0, **kw), 10)
+  asyn = simulate(SimConfig(mode="async", num_generators=6, trainer_accelerators=2,
+                            max_staleness=4, **kw), 10)
+  assert sync.config.accelerators == asyn.config.accelerators == 8
+  assert asyn.samples_per_s > 1.5 * sync.samples_per_s
+  assert asyn.generator_idle < sync.generator_idle
+
+
+def test_deterministic_for_a_seed():
+  cfg = SimConfig(num_generators=3, batch_groups=4, group_size=4, max_staleness=2)
+  a, b, c = simulate(cfg, 5, seed=7), simulate(cfg, 5, seed=7), simulate(cfg, 5, seed=8)
+  assert a == b
+  assert a.step_end_times != c.step_end_times
+
+
+def test_sample_lengths():
+  rng = np.random.default_rng(0)
+  for dist in ("lognormal", "pareto"):
+    cfg = SimConfig(length_dist=dist, length_median=100, max_length=1000)
+    n_N = sample_lengths(cfg, rng, 20000)
+    assert n_N.min() >= 1 and n_N.max() == 1000
+    assert np.median(n_N) == pytest.approx(100, rel=0.05)
+  assert set(sample_lengths(SimConfig(length_dist="constant", length_median=7), rng, 9)) == {7}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mode", "both"), ("update_mode", "pause"), ("length_dist", "zipf"),
+    ("num_generators", 0), ("slots", 0), ("batch_groups", 0), ("group_size", 0),
+    ("trainer_accelerators", 0), ("decode_step_base", 0.0), ("trainer_per_token", -1.0),
+    ("weight_sync", -0.1), ("max_staleness", -1), ("length_median", 10**6),
+    ("length_sigma", -1.0), ("length_alpha", 0.0)])
+def test_bad_config_names_the_field(field, value):
+  with pytest.raises(ValueError, match=f"SimConfig.{field} "):
+    dataclasses.replace(SimConfig(), **{field: value})
+
+
+def test_sync_requires_eta_zero_and_positive_steps():
+  with pytest.raises(ValueError, match="SimConfig.max_staleness "):
+    SimConfig(mode="sync", max_staleness=1)
+  with pytest.raises(ValueError, match="num_steps"):
+    simulate(SimConfig(), 0)

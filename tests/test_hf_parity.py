@@ -16,43 +16,17 @@ pytest.importorskip("safetensors", reason="the HF loader needs safetensors")
 from async_rl import models  # noqa: E402
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
 from async_rl.models import hf  # noqa: E402
+from hf_test_utils import COMMON, our_logits, torch_logits, torch_model  # noqa: E402
 
 # float32 reference vs float32 ours: differences are summation-order rounding, ~1e-6.
 TOL = 1e-4
 T = 12
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              rms_norm_eps=1e-5, initializer_range=0.1)
 VARIANTS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_theta=5000.0),
     "qwen2_tied": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True,
                                                    rope_theta=1e6),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_theta=2e4),
 }
-_forward = jax.jit(models.forward, static_argnums=1)
-
-
-def _torch_model(hf_config, seed=0):
-  torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-  # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name or name.endswith("bias"):
-        p.add_(0.3 * torch.randn_like(p))
-  return model.eval()
-
-
-def _torch_logits(model, tokens_T):
-  with torch.no_grad():
-    return model(torch.tensor(tokens_T)[None]).logits[0].numpy()
-
-
-def _our_logits(cfg, params, tokens_T):
-  n = len(tokens_T)
-  out = _forward(params, cfg, np.asarray(tokens_T)[None], np.arange(n)[None],
-                 np.ones((1, n), np.int32))
-  return np.asarray(out)[0]
 
 
 def _tokens(seed=0, n=T):
@@ -61,7 +35,7 @@ def _tokens(seed=0, n=T):
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def saved(request, tmp_path_factory):
-  model = _torch_model(VARIANTS[request.param]())
+  model = torch_model(VARIANTS[request.param]())
   model_dir = str(tmp_path_factory.mktemp(request.param))
   model.save_pretrained(model_dir)
   return request.param, model, model_dir
@@ -85,7 +59,7 @@ def test_logits_match_transformers(saved):
   _, model, model_dir = saved
   cfg, params = hf.load_hf(model_dir)
   tokens = _tokens()
-  diff = np.abs(_our_logits(cfg, params, tokens) - _torch_logits(model, tokens)).max()
+  diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(model, tokens)).max()
   assert diff <= TOL, diff
 
 
@@ -96,7 +70,7 @@ def test_sharded_load_matches(saved):
   cfg, params = hf.load_hf(model_dir, mesh=mesh)
   assert params["layers"]["q"].sharding.mesh == mesh
   tokens = _tokens(1)
-  diff = np.abs(_our_logits(cfg, params, tokens) - _torch_logits(model, tokens)).max()
+  diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(model, tokens)).max()
   assert diff <= TOL, diff
 
 
@@ -113,7 +87,7 @@ def test_export_round_trips_through_transformers(saved, tmp_path):
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
                                                                dtype=torch.float32).eval()
   tokens = _tokens(2)
-  diff = np.abs(_our_logits(cfg, params, tokens) - _torch_logits(reloaded, tokens)).max()
+  diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(reloaded, tokens)).max()
   assert diff <= TOL, diff
   cfg2, params2 = hf.load_hf(str(tmp_path))
   assert cfg2 == cfg
@@ -185,5 +159,5 @@ def test_sharded_index_is_followed(saved, tmp_path):
   assert os.path.exists(tmp_path / "model.safetensors.index.json")
   cfg, params = hf.load_hf(str(tmp_path))
   tokens = _tokens(4)
-  diff = np.abs(_our_logits(cfg, params, tokens) - _torch_logits(model, tokens)).max()
+  diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(model, tokens)).max()
   assert diff <= TOL, diff

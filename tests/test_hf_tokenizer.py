@@ -5,22 +5,9 @@ import json
 import pytest
 
 pytest.importorskip("tokenizers")
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 from async_rl.models.hf_tokenizer import HFTokenizer, chat_prompt  # noqa: E402
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["what is two plus two", "the answer is four", "system user assistant",
-          "please reason step by step"]
-
-
-def _save_tokenizer(model_dir, specials=SPECIALS):
-  tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-  tok.add_special_tokens(specials)
-  tok.save(str(model_dir / "tokenizer.json"))
-  return tok
+from hf_test_utils import save_tokenizer  # noqa: E402
 
 
 def _write(model_dir, name, obj):
@@ -28,7 +15,7 @@ def _write(model_dir, name, obj):
 
 
 def test_round_trip_and_ids_from_generation_config(tmp_path):
-  tok = _save_tokenizer(tmp_path)
+  tok = save_tokenizer(tmp_path)
   endoftext, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
   _write(tmp_path, "config.json", {"eos_token_id": endoftext})
   _write(tmp_path, "generation_config.json",
@@ -44,7 +31,7 @@ def test_round_trip_and_ids_from_generation_config(tmp_path):
 
 
 def test_ids_fall_back_to_config_and_tokenizer_config(tmp_path):
-  tok = _save_tokenizer(tmp_path)
+  tok = save_tokenizer(tmp_path)
   endoftext, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
   _write(tmp_path, "config.json", {"eos_token_id": endoftext})
   t = HFTokenizer(str(tmp_path))
@@ -61,7 +48,7 @@ def test_ids_fall_back_to_config_and_tokenizer_config(tmp_path):
 def test_missing_files_and_ids_are_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="tokenizer.json"):
     HFTokenizer(str(tmp_path))
-  _save_tokenizer(tmp_path)
+  save_tokenizer(tmp_path)
   with pytest.raises(ValueError, match="no EOS id"):
     HFTokenizer(str(tmp_path))
   _write(tmp_path, "tokenizer_config.json", {"eos_token": "<eos>"})
@@ -79,7 +66,7 @@ def test_chat_template():
 
 
 def test_chat_prompt_encodes_special_tokens_as_single_ids(tmp_path):
-  tok = _save_tokenizer(tmp_path)
+  tok = save_tokenizer(tmp_path)
   _write(tmp_path, "config.json", {"eos_token_id": tok.token_to_id("<|im_end|>")})
   t = HFTokenizer(str(tmp_path))
   ids = t.encode_chat("what is two plus two", system=None)

@@ -17,9 +17,14 @@ def make_engine(cfg: ExperimentConfig) -> Engine:
 
 @dataclasses.dataclass
 class ArithmeticTask:
-  """What a run needs from a task: prompt streams, text, and the reward reference."""
+  """What a run needs from a task: prompt streams, text, the reward reference and the
+  generator's stop ids."""
   cfg: Any
   tokenizer: CharTokenizer = dataclasses.field(default_factory=CharTokenizer)
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.tokenizer.eos_id,)
 
   def decode(self, tokens) -> str:
     return self.tokenizer.decode(tokens, strict=False)
@@ -44,5 +49,4 @@ class ArithmeticTask:
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
   g = cfg.generation
   return SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                        max_new_tokens=g.max_new_tokens,
-                        stop_token_ids=(task.tokenizer.eos_id,))
+                        max_new_tokens=g.max_new_tokens, stop_token_ids=task.stop_ids)

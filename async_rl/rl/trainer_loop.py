@@ -98,7 +98,7 @@ class TrainerLoop:
     return evaluate(
         self.eval_pool, self.task.heldout(self.cfg.eval.num_prompts), score=score,
         decode=self.task.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
-        stop_token_ids=(self.task.tokenizer.eos_id,), pass_k=self.cfg.eval.pass_k,
+        stop_token_ids=self.task.stop_ids, pass_k=self.cfg.eval.pass_k,
         seed=self.cfg.seed)
 
   def run(self, rollouts: Sequence) -> dict[str, Any]:

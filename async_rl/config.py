@@ -7,6 +7,7 @@ names it.
 """
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any, Optional
@@ -15,9 +16,14 @@ from async_rl.generation.pool import UPDATE_MODES
 from async_rl.loss import LOSSES
 from async_rl.models.config import ModelConfig
 from async_rl.tasks.arithmetic import TaskConfig
+from async_rl.tasks.math_task import MathTaskConfig
 
 _LEVELS = ("group", "batch", None)
 SCHEDULES = ("constant", "cosine")
+TASK_KINDS = ("arithmetic", "math")  # The names of `rl.components.TASKS`.
+# Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
+# not architecture.
+HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat")
 
 
 def _fail(field, value, why):
@@ -263,10 +269,20 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything one run needs; `batch_groups` is B, prompt groups per training batch."""
+  """Everything one run needs; `batch_groups` is B, prompt groups per training batch.
+
+  `task_kind` names the task: "arithmetic" (`task`, the character tokenizer, random
+  or warm-started weights) or "math" (`math`, GSM8K/MATH JSONL files, the tokenizer
+  of `hf_model_dir`). `hf_model_dir` is a local Hugging Face Qwen2/Qwen3 directory
+  whose weights a fresh run starts from; the architecture fields of `model` are then
+  read from its `config.json`, replacing any configured values, and only
+  `HF_RUN_MODEL_FIELDS` stay as configured. Paths are made absolute.
+  """
   seed: int = 0
   batch_groups: int = 8
   num_steps: int = 100
+  hf_model_dir: Optional[str] = None
+  task_kind: str = "arithmetic"
   model: ModelConfig = ModelConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   ppo: PPOConfig = PPOConfig()
@@ -276,6 +292,7 @@ class ExperimentConfig:
   generation: GenerationConfig = GenerationConfig()
   staleness: StalenessConfig = StalenessConfig()
   task: TaskConfig = TaskConfig()
+  math: MathTaskConfig = MathTaskConfig()
   rollout: RolloutConfig = RolloutConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
@@ -285,11 +302,38 @@ class ExperimentConfig:
     for name in ("batch_groups", "num_steps"):
       if getattr(self, name) < 1:
         _fail(name, getattr(self, name), "must be >= 1")
+    if self.hf_model_dir is not None:
+      object.__setattr__(self, "hf_model_dir", os.path.abspath(self.hf_model_dir))
+      object.__setattr__(self, "model", _model_from_hf(self.model, self.hf_model_dir))
+    self._check_task()
     longest = self.generation.max_prompt_len + self.generation.max_new_tokens
     if self.batching.max_tokens_per_mb < longest:
       _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
             f"must hold the longest allowed sequence (generation.max_prompt_len + "
             f"generation.max_new_tokens = {longest})")
+    if longest > self.model.max_seq_len:
+      _fail("model.max_seq_len", self.model.max_seq_len,
+            f"must be >= generation.max_prompt_len + generation.max_new_tokens = {longest}")
+
+  def _check_task(self):
+    if self.task_kind not in TASK_KINDS:
+      _fail("task_kind", self.task_kind, f"must be one of {TASK_KINDS}")
+    if self.task_kind == "math":
+      if self.math.train_path is None:
+        _fail("math.train_path", None, "must name a JSONL file when task_kind='math'")
+      if self.hf_model_dir is None:
+        _fail("hf_model_dir", None, "must name the model (and tokenizer) directory when "
+              "task_kind='math'")
+      if self.rollout.reward_fn == "arithmetic":
+        _fail("rollout.reward_fn", self.rollout.reward_fn,
+              "must not be 'arithmetic' with task_kind='math' (use 'math')")
+      if self.sft.steps:
+        _fail("sft.steps", self.sft.steps, "must be 0 with task_kind='math': the warm start "
+              "trains on arithmetic solutions (a hf_model_dir checkpoint is the start)")
+      return
+    if self.hf_model_dir is not None:
+      _fail("hf_model_dir", self.hf_model_dir, "needs task_kind='math': the arithmetic "
+            "task's character tokenizer does not share a pretrained model's vocabulary")
     if self.task.max_prompt_tokens > self.generation.max_prompt_len:
       _fail("generation.max_prompt_len", self.generation.max_prompt_len,
             f"must hold the task's longest prompt ({self.task.max_prompt_tokens} tokens)")
@@ -298,9 +342,18 @@ class ExperimentConfig:
       _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
             f"must hold the longest warm-start sequence ({sft_longest} tokens) when "
             f"sft.steps > 0")
-    if longest > self.model.max_seq_len:
-      _fail("model.max_seq_len", self.model.max_seq_len,
-            f"must be >= generation.max_prompt_len + generation.max_new_tokens = {longest}")
+
+
+def _model_from_hf(model: ModelConfig, model_dir: str) -> ModelConfig:
+  """The architecture in `model_dir`'s config.json with `model`'s HF_RUN_MODEL_FIELDS."""
+  from async_rl.models import hf  # hf imports sharding, which imports this module
+  if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    _fail("hf_model_dir", model_dir, "must be a directory holding config.json")
+  try:
+    hf_model = hf.read_config(model_dir)
+  except (KeyError, ValueError) as e:
+    _fail("hf_model_dir", model_dir, f"holds a model that cannot be read: {e!r}")
+  return dataclasses.replace(hf_model, **{f: getattr(model, f) for f in HF_RUN_MODEL_FIELDS})
 
 
 def from_config_dict(cd: Any) -> ExperimentConfig:

@@ -1,13 +1,16 @@
-"""Tiny Hugging Face models and tokenizers, built offline, for the HF tests.
+"""Tiny Hugging Face models and tokenizers, and GSM8K-style JSONL files, built offline.
 
 torch, transformers and tokenizers are imported where used: each test module skips
 itself first when the one it needs is missing.
 """
 
+import json
+
 import jax
 import numpy as np
 
 from async_rl import models
+from async_rl.models import hf
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -15,6 +18,16 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["what is two plus two", "the answer is four", "system user assistant",
           "please reason step by step"]
+NUMBERS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+# GSM8K-style rows; MATH_HELDOUT[0] asks MATH_TRAIN[6]'s question.
+MATH_TRAIN = [{"question": f"what is {a} plus {b}", "answer": f"{a} plus {b} is\n#### {i + j + 2}"}
+              for i, a in enumerate(NUMBERS[:4]) for j, b in enumerate(NUMBERS[:4])]
+MATH_HELDOUT = [{"question": "what is two plus three", "answer": "5"},
+                {"question": "what is nine plus one", "answer": "#### 10"}]
+# The words of those questions and of the default system prompt.
+MATH_CORPUS = CORPUS + [" ".join(NUMBERS + [
+    "what", "is", "plus", "Please", "reason", "step", "by", ",", "and", "put", "your", "final",
+    "answer", "within", "boxed"])]
 _forward = jax.jit(models.forward, static_argnums=1)
 
 
@@ -55,3 +68,17 @@ def save_tokenizer(model_dir, specials=SPECIALS, corpus=CORPUS):
   tok.save(str(model_dir / "tokenizer.json"))
   return tok
 
+
+def write_model_dir(model_dir, cfg: models.ModelConfig, corpus=CORPUS, seed=0):
+  """A Hugging Face directory made without torch: random params of `cfg` (`save_hf`)
+  and a word-level tokenizer over `corpus` whose EOS is <|im_end|>; returns the
+  Tokenizer."""
+  model_dir.mkdir(parents=True, exist_ok=True)
+  hf.save_hf(cfg, models.init_params(cfg, jax.random.key(seed)), str(model_dir))
+  (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  return save_tokenizer(model_dir, corpus=corpus)
+
+
+def write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)

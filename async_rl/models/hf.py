@@ -136,6 +136,12 @@ def config_from_hf(config_json: dict, *, dtype: Optional[str] = None) -> ModelCo
   )
 
 
+def read_config(model_dir: str, *, dtype: Optional[str] = None) -> ModelConfig:
+  """`config_from_hf` of the `config.json` in `model_dir`."""
+  with open(os.path.join(model_dir, "config.json")) as f:
+    return config_from_hf(json.load(f), dtype=dtype)
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
   """The `config.json` dict that `transformers` reads back as the same model."""
   if cfg.qk_norm:
@@ -225,8 +231,7 @@ def load_hf(model_dir: str, *, mesh: Optional[Mesh] = None,
   device ever holds more than its shards. Missing, unexpected and mis-shaped
   tensors raise ValueError naming the tensor.
   """
-  with open(os.path.join(model_dir, "config.json")) as f:
-    cfg = config_from_hf(json.load(f), dtype=dtype)
+  cfg = read_config(model_dir, dtype=dtype)
   abstract = _abstract_params(cfg)
   rules = _active_rules(abstract)
   where = _tensor_files(model_dir)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
 from async_rl.rewards import RewardService
-from async_rl.rl.components import ArithmeticTask, make_engine, sampling_params
+from async_rl.rl.components import make_engine, make_task, sampling_params
 from async_rl.rl.rollout import RolloutController
 
 
@@ -27,7 +27,7 @@ class RolloutWorker:
   def __init__(self, cfg: ExperimentConfig, server, *, worker_index: int = 0,
                stream_state: Optional[dict] = None):
     version, params = server.fetch(-1)
-    self.task = ArithmeticTask(cfg.task)
+    self.task = make_task(cfg)
     self.prompts = self.task.stream(stream_state, worker_index=worker_index)
     self.pool = GeneratorPool(make_engine(cfg), params, version=version,
                               seed=cfg.seed + worker_index)

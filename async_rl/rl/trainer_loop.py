@@ -20,9 +20,10 @@ from tqdm import tqdm
 from async_rl import config as config_lib, sharding
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
+from async_rl.models import hf
 from async_rl.rewards import RewardService, RewardTask
 from async_rl.rl.checkpoint import Checkpointer
-from async_rl.rl.components import ArithmeticTask, make_engine
+from async_rl.rl.components import make_engine, make_task
 from async_rl.rl.evaluate import evaluate
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
@@ -38,7 +39,8 @@ class TrainerLoop:
     cfg: the experiment.
     workdir: checkpoints, `metrics.jsonl`, TensorBoard files and `config.json`.
     server: the parameter server or a proxy with the same methods.
-    init_params: params to start from (e.g. a warm start) when not resuming.
+    init_params: params to start from when not resuming; by default those of
+      `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     echo: receives the one-line summary of every step.
   """
@@ -52,12 +54,12 @@ class TrainerLoop:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(config_lib.to_dict(cfg), f, indent=2)
-    self.task = ArithmeticTask(cfg.task)
+    self.task = make_task(cfg)
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=cfg.checkpoint.keep)
     mesh = sharding.make_mesh(cfg.mesh)
-    if self.checkpointer.latest_step() is None and init_params is None and cfg.sft.steps:
-      init_params = warm_start(cfg, mesh, echo=echo)
+    if self.checkpointer.latest_step() is None and init_params is None:
+      init_params = _initial_params(cfg, mesh, echo)
     self.trainer = Trainer(cfg, mesh, params=init_params)
     self.resume_meta = self._maybe_restore()
     params = self.trainer.host_params()
@@ -184,6 +186,16 @@ class TrainerLoop:
         closer()
       except Exception:  # keep closing the rest; an earlier error is already raised
         logging.exception("error while closing")
+
+
+def _initial_params(cfg: ExperimentConfig, mesh, echo):
+  """A fresh run's params: the checkpoint, loaded straight onto the trainer's shardings;
+  else the warm start; else None (a random init)."""
+  if cfg.hf_model_dir is not None:
+    return hf.load_hf(cfg.hf_model_dir, mesh=mesh, dtype=cfg.model.param_dtype)[1]
+  if cfg.sft.steps:
+    return warm_start(cfg, mesh, echo=echo)
+  return None
 
 
 def _line(version, m) -> str:

@@ -1,0 +1,177 @@
+"""The math task of a run: config validation, stop ids, prompts, resumable streams, splits."""
+
+import dataclasses
+import itertools
+import json
+import os
+
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+from async_rl import config as config_lib  # noqa: E402
+from async_rl.config import from_config_dict  # noqa: E402
+from async_rl.models import ModelConfig  # noqa: E402
+from async_rl.models.hf_tokenizer import DEFAULT_SYSTEM, chat_prompt  # noqa: E402
+from async_rl.rl import components  # noqa: E402
+from async_rl.tasks.math_task import MathTask, MathTaskConfig  # noqa: E402
+from hf_test_utils import (MATH_CORPUS, MATH_HELDOUT, MATH_TRAIN, NUMBERS,  # noqa: E402
+                           write_jsonl, write_model_dir)
+
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                    head_dim=16, d_ff=64, rms_eps=1e-5, rope_theta=5000.0)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  root = tmp_path_factory.mktemp("math")
+  tok = write_model_dir(root / "model", MODEL, corpus=MATH_CORPUS)
+  return {"model": str(root / "model"), "tok": tok,
+          "train": write_jsonl(root / "train.jsonl", MATH_TRAIN),
+          "heldout": write_jsonl(root / "heldout.jsonl", MATH_HELDOUT)}
+
+
+def _cfg(files, **math):
+  return from_config_dict({
+      "task_kind": "math", "hf_model_dir": files["model"],
+      "math": {"train_path": files["train"], "heldout_path": files["heldout"], **math},
+      "rollout": {"reward_fn": "math"}, "model": {"max_seq_len": 256, "remat": True},
+      "generation": {"max_prompt_len": 48, "max_new_tokens": 16},
+      "batching": {"max_tokens_per_mb": 64}})
+
+
+def test_model_architecture_comes_from_the_directory(files):
+  cfg = _cfg(files)
+  assert cfg.model == dataclasses.replace(MODEL, max_seq_len=256, remat=True)
+  assert os.path.isabs(cfg.hf_model_dir) and os.path.isabs(cfg.math.train_path)
+  assert dataclasses.replace(cfg, num_steps=7).model == cfg.model
+  assert config_lib.to_dict(cfg)["model"]["d_model"] == MODEL.d_model
+
+
+def test_make_task_by_name(files):
+  assert set(components.TASKS) == set(config_lib.TASK_KINDS)
+  arithmetic = components.make_task(from_config_dict({}))
+  assert isinstance(arithmetic, components.ArithmeticTask) and arithmetic.stop_ids == (2,)
+  cfg = _cfg(files)
+  assert isinstance(components.make_task(cfg), MathTask)
+  object.__setattr__(cfg, "task_kind", "poetry")  # past validation, to reach the factory
+  with pytest.raises(ValueError, match="unknown task_kind 'poetry'"):
+    components.make_task(cfg)
+
+
+def test_stop_ids_decode_and_reference(files):
+  cfg = _cfg(files)
+  task = components.make_task(cfg)
+  tok = files["tok"]
+  im_end, endoftext = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+  assert task.stop_ids == (im_end, endoftext)
+  assert components.sampling_params(cfg, task).stop_token_ids == (im_end, endoftext)
+  words = [tok.token_to_id(w) for w in ("two", "plus", "two")]
+  assert task.decode(words + [endoftext] + words) == "two plus two"
+  for prompt in itertools.islice(task.stream(), len(MATH_TRAIN)):
+    line = int(prompt.id.split("@")[0].rsplit("/", 1)[1])  # train/0/train/{line}@0
+    assert task.reference(prompt) == MATH_TRAIN[line - 1]["answer"].split("#### ")[1]
+  assert [task.reference(p) for p in task.heldout(5)] == ["5", "10"]
+
+
+def test_prompts_use_the_chat_template_or_the_plain_template(files):
+  question = MATH_HELDOUT[0]["question"]
+  chat = components.make_task(_cfg(files)).heldout(1)[0]
+  assert chat.tokens == tuple(files["tok"].encode(chat_prompt(question, DEFAULT_SYSTEM)).ids)
+  plain = components.make_task(_cfg(files, chat=False, template="what is {question}")).heldout(1)[0]
+  assert plain.tokens == tuple(files["tok"].encode(f"what is {question}").ids)
+  no_system = components.make_task(_cfg(files, system="")).heldout(1)[0]
+  assert no_system.tokens == tuple(files["tok"].encode(chat_prompt(question, None)).ids)
+
+
+def test_stream_resumes_exactly_per_worker(files):
+  task = components.make_task(_cfg(files))
+  epoch = len(MATH_TRAIN) - task.num_train_held_out
+  reference = list(itertools.islice(task.stream(), 2 * epoch))
+  stream = task.stream()
+  list(itertools.islice(stream, epoch + 3))
+  state = json.loads(json.dumps(stream.state()))
+  assert list(itertools.islice(task.stream(state), epoch - 3)) == reference[epoch + 3:]
+  other = list(itertools.islice(task.stream(worker_index=1), 2 * epoch))
+  assert [p.id for p in other] != [p.id for p in reference]
+  assert sorted(p.id.split("/", 2)[2] for p in other) == sorted(
+      p.id.split("/", 2)[2] for p in reference)
+  with pytest.raises(ValueError, match="seed 0 does not match"):
+    task.stream(state, worker_index=1)
+
+
+def test_heldout_questions_are_never_trained_on(files, tmp_path):
+  overlap = write_jsonl(tmp_path / "heldout.jsonl",
+                        [*MATH_HELDOUT, MATH_TRAIN[3],
+                         {"question": MATH_TRAIN[5]["question"], "answer": "7"}])
+  task = components.make_task(_cfg(files, heldout_path=overlap))
+  held = {p.tokens for p in task.heldout(10)}
+  # MATH_HELDOUT[0] is MATH_TRAIN[6]'s question, so three training problems are held out.
+  assert len(held) == 4 and task.num_train_held_out == 3
+  trained = list(itertools.islice(task.stream(), 3 * len(MATH_TRAIN)))
+  assert not held & {p.tokens for p in trained}
+  assert len({p.tokens for p in trained}) == len(MATH_TRAIN) - 3
+
+  hashed = components.make_task(_cfg(files, heldout_path=None, heldout_fraction=0.3))
+  held = {p.tokens for p in hashed.heldout(100)}
+  trained = {p.tokens for p in itertools.islice(hashed.stream(), 2 * len(MATH_TRAIN))}
+  assert held and trained and not held & trained
+  assert len(held) + len(trained) == len(MATH_TRAIN) and hashed.num_train_held_out == len(held)
+
+
+def test_long_prompts_are_skipped_and_counted(files, tmp_path):
+  long_question = "what is " + " plus ".join(NUMBERS)
+  train = write_jsonl(tmp_path / "train.jsonl",
+                      [*MATH_TRAIN, {"question": long_question, "answer": "45"}])
+  cfg = _cfg(files, train_path=train, system="")
+  short = MathTask(cfg.math, cfg.hf_model_dir, max_prompt_len=16)
+  assert short.num_too_long == {"train": 1, "heldout": 0}
+  assert all(len(p.tokens) <= 16 for p in itertools.islice(short.stream(), 2 * len(MATH_TRAIN)))
+  with pytest.raises(ValueError, match=r"math.train_path: none of the 16 train problems .* "
+                                       r"generation.max_prompt_len=4 tokens"):
+    MathTask(cfg.math, cfg.hf_model_dir, max_prompt_len=4)
+  all_held_out = dataclasses.replace(cfg.math, heldout_path=cfg.math.train_path)
+  with pytest.raises(ValueError, match="gives no train problems .every question is held out"):
+    MathTask(all_held_out, cfg.hf_model_dir, max_prompt_len=48)
+
+
+def test_a_tokenizer_larger_than_the_model_is_an_error(files, tmp_path):
+  small = dataclasses.replace(MODEL, vocab_size=8)
+  write_model_dir(tmp_path / "model", small, corpus=MATH_CORPUS)
+  cfg = from_config_dict({
+      "task_kind": "math", "hf_model_dir": str(tmp_path / "model"),
+      "math": {"train_path": files["train"]}, "rollout": {"reward_fn": "math"}})
+  with pytest.raises(ValueError, match="more than model.vocab_size=8"):
+    components.make_task(cfg)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"task_kind": "poetry"}, "task_kind"),
+    ({"task_kind": "math", "hf_model_dir": "{model}", "rollout": {"reward_fn": "math"}},
+     "math.train_path must name a JSONL file"),
+    ({"task_kind": "math", "math": {"train_path": "{train}"}, "rollout": {"reward_fn": "math"}},
+     "hf_model_dir must name"),
+    ({"task_kind": "math", "hf_model_dir": "{model}", "math": {"train_path": "{train}"}},
+     "rollout.reward_fn must not be 'arithmetic'"),
+    ({"task_kind": "math", "hf_model_dir": "{model}", "math": {"train_path": "{train}"},
+      "rollout": {"reward_fn": "math"}, "sft": {"steps": 5}}, "sft.steps must be 0"),
+    ({"hf_model_dir": "{model}"}, "hf_model_dir needs task_kind='math'"),
+    ({"hf_model_dir": "{root}"}, "hf_model_dir must be a directory holding config.json"),
+    ({"math": {"train_path": "{root}/nope.jsonl"}}, r"math.train_path .*/nope.jsonl"),
+    ({"math": {"heldout_path": "{root}/nope.jsonl"}}, r"math.heldout_path .*/nope.jsonl"),
+    ({"math": {"template": "no placeholder"}}, "math.template"),
+    ({"math": {"heldout_fraction": 1.5}}, "math.heldout_fraction"),
+    ({"math": {"seed": -1}}, "math.seed"),
+])
+def test_invalid_math_and_hf_values_name_the_field(files, values, message):
+  root = os.path.dirname(files["train"])
+  text = json.dumps(values).replace("{model}", files["model"]).replace(
+      "{train}", files["train"]).replace("{root}", root)
+  with pytest.raises(ValueError, match=message):
+    from_config_dict(json.loads(text))
+
+
+def test_math_config_defaults_need_no_files():
+  assert MathTaskConfig().train_path is None
+  assert from_config_dict({}).math == MathTaskConfig()

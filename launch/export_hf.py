@@ -1,0 +1,30 @@
+r"""Exports a run's trained policy as a Hugging Face directory that `transformers` loads.
+
+  python -m launch.export_hf --workdir=/tmp/q15 --out=/tmp/q15_hf [--step=200]
+
+Restores the params of the latest checkpoint in WORKDIR/checkpoints (or --step) with
+the run's model config (WORKDIR/config.json) and writes config.json,
+model.safetensors and, if the run started from `--config.hf_model_dir`, its
+tokenizer and generation files. Needs the `hf` extra.
+"""
+
+from absl import app, flags, logging
+
+from async_rl.rl.export import export_hf
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (config.json, checkpoints/).")
+_OUT = flags.DEFINE_string("out", None, "The directory to write.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
+  export_hf(_WORKDIR.value, _OUT.value, step=_STEP.value)
+  print(f"exported {_WORKDIR.value} to {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

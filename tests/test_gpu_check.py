@@ -1,0 +1,30 @@
+"""benchmarks/gpu_check.sh on the micro config: it trains and summarises throughput."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_gpu_check_runs_the_micro_config_and_prints_throughput():
+  bash = shutil.which("bash")
+  if bash is None:
+    pytest.skip("gpu_check.sh needs bash")
+  env = dict(os.environ, PYTHONPATH=str(ROOT), GPU_CHECK_CONFIG="configs/micro.py",
+             GPU_CHECK_STEPS="3")
+  out = subprocess.run([bash, "benchmarks/gpu_check.sh", "--config.eval.num_prompts=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+  assert "v=3 reward=" in out.stdout
+  summary = json.loads(out.stdout.strip().splitlines()[-1])
+  assert summary["config"] == "configs/micro.py" and summary["steps"] == 3
+  assert summary["device"]
+  for key in ("step_time_s", "train_tokens_per_s", "gen_tokens_per_s",
+              "trained_tokens_per_step"):
+    assert summary[key] > 0, summary
+  assert summary["wall_s"] >= summary["step_time_s"]

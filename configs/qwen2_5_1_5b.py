@@ -21,10 +21,19 @@ model, before sharding; activations not counted):
 So one 80 GB GPU holds the trainer and both engines (27.1 GiB) with room for
 activations of 16384-token micro-batches under remat.
 
-What runs today: the training binary still builds the arithmetic task with its
-character tokenizer and random initial weights (see README, "Training a Qwen model
-from a local checkpoint"), so this config trains the 1.5B-shaped model on arithmetic.
-The shapes (256 prompt + 768 new tokens) and the group settings are those for GSM8K.
+What runs today: as it stands, this config trains the 1.5B-shaped model from random
+weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` times
+5 such steps on one GPU. From a local checkpoint on GSM8K/MATH-style JSONL files
+(README, "Training a Qwen model from a local checkpoint"):
+
+  python -m launch.train --config=configs/qwen2_5_1_5b.py --workdir=/tmp/q15 \
+      --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task_kind=math \
+      --config.rollout.reward_fn=math --config.math.train_path=/data/gsm8k/train.jsonl \
+      --config.math.heldout_path=/data/gsm8k/test.jsonl
+  python -m launch.export_hf --workdir=/tmp/q15 --out=/tmp/q15_hf
+
+The architecture then comes from the directory's config.json. The shapes (256 prompt
++ 768 new tokens) and the group settings are those for GSM8K.
 """
 
 from async_rl.config import default_config_dict

@@ -22,10 +22,18 @@ One GPU needs 106.3 GiB before activations (trainer + two engines): an H200 (141
 holds it, an 80 GB GPU does not. On eight GPUs (fsdp=8) each holds 8.87 GiB of
 trainer state and the first also both engines (44.2 GiB in all there).
 
-What runs today: the training binary still builds the arithmetic task with its
-character tokenizer and random initial weights (see README, "Training a Qwen model
-from a local checkpoint"), so this config trains the 7B-shaped model on arithmetic.
-The shapes (256 prompt + 768 new tokens) and the group settings are those for GSM8K.
+What runs today: as it stands, this config trains the 7B-shaped model from random
+weights on the arithmetic task (character tokenizer). From a local checkpoint on
+GSM8K/MATH-style JSONL files (README, "Training a Qwen model from a local checkpoint"):
+
+  python -m launch.train --config=configs/qwen2_5_7b.py --workdir=/tmp/q7 \
+      --config.hf_model_dir=/models/Qwen2.5-7B-Instruct --config.task_kind=math \
+      --config.rollout.reward_fn=math --config.math.train_path=/data/gsm8k/train.jsonl \
+      --config.math.heldout_path=/data/gsm8k/test.jsonl
+  python -m launch.export_hf --workdir=/tmp/q7 --out=/tmp/q7_hf
+
+The architecture then comes from the directory's config.json. The shapes (256 prompt
++ 768 new tokens) and the group settings are those for GSM8K.
 """
 
 from async_rl.config import default_config_dict

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,11 +28,12 @@ def _checkpoints(workdir):
                 if p.name.isdigit())
 
 
-def _run(workdir, stop=None, **overrides):
+def _run(workdir, stop=None, trainer_cpus=None, rollout_cpus=None, **overrides):
   # A reward function from a test module: the actors must import what the driver does.
   cfg = small_config(**{"staleness.max_staleness": 1,
                         "rollout.reward_fn": "reward_fns_for_tests:length", **overrides})
-  return run_on_ray(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None)
+  return run_on_ray(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None,
+                    trainer_cpus=trainer_cpus, rollout_cpus=rollout_cpus)
 
 
 def test_actors_train_within_the_bound_and_resume(tmp_path):
@@ -47,7 +50,7 @@ def test_actors_train_within_the_bound_and_resume(tmp_path):
     assert s["rewards"]["errors"] == 0 and s["reward_mean"] > 0
   assert _checkpoints(tmp_path)[-1] == 3
 
-  summary = _run(tmp_path, num_steps=5)
+  summary = _run(tmp_path, num_steps=5, trainer_cpus=[0], rollout_cpus=[os.cpu_count() - 1])
   assert summary["start_version"] == 3 and summary["end_version"] == 5
   assert [s["step"] for s in _steps(tmp_path)] == [1, 2, 3, 4, 5]
   assert _checkpoints(tmp_path)[-1] == 5
@@ -65,3 +68,17 @@ def test_stop_checkpoints_and_returns(tmp_path):
   summary = _run(tmp_path, stop=stop, num_steps=100)
   assert 1 <= summary["end_version"] < 100
   assert _checkpoints(tmp_path)[-1] == summary["end_version"]
+
+
+def test_pinning_moves_every_thread_of_the_process():
+  script = (
+      "import os, threading\n"
+      "from async_rl.rl.ray_placement import _pin\n"
+      "done = threading.Event()\n"
+      "threading.Thread(target=done.wait).start()\n"
+      "_pin(None, {0})\n"
+      "print(sorted({tuple(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}))\n"
+      "done.set()\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       check=True).stdout
+  assert out.strip() == "[(0,)]"

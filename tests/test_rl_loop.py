@@ -27,6 +27,12 @@ def test_run_trains_within_the_staleness_bound(tmp_path, eta, mode):
     assert s["trained_tokens"] > 0 and s["skipped"] == 0
     assert s["server"]["version"] == s["step"]
     assert 0.0 <= s["reward_mean"] <= 1.0
+  spans = summary["timeline"]
+  train = [s for s in spans if s.name == "train"]
+  assert len(train) == 3 and all(s.lane == "trainer" for s in train)
+  assert all(a.end <= b.start for a, b in zip(train, train[1:]))
+  decode = [s for s in spans if s.lane == "generator" and s.name == "decode"]
+  assert decode and decode[0].start < train[0].start
   assert (tmp_path / "config.json").exists()
   assert list((tmp_path / "tensorboard").glob("events.*"))
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())[-1] == "3"

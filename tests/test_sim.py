@@ -122,6 +122,9 @@ def test_sample_lengths():
     assert n_N.min() >= 1 and n_N.max() == 1000
     assert np.median(n_N) == pytest.approx(100, rel=0.05)
   assert set(sample_lengths(SimConfig(length_dist="constant", length_median=7), rng, 9)) == {7}
+  empirical = SimConfig(length_dist="empirical", length_samples=(3, 3, 3, 40))
+  n_N = sample_lengths(empirical, rng, 20000)
+  assert set(n_N) == {3, 40} and np.mean(n_N == 40) == pytest.approx(0.25, abs=0.02)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -133,6 +136,12 @@ def test_sample_lengths():
 def test_bad_config_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"SimConfig.{field} "):
     dataclasses.replace(SimConfig(), **{field: value})
+
+
+@pytest.mark.parametrize("samples", [(), (0, 5), (5, 10**6)])
+def test_empirical_lengths_must_lie_in_range(samples):
+  with pytest.raises(ValueError, match="SimConfig.length_samples "):
+    SimConfig(length_dist="empirical", length_samples=samples)
 
 
 def test_sync_requires_eta_zero_and_positive_steps():

@@ -30,6 +30,7 @@ from async_rl.generation.batch import HostBatch, Job
 from async_rl.generation.engine import Engine
 from async_rl.generation.request import Request, empty_sample, validate
 from async_rl.generation.sampling import SlotSampling
+from async_rl.timeline import Timeline
 
 UPDATE_MODES = ("retract", "keep", "drain")
 
@@ -73,10 +74,15 @@ class GeneratorPool:
     params: initial params; copied onto the engine's devices.
     version: the version of `params`.
     seed: seeds the draw of per-request seeds for requests without one.
+    timeline: where the decode thread records its busy spans (on lane "generator":
+      "decode", which includes prefills of new samples, and "swap" for weight
+      updates); a new one if None.
   """
 
-  def __init__(self, engine: Engine, params, *, version: int = 0, seed: int = 0):
+  def __init__(self, engine: Engine, params, *, version: int = 0, seed: int = 0,
+               timeline: Timeline | None = None):
     self.engine = engine
+    self.timeline = Timeline() if timeline is None else timeline
     self._params = engine.load_params(params)
     self._version = version
     self._state = engine.init_decode_state()
@@ -275,13 +281,14 @@ class GeneratorPool:
       update.blocked_since = update.blocked_since or time.perf_counter()
     if paused:
       return True
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()
     if update is None:
       self._admit()
     if self._batch.num_active():
       self._state, result = self.engine.generate(self._params, self._state)
       self._batch.add_step(result, self._version)
     self._stats.decode_s += time.perf_counter() - start
+    self.timeline.record("generator", "decode", wall_start, time.time(), merge=True)
     return True
 
   def _admit(self):
@@ -325,6 +332,7 @@ class GeneratorPool:
 
   def _apply(self, update: _Update):
     blocked_since = update.blocked_since or time.perf_counter()
+    wall_start = time.time()
     self._params, self._version = update.params, update.version
     if update.mode == "retract":
       for slot, s in self._batch.occupied():
@@ -335,6 +343,7 @@ class GeneratorPool:
         self._batch.restart(slot, result, self._version)
       self._batch.flush()
     pause_s = time.perf_counter() - blocked_since
+    self.timeline.record("generator", "swap", wall_start, time.time())
     with self._cv:
       self._updates.popleft()
       st = self._stats

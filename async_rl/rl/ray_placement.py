@@ -23,7 +23,7 @@ import queue
 import signal
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 from tqdm import tqdm
@@ -84,6 +84,8 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
                num_rollout_workers: int = 1,
                trainer_options: Optional[dict[str, Any]] = None,
                rollout_options: Optional[dict[str, Any]] = None,
+               trainer_cpus: Optional[Sequence[int]] = None,
+               rollout_cpus: Optional[Sequence[int]] = None,
                echo: Callable[[str], None] = print,
                progress: bool = True) -> dict[str, Any]:
   """Runs (or resumes from `workdir`) the experiment with its components as Ray actors.
@@ -100,6 +102,9 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
       service with its own prompt stream.
     trainer_options, rollout_options: Ray actor options (`num_gpus`, `num_cpus`,
       `resources`, ...) for the trainer and for each rollout worker.
+    trainer_cpus, rollout_cpus: pin every thread of the trainer's (each rollout
+      worker's) process to these CPU cores (Linux), e.g. to give them disjoint cores
+      of one host; None leaves them to the OS.
     echo: receives the one-line summary of every step.
     progress: show a progress bar.
 
@@ -127,6 +132,9 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
     rollouts = [rollout_cls.remote(cfg, _Proxy(server), worker_index=i, stream_state=s)
                 for i, s in enumerate(states)]
     pids = ray.get([a.__ray_call__.remote(_pid) for a in (server, trainer, *rollouts)])
+    ray.get([a.__ray_call__.remote(_pin, cpus)
+             for actors, cpus in (([trainer], trainer_cpus), (rollouts, rollout_cpus))
+             if cpus is not None for a in actors])
     summary = _drive(cfg, server, trainer, rollouts, stop, echo, progress)
     summary["pids"] = {"driver": os.getpid(), "server": pids[0], "trainer": pids[1],
                        "rollout": pids[2:]}
@@ -161,6 +169,13 @@ def _server_concurrency(cfg, num_rollout_workers):
 
 def _pid(_actor):
   return os.getpid()
+
+
+def _pin(_actor, cpus):
+  # sched_setaffinity(0, ...) moves only the calling thread; XLA's and Ray's threads
+  # already exist, so move each of them (threads started later inherit it).
+  for tid in os.listdir("/proc/self/task"):
+    os.sched_setaffinity(int(tid), cpus)
 
 
 def _drive(cfg, server, trainer, rollouts, stop, echo, progress):

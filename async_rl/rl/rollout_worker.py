@@ -12,6 +12,7 @@ from async_rl.generation import GeneratorPool
 from async_rl.rewards import RewardService
 from async_rl.rl.components import make_engine, make_task, sampling_params
 from async_rl.rl.rollout import RolloutController
+from async_rl.timeline import Span
 
 
 class RolloutWorker:
@@ -51,6 +52,10 @@ class RolloutWorker:
 
   def prompt_state(self) -> dict:
     return self.prompts.state()
+
+  def timeline(self) -> list[Span]:
+    """The generator's busy spans so far."""
+    return self.pool.timeline.spans()
 
   def metrics(self) -> dict[str, Any]:
     return {"rollout": self.controller.metrics(), "pool": self.pool.metrics(),

@@ -28,6 +28,7 @@ from async_rl.rl.evaluate import evaluate
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
 from async_rl.sft import warm_start
+from async_rl.timeline import Timeline
 
 _BATCH_POLL_S = 0.5
 
@@ -68,6 +69,7 @@ class TrainerLoop:
     self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s)
     self.log = MetricsLog(workdir)
     self.history: list[dict[str, Any]] = []
+    self.timeline = Timeline()
 
   def prompt_state(self, worker_index: int) -> Optional[dict]:
     """The resumed prompt-stream position of a rollout worker (None when fresh)."""
@@ -130,6 +132,7 @@ class TrainerLoop:
     bar.close()
     self._checkpoint(rollouts, wait=True)
     summary["end_version"] = self.trainer.version
+    summary["timeline"] = self.timeline.spans() + [s for r in rollouts for s in r.timeline()]
     if self.trainer.version >= cfg.num_steps:
       summary["eval_after"] = self._eval_and_log()
     return summary
@@ -146,10 +149,12 @@ class TrainerLoop:
     return None, time.perf_counter() - t0
 
   def _train(self, groups, waited, rollouts, last):
-    metrics = self.trainer.train(groups)
+    with self.timeline.span("trainer", "train"):
+      metrics = self.trainer.train(groups)
     t0 = time.perf_counter()
-    self.server.publish(self.trainer.version, self.trainer.host_params())
-    now = time.perf_counter()
+    with self.timeline.span("trainer", "publish"):
+      self.server.publish(self.trainer.version, self.trainer.host_params())
+    now, logging_since = time.perf_counter(), time.time()
     rewards = np.array([s.reward for g in groups for s in g.samples])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
@@ -163,10 +168,12 @@ class TrainerLoop:
     last.update(t=now, gen_tokens=gen_tokens)
     self.log.write(self.trainer.version, metrics)
     self.history.append(metrics)
+    self.timeline.record("trainer", "log", logging_since, time.time())
     return metrics
 
   def _eval_and_log(self):
-    metrics = self.evaluate()
+    with self.timeline.span("trainer", "eval"):
+      metrics = self.evaluate()
     version = self.trainer.version
     self.log.write(version, {"eval": metrics})
     self.echo(f"eval v={version}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))

@@ -7,7 +7,7 @@ import numpy as np
 
 MODES = ("sync", "async")
 UPDATE_MODES = ("retract", "keep", "drain")
-LENGTH_DISTS = ("constant", "lognormal", "pareto")
+LENGTH_DISTS = ("constant", "lognormal", "pareto", "empirical")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,8 @@ class SimConfig:
   Output lengths: `length_dist` "constant" (`length_median` every time), "lognormal"
   (median `length_median`, log-sd `length_sigma`) or "pareto" (minimum
   `length_median / 2 ** (1 / length_alpha)`, so its median is `length_median`, tail
-  index `length_alpha`), rounded and clipped to [1, `max_length`].
+  index `length_alpha`), rounded and clipped to [1, `max_length`], or "empirical"
+  (drawn with replacement from `length_samples`, e.g. lengths a real run produced).
   """
   mode: str = "async"
   num_generators: int = 4
@@ -54,6 +55,7 @@ class SimConfig:
   length_sigma: float = 1.0
   length_alpha: float = 1.5
   max_length: int = 4096
+  length_samples: tuple[int, ...] = ()
 
   def __post_init__(self):
     _check_choice("mode", self.mode, MODES)
@@ -67,10 +69,15 @@ class SimConfig:
                  "trainer_per_token", "weight_sync"):
       _check(name, getattr(self, name) >= 0, ">= 0")
     _check("decode_step_base", self.decode_step_base > 0, "> 0")
-    _check("length_median", 1 <= self.length_median <= self.max_length,
-           "in [1, max_length]")
+    if self.length_dist != "empirical":
+      _check("length_median", 1 <= self.length_median <= self.max_length,
+             "in [1, max_length]")
     _check("length_sigma", self.length_sigma >= 0, ">= 0")
     _check("length_alpha", self.length_alpha > 0, "> 0")
+    if self.length_dist == "empirical":
+      _check("length_samples", len(self.length_samples) > 0 and all(
+          1 <= n <= self.max_length for n in self.length_samples),
+             "non-empty, each in [1, max_length], when length_dist is 'empirical'")
     if self.max_staleness is not None:
       _check("max_staleness", isinstance(self.max_staleness, int) and self.max_staleness >= 0,
              "an int >= 0 or None")
@@ -100,6 +107,8 @@ def sample_lengths(cfg: SimConfig, rng: np.random.Generator, n: int) -> np.ndarr
   """`n` output lengths drawn from `cfg`'s distribution, as ints in [1, max_length]."""
   if cfg.length_dist == "constant":
     raw = np.full(n, cfg.length_median)
+  elif cfg.length_dist == "empirical":
+    raw = rng.choice(np.asarray(cfg.length_samples), n)
   elif cfg.length_dist == "lognormal":
     raw = cfg.length_median * np.exp(cfg.length_sigma * rng.standard_normal(n))
   else:

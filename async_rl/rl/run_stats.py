@@ -1,0 +1,36 @@
+"""Figures of a finished run, from its step metrics and the busy spans it recorded.
+
+Used by the benchmarks that run the system end to end.
+"""
+
+from async_rl import timeline
+from async_rl.config import ExperimentConfig
+
+
+def rl_window(spans) -> tuple[float, float]:
+  """From the end of the first training step, so that its compilation is left out,
+  to the end of the last one."""
+  publish = [s.end for s in spans if s.name == "publish"]
+  return min(publish), max(publish)
+
+
+def measure(cfg: ExperimentConfig, summary: dict) -> dict:
+  """The run's steady-state figures (steps 2 to N), from its metrics and busy spans."""
+  spans, history = summary["timeline"], summary["history"]
+  start, end = rl_window(spans)
+  wall, steady = end - start, history[1:]
+  samples = len(steady) * cfg.batch_groups * cfg.generation.group_size
+  trained = sum(m["trained_tokens"] for m in steady)
+  generated = (history[-1]["rollout"]["generated_tokens"]
+               - history[0]["rollout"]["generated_tokens"])
+  staleness = sum(m["staleness_mean"] * m["trained_tokens"] for m in steady) / trained
+  return {
+      "wall_s": wall, "steps": len(history), "samples_per_s": samples / wall,
+      "trained_tokens_per_s": trained / wall, "generated_tokens_per_s": generated / wall,
+      "generator_idle": 1 - timeline.busy_fraction(spans, "generator", start, end),
+      "trainer_idle": 1 - timeline.busy_fraction(spans, "trainer", start, end),
+      "staleness_mean": staleness, "staleness_max": max(m["staleness_max"] for m in steady),
+      "completion_len": trained / samples,
+      "accuracy_before": summary["eval_before"]["accuracy"],
+      "accuracy": summary["eval_after"]["accuracy"],
+  }

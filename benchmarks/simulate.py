@@ -9,12 +9,14 @@ Runs `async_rl.sim.simulate` for each accelerator count N in 8, 16, ..., 1024:
 The batch grows with the cluster (`--samples_per_accelerator` samples per step per
 accelerator, groups of 16), so perfect scaling is throughput linear in N.
 
-The costs below are ILLUSTRATIVE, NOT CALIBRATED: plausible orders of magnitude for
-a ~1B model (a decode step of 32 slots ~40 ms, training ~4x faster per token than
+The simulator itself is checked against the real system: `benchmarks/sync_vs_async.py`
+calibrates it from each measured CPU run and its predictions land within 5% (see
+BENCHMARKS.md). The accelerator costs below cannot be measured on this project's
+CPU machines, so they are ILLUSTRATIVE: plausible orders of magnitude for a ~1B
+model (a decode step of 32 slots ~40 ms, training ~4x faster per token than
 decoding, 1 s weight sync, 0.5 s reward latency, lognormal output lengths with
 median 512, log-sd 1 and a 32k cap, so the longest sample of a batch keeps growing
-with the batch). Calibrating them from costs the real system measures,
-and checking the predictions against measured runs, is future work (issue 6).
+with the batch).
 
 Prints a table, then, as the last line, one JSON object with the headline figures;
 writes a PNG of throughput vs accelerator count for both modes to `--out`.

@@ -1,7 +1,7 @@
 r"""Synchronous vs asynchronous RL, measured end to end, and the simulator checked against it.
 
-  python -m benchmarks.sync_vs_async --quick     # about 12 minutes on a 2-core CPU
-  python -m benchmarks.sync_vs_async             # the figures in BENCHMARKS.md
+  python -m benchmarks.sync_vs_async --quick     # 30 steps per run instead of 120
+  python -m benchmarks.sync_vs_async             # BENCHMARKS.md: 11.6 min on 2 CPU cores
 
 The same config (configs/tiny.py: the long-tailed arithmetic task, the tiny model),
 the same warm start and the same number of trained samples in every run:
@@ -9,7 +9,8 @@ the same warm start and the same number of trained samples in every run:
   sync           η = 0, drain: generation and training alternate; one process, both
                  cores for each phase.
   async_retract  η = --eta, retract: the generator and the trainer in their own Ray
-                 actors, pinned to disjoint cores (generator on core 1, trainer on 0).
+                 actors, pinned to disjoint cores (--generator_cpus, --trainer_cpus:
+                 1 and 0 by default).
   async_keep     η = --eta, keep: the same placement.
   overlap_only   η = 1, drain: the same placement; overlap without interruptible
                  generation (one source of the gain, as verl's tables separate them).
@@ -55,6 +56,8 @@ _STEPS = flags.DEFINE_integer("steps", None, "RL steps per run (default 30 quick
 _ETA = flags.DEFINE_integer("eta", 4, "max_staleness of the async runs.")
 _RUNS = flags.DEFINE_list("runs", ["sync", "async_retract", "async_keep", "overlap_only"],
                           "Which runs, in order.")
+_TRAINER_CPUS = flags.DEFINE_list("trainer_cpus", ["0"], "Cores of the async trainer.")
+_GENERATOR_CPUS = flags.DEFINE_list("generator_cpus", ["1"], "Cores of the async generator.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/async_rl_sync_vs_async",
                                "Timelines, traces and workdirs go here.")
 
@@ -64,7 +67,6 @@ _PLACED = {  # name: (max_staleness, update_mode, pinned in Ray actors)
     "async_keep": (None, "keep", True),
     "overlap_only": (1, "drain", True),
 }
-_TRAINER_CPUS, _GENERATOR_CPUS = [0], [1]
 
 
 def base_config(steps: int) -> ExperimentConfig:
@@ -96,8 +98,8 @@ def run_one(name: str, cfg: ExperimentConfig, params, workdir: str):
   quiet = dict(init_params=params, echo=lambda _: None, progress=False)
   if pinned:
     from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
-    return cfg, run_on_ray(cfg, workdir, trainer_cpus=_TRAINER_CPUS,
-                           rollout_cpus=_GENERATOR_CPUS, **quiet)
+    return cfg, run_on_ray(cfg, workdir, trainer_cpus=[int(c) for c in _TRAINER_CPUS.value],
+                           rollout_cpus=[int(c) for c in _GENERATOR_CPUS.value], **quiet)
   from async_rl.rl.run import run_in_process  # noqa: PLC0415
   return cfg, run_in_process(cfg, workdir, **quiet)
 
@@ -127,7 +129,9 @@ def calibrate(cfg: ExperimentConfig, summary: dict, prompt_tokens: float,
       weight_sync=float(np.mean(swaps)) if swaps else 0.0, max_staleness=eta,
       batch_groups=cfg.batch_groups, group_size=cfg.generation.group_size,
       update_mode=cfg.generation.update_mode, length_dist="empirical",
-      length_samples=tuple(int(n) for n in lengths), max_length=cfg.generation.max_new_tokens)
+      # The generator truncates at max_new_tokens.
+      length_samples=tuple(int(min(n, cfg.generation.max_new_tokens)) for n in lengths),
+      max_length=cfg.generation.max_new_tokens)
 
 
 _COLORS = {"decode": "tab:blue", "swap": "tab:orange", "train": "tab:green",

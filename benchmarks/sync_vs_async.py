@@ -44,10 +44,10 @@ from ml_collections import config_flags  # noqa: E402
 
 from async_rl import sharding, timeline  # noqa: E402
 from async_rl.config import ExperimentConfig, from_config_dict  # noqa: E402
+from async_rl.rl.run_stats import measure, rl_window  # noqa: E402
 from async_rl.sft import warm_start  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402
 from async_rl.tasks import TrainStream  # noqa: E402
-from async_rl.rl.run_stats import measure, rl_window  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py",
                                           "The experiment every run shares.")

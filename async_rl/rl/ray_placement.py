@@ -175,7 +175,10 @@ def _pin(_actor, cpus):
   # sched_setaffinity(0, ...) moves only the calling thread; XLA's and Ray's threads
   # already exist, so move each of them (threads started later inherit it).
   for tid in os.listdir("/proc/self/task"):
-    os.sched_setaffinity(int(tid), cpus)
+    try:
+      os.sched_setaffinity(int(tid), cpus)
+    except ProcessLookupError:  # the thread ended since the listing
+      pass
 
 
 def _drive(cfg, server, trainer, rollouts, stop, echo, progress):

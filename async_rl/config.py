@@ -1,16 +1,15 @@
-"""Typed, frozen experiment configuration and its one conversion from ConfigDict.
+"""Typed, frozen experiment configuration.
 
-Config files (`configs/*.py`) return an `ml_collections.ConfigDict`; binaries call
-`from_config_dict` once, and library code only ever sees these dataclasses. Every
+Config files (`configs/*.py`) return an `ml_collections.ConfigDict`; binaries convert
+it once with `config_dict.from_config_dict`, and library code only ever sees these
+dataclasses. Every
 field is declared here once, with its default, and validated with a message that
 names it.
 """
 
 import dataclasses
 import os
-import types
-import typing
-from typing import Any, Optional
+from typing import Optional
 
 from async_rl.generation.pool import UPDATE_MODES
 from async_rl.loss import LOSSES
@@ -354,79 +353,3 @@ def _model_from_hf(model: ModelConfig, model_dir: str) -> ModelConfig:
   except (KeyError, ValueError) as e:
     _fail("hf_model_dir", model_dir, f"holds a model that cannot be read: {e!r}")
   return dataclasses.replace(hf_model, **{f: getattr(model, f) for f in HF_RUN_MODEL_FIELDS})
-
-
-def from_config_dict(cd: Any) -> ExperimentConfig:
-  """Converts a ConfigDict (or nested mapping) to an `ExperimentConfig`, strictly."""
-  return _build(ExperimentConfig, _to_plain(cd), "")
-
-
-def _to_plain(x):
-  if hasattr(x, "to_dict"):
-    return x.to_dict()
-  return x
-
-
-def _build(cls, values, prefix):
-  if not isinstance(values, typing.Mapping):
-    raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
-  hints = typing.get_type_hints(cls)
-  names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(values) - names)
-  if unknown:
-    raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; "
-                     f"known: {sorted(prefix + n for n in names)}")
-  kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in values.items()}
-  return cls(**kwargs)
-
-
-def _coerce(hint, value, path):
-  optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
-  if optional:
-    if value is None:
-      return None
-    hint = next(a for a in typing.get_args(hint) if a is not type(None))
-  if dataclasses.is_dataclass(hint):
-    return _build(hint, _to_plain(value), path + ".")
-  if typing.get_origin(hint) is tuple:
-    if not isinstance(value, (list, tuple)):
-      raise ValueError(f"{path} must be a sequence, got {value!r}")
-    (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-    return tuple(_coerce(item, v, path) for v in value)
-  if hint is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  if hint is int and isinstance(value, float) and value.is_integer():
-    return int(value)
-  if value is None or not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-    raise ValueError(f"{path} must be of type {hint.__name__}, got {value!r}")
-  return value
-
-
-def default_config_dict():
-  """Every field of `ExperimentConfig` with its default, as a ConfigDict.
-
-  Config files start from this so that every field can be overridden from the
-  command line (`--config.ppo.c_clip=3`); optional fields are typed placeholders.
-  """
-  import ml_collections  # only config files and binaries need it
-  from ml_collections.config_dict import placeholder
-
-  def convert(cls):
-    out = {}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-      hint = hints[f.name]
-      if dataclasses.is_dataclass(hint):
-        out[f.name] = convert(hint)
-      elif f.default is None:
-        out[f.name] = placeholder(next(a for a in typing.get_args(hint) if a is not type(None)))
-      else:
-        out[f.name] = f.default
-    return ml_collections.ConfigDict(out)
-
-  return convert(ExperimentConfig)
-
-
-def to_dict(cfg) -> dict:
-  """The resolved config as plain nested dicts (for logging and saving)."""
-  return dataclasses.asdict(cfg)

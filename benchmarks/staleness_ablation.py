@@ -31,7 +31,8 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from async_rl import sharding  # noqa: E402
-from async_rl.config import ExperimentConfig, from_config_dict  # noqa: E402
+from async_rl.config import ExperimentConfig  # noqa: E402
+from async_rl.config_dict import from_config_dict  # noqa: E402
 from async_rl.rl.run import run_in_process  # noqa: E402
 from async_rl.sft import warm_start  # noqa: E402
 from async_rl.rl.run_stats import measure  # noqa: E402

@@ -43,7 +43,8 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from async_rl import sharding, timeline  # noqa: E402
-from async_rl.config import ExperimentConfig, from_config_dict  # noqa: E402
+from async_rl.config import ExperimentConfig  # noqa: E402
+from async_rl.config_dict import from_config_dict  # noqa: E402
 from async_rl.rl.run_stats import measure, rl_window  # noqa: E402
 from async_rl.sft import warm_start  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402

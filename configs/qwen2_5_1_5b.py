@@ -36,7 +36,7 @@ The architecture then comes from the directory's config.json. The shapes (256 pr
 + 768 new tokens) and the group settings are those for GSM8K.
 """
 
-from async_rl.config import default_config_dict
+from async_rl.config_dict import default_config_dict
 from async_rl.models import PRESETS
 
 

@@ -7,7 +7,7 @@ A supervised warm start (100 steps), then asynchronous RL (η = 2, retract updat
 About 8 minutes on a 2-core CPU; see the README for the measured accuracies.
 """
 
-from async_rl.config import default_config_dict
+from async_rl.config_dict import default_config_dict
 from async_rl.models import PRESETS
 
 

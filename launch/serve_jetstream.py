@@ -15,7 +15,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config import from_config_dict
+from async_rl.config_dict import from_config_dict
 from async_rl.generation import SamplingParams
 from async_rl.generation import jetstream_adapter
 

@@ -13,7 +13,7 @@ import threading
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config import from_config_dict
+from async_rl.config_dict import from_config_dict
 from async_rl.rl import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",

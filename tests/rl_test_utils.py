@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-from async_rl.config import from_config_dict
+from async_rl.config_dict import from_config_dict
 
 MICRO = Path(__file__).parents[1] / "configs" / "micro.py"
 

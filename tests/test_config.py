@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import config as config_lib
-from async_rl.config import ExperimentConfig, MeshConfig, from_config_dict
+from async_rl import config as config_lib, config_dict
+from async_rl.config import ExperimentConfig, MeshConfig
+from async_rl.config_dict import from_config_dict
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.py"))
 
@@ -22,7 +23,7 @@ def _load(path):
 def test_every_config_file_converts(path):
   cfg = from_config_dict(_load(path))
   assert isinstance(cfg, ExperimentConfig)
-  assert config_lib.to_dict(cfg)["model"]["vocab_size"] == cfg.model.vocab_size
+  assert config_dict.to_dict(cfg)["model"]["vocab_size"] == cfg.model.vocab_size
 
 
 def test_conversion_types_and_defaults():

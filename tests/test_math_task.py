@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from async_rl import config as config_lib  # noqa: E402
-from async_rl.config import from_config_dict  # noqa: E402
+from async_rl import config as config_lib, config_dict  # noqa: E402
+from async_rl.config_dict import from_config_dict  # noqa: E402
 from async_rl.models import ModelConfig  # noqa: E402
 from async_rl.models.hf_tokenizer import DEFAULT_SYSTEM, chat_prompt  # noqa: E402
 from async_rl.rl import components  # noqa: E402
@@ -46,7 +46,7 @@ def test_model_architecture_comes_from_the_directory(files):
   assert cfg.model == dataclasses.replace(MODEL, max_seq_len=256, remat=True)
   assert os.path.isabs(cfg.hf_model_dir) and os.path.isabs(cfg.math.train_path)
   assert dataclasses.replace(cfg, num_steps=7).model == cfg.model
-  assert config_lib.to_dict(cfg)["model"]["d_model"] == MODEL.d_model
+  assert config_dict.to_dict(cfg)["model"]["d_model"] == MODEL.d_model
 
 
 def test_make_task_by_name(files):

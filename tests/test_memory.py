@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import from_config_dict
+from async_rl.config_dict import from_config_dict
 from async_rl.models.memory import GIB, describe, estimate_memory
 
 CONFIGS = Path(__file__).parents[1] / "configs"

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from async_rl import config as config_lib, sharding
+from async_rl import config_dict, sharding
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
 from async_rl.models import hf
@@ -54,7 +54,7 @@ class TrainerLoop:
     self.echo, self.progress = echo, progress
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config_lib.to_dict(cfg), f, indent=2)
+      json.dump(config_dict.to_dict(cfg), f, indent=2)
     self.task = make_task(cfg)
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=cfg.checkpoint.keep)

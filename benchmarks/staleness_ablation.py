@@ -35,7 +35,7 @@ from async_rl.config import ExperimentConfig  # noqa: E402
 from async_rl.config_dict import from_config_dict  # noqa: E402
 from async_rl.rl.run import run_in_process  # noqa: E402
 from async_rl.sft import warm_start  # noqa: E402
-from async_rl.rl.run_stats import measure  # noqa: E402
+from async_rl.rl.run_stats import measure, measured_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py",
                                           "The experiment every setting shares.")
@@ -136,11 +136,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint at INFO
   etas = QUICK_ETAS if _QUICK.value else ETAS
   seeds = 1 if _QUICK.value else _SEEDS.value
-  c = _CONFIG.value
-  c.num_steps = _STEPS.value
-  c.eval.every_steps = 0
-  c.checkpoint.every_steps = 10 ** 6
-  cfg = from_config_dict(c)
+  cfg = measured_config(from_config_dict(_CONFIG.value), _STEPS.value)
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   results = os.path.join(_OUT_DIR.value, "runs.jsonl")
   rows = _load(results)

@@ -45,7 +45,7 @@ from ml_collections import config_flags  # noqa: E402
 from async_rl import sharding, timeline  # noqa: E402
 from async_rl.config import ExperimentConfig  # noqa: E402
 from async_rl.config_dict import from_config_dict  # noqa: E402
-from async_rl.rl.run_stats import measure, rl_window  # noqa: E402
+from async_rl.rl.run_stats import measure, measured_config, rl_window  # noqa: E402
 from async_rl.sft import warm_start  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402
 from async_rl.tasks import TrainStream  # noqa: E402
@@ -68,14 +68,6 @@ _PLACED = {  # name: (max_staleness, update_mode, pinned in Ray actors)
     "async_keep": (None, "keep", True),
     "overlap_only": (1, "drain", True),
 }
-
-
-def base_config(steps: int) -> ExperimentConfig:
-  c = _CONFIG.value
-  c.num_steps = steps
-  c.eval.every_steps = 0
-  c.checkpoint.every_steps = 10 ** 6
-  return from_config_dict(c)
 
 
 def task_lengths(cfg: ExperimentConfig, n: int = 4096) -> tuple[float, np.ndarray]:
@@ -164,7 +156,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint at INFO
   steps = _STEPS.value or (30 if _QUICK.value else 120)
-  cfg = base_config(steps)
+  cfg = measured_config(from_config_dict(_CONFIG.value), steps)
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   t0 = time.perf_counter()
   params = warm_start(cfg, sharding.make_mesh(cfg.mesh), echo=lambda _: None)

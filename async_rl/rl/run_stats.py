@@ -3,8 +3,18 @@
 Used by the benchmarks that run the system end to end.
 """
 
+import dataclasses
+
 from async_rl import timeline
 from async_rl.config import ExperimentConfig
+
+
+def measured_config(cfg: ExperimentConfig, steps: int) -> ExperimentConfig:
+  """`cfg` for a measured run of `steps` steps: held-out evaluation only before and
+  after, and no periodic checkpoint (the final one is still written)."""
+  return dataclasses.replace(
+      cfg, num_steps=steps, eval=dataclasses.replace(cfg.eval, every_steps=0),
+      checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=steps))
 
 
 def rl_window(spans) -> tuple[float, float]:

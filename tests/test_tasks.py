@@ -10,7 +10,7 @@ import pytest
 from async_rl.tasks import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, CharTokenizer,
                             TaskConfig, TrainStream, extract_answer, heldout_set,
                             is_heldout, length_stats, make_problem, verify)
-from async_rl.tasks.arithmetic import answer_correct
+from async_rl.tasks.arithmetic import answer_correct, step_credit
 from async_rl.tasks.arithmetic import Problem
 from async_rl.tasks.tokenizer import CHARS
 
@@ -76,6 +76,31 @@ def test_extract_and_verify(completion, answer, answer_ok, reward):
   assert extract_answer(completion) == answer
   assert answer_correct(completion, P) == answer_ok
   assert verify(completion, P) == reward
+
+
+@pytest.mark.parametrize("completion, credit", [
+    ("7+2=9\n9-5=4\n4+3=7\n#7", 1.0),
+    ("7+2=9\n9-5=4\n4+3=8\n#8", 2 / 5),  # two leading steps right
+    ("7+2=9\n9-5=5\n5+3=8\n#8", 1 / 5),  # later lines follow from a wrong one
+    ("7+2=8\n8-5=3\n3+3=6\n#6", 0.0),
+    ("7+2=9\n9-5=4\n4+3=7", 3 / 5),  # no answer line
+    ("7+2=9\n9-5=4\n4+3=7\n#7\n", 3 / 5),  # right, then more: not the solution
+    ("7+2=9\n9-5=4\n4+3=7\n#7\n#7", 3 / 5),
+    ("#7", 0.0),  # a guess earns nothing
+    ("", 0.0),
+])
+def test_step_credit_rewards_the_correct_start_and_only_the_solution_fully(completion,
+                                                                           credit):
+  assert step_credit(completion, P) == pytest.approx(credit)
+  assert (step_credit(completion, P) == 1.0) == (verify(completion, P) == 1.0)
+
+
+def test_step_credit_ranks_every_wrong_completion_below_the_solution():
+  for problem in _problems(TaskConfig(max_terms=12), 300):
+    lines = problem.solution.split("\n")
+    credits = [step_credit("\n".join(lines[:m]), problem) for m in range(len(lines) + 1)]
+    assert credits == sorted(credits) and credits[-1] == 1.0
+    assert max(credits[:-1]) < 1.0
 
 
 def test_verify_decoded_sample_ignores_tokens_after_eos():

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from async_rl.rewards.code_tests import code_tests_all_reward, code_tests_reward
+from async_rl.tasks.arithmetic import step_credit
 from async_rl.tasks.arithmetic import verify as arithmetic_reward
 from async_rl.tasks.math_data import math_reward
 
@@ -19,6 +20,7 @@ RewardFn = Callable[[str | Sequence[int], Any], float]
 
 REWARD_FNS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
+    "arithmetic_steps": step_credit,
     "code_tests": code_tests_reward,
     "code_tests_all": code_tests_all_reward,
     "math": math_reward,

@@ -13,10 +13,11 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
              pass_k: int, seed: int = 0) -> dict[str, float]:
   """Greedy accuracy, pass@k (k samples at temperature 1) and mean completion length.
 
-  `score([(prompt, completion_text), ...])` returns 1.0 for each correct completion
-  (the run scores through its reward service, so a failing reward counts 0). Uses the
-  pool's current weights; requests are tagged `eval/...` so they never mix with
-  training requests.
+  `score([(prompt, completion_text), ...])` returns each completion's reward (the run
+  scores through its reward service, so a failing reward counts 0). A completion is
+  correct when its reward is at least 1.0, so partial credit from a shaped reward
+  (`step_credit`) never counts. Uses the pool's current weights; requests are tagged
+  `eval/...` so they never mix with training requests.
   """
   greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                           stop_token_ids=stop_token_ids, seed=seed)
@@ -27,9 +28,10 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
   sampled_f = [pool.submit(Request(f"eval/pass/{i}", list(p.tokens), pass_k, sampled))
                for i, p in enumerate(prompts)]
   greedy_samples = [f.result()[0] for f in greedy_f]
-  correct = score([(p, decode(s.tokens_T)) for p, s in zip(prompts, greedy_samples)])
+  correct = np.greater_equal(
+      score([(p, decode(s.tokens_T)) for p, s in zip(prompts, greedy_samples)]), 1.0)
   sampled = [(p, decode(x.tokens_T)) for p, f in zip(prompts, sampled_f) for x in f.result()]
-  passed = np.reshape(score(sampled), (len(prompts), pass_k)).max(axis=1)
+  passed = np.reshape(np.greater_equal(score(sampled), 1.0), (len(prompts), pass_k)).max(axis=1)
   lengths = [len(s.tokens_T) for s in greedy_samples]
   return {"accuracy": float(np.mean(correct)), f"pass_at_{pass_k}": float(np.mean(passed)),
           "completion_len": float(np.mean(lengths))}

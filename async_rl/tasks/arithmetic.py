@@ -161,6 +161,27 @@ def verify(completion: str, problem: Problem) -> float:
   return 1.0 if completion == problem.solution else 0.0
 
 
+def step_credit(completion: str, problem: Problem) -> float:
+  """1.0 for a correct worked solution, else partial credit for its correct start.
+
+  A shaped reward for RL: with L reference lines (the steps and `#answer`), a
+  completion whose first m lines equal the reference's first m, and which is not the
+  whole solution, scores m / (L + 1), so any wrong completion stays below a right one.
+  All-or-nothing `verify` gives no signal on long chains, where almost no sample is
+  fully right; credit for each leading correct step trains the single-step skill
+  that every chain length shares. Evaluation should still score with `verify`.
+  """
+  if completion == problem.solution:
+    return 1.0
+  reference = problem.solution.split("\n")
+  matched = 0
+  for got, want in zip(completion.split("\n"), reference):
+    if got != want:
+      break
+    matched += 1
+  return min(matched, len(reference) - 1) / (len(reference) + 1)
+
+
 def answer_correct(completion: str, problem: Problem) -> float:
   """1.0 if the final answer alone is right (a diagnostic; guesses can score here)."""
   return 1.0 if extract_answer(completion) == problem.answer else 0.0

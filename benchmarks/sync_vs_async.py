@@ -26,14 +26,6 @@ decode-step time including prefills, mean weight-swap time, trainer seconds per
 token, reward latency, the task's output lengths) and predicts each run's trained
 samples/s; the table shows prediction vs measurement.
 
-Slot counts: the engine's decode step has a fixed shape, so it costs the same however
-many of its slots are active. On a CPU it is compute-bound and its cost is
-proportional to the slot count (in-run decode steps of configs/tiny_long_tail.py:
-20 ms at 64 slots and 38 ms at 128 on two cores, 33 and 64 ms on one). The calibrated
-simulator projects every run to each of --sweep_slots with its decode step scaled
-accordingly, which shows how the comparison depends on a setting each mode would tune
-differently.
-
 Last line: one JSON object with the headline figures.
 """
 
@@ -67,8 +59,6 @@ _RUNS = flags.DEFINE_list("runs", ["sync", "async_retract", "async_keep", "overl
                           "Which runs, in order.")
 _TRAINER_CPUS = flags.DEFINE_list("trainer_cpus", ["0"], "Cores of the async trainer.")
 _GENERATOR_CPUS = flags.DEFINE_list("generator_cpus", ["1"], "Cores of the async generator.")
-_SWEEP_SLOTS = flags.DEFINE_list("sweep_slots", ["16", "32", "64", "128", "256"],
-                                 "Slot counts to project every run to (empty: none).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/async_rl_sync_vs_async",
                                "Timelines, traces and workdirs go here.")
 
@@ -137,23 +127,6 @@ def calibrate(cfg: ExperimentConfig, summary: dict, prompt_tokens: float,
       max_length=cfg.generation.max_new_tokens)
 
 
-def project_slots(sim: SimConfig, slot_counts, steps: int) -> dict:
-  """Predicted trained samples/s of the calibrated `sim` at each slot count, its
-  decode step scaled in proportion to the slots (see the module docstring)."""
-  out = {}
-  for slots in slot_counts:
-    scaled = dataclasses.replace(sim, slots=slots,
-                                 decode_step_base=sim.decode_step_base * slots / sim.slots)
-    out[slots] = steady_samples_per_s(simulate(scaled, steps, seed=0), sim, steps)
-  return out
-
-
-def steady_samples_per_s(result, sim: SimConfig, steps: int) -> float:
-  """Simulated trained samples/s over steps 2..N, as `measure` counts the real runs."""
-  ends = result.step_end_times
-  return (steps - 1) * sim.batch_groups * sim.group_size / (ends[-1] - ends[0])
-
-
 _COLORS = {"decode": "tab:blue", "swap": "tab:orange", "train": "tab:green",
            "publish": "tab:red", "log": "tab:gray", "eval": "tab:purple"}
 
@@ -189,8 +162,7 @@ def main(argv):
   params = warm_start(cfg, sharding.make_mesh(cfg.mesh), echo=lambda _: None)
   print(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f} s", flush=True)
   prompt_tokens, lengths = task_lengths(cfg)
-  sweep = sorted({int(n) for n in _SWEEP_SLOTS.value})
-  results, projected = {}, {}
+  results = {}
   for name in _RUNS.value:
     if name not in _PLACED:
       raise app.UsageError(f"unknown run {name!r}; known: {sorted(_PLACED)}")
@@ -199,10 +171,9 @@ def main(argv):
       raise app.UsageError(f"{workdir} exists: pass an empty --out_dir")
     run_cfg, summary = run_one(name, cfg, params, workdir)
     row = measure(run_cfg, summary)
-    sim_cfg = calibrate(run_cfg, summary, prompt_tokens, lengths)
-    predicted = steady_samples_per_s(simulate(sim_cfg, steps, seed=0), sim_cfg, steps)
-    if sweep:
-      projected[name] = project_slots(sim_cfg, sweep, steps)
+    sim = simulate(calibrate(run_cfg, summary, prompt_tokens, lengths), steps, seed=0)
+    ends = sim.step_end_times  # Steady state, as measured: steps 2 to N.
+    predicted = (steps - 1) * cfg.batch_groups * cfg.generation.group_size / (ends[-1] - ends[0])
     row.update(eta=run_cfg.staleness.max_staleness, update_mode=run_cfg.generation.update_mode,
                predicted_samples_per_s=predicted,
                prediction_error=predicted / row["samples_per_s"] - 1)
@@ -216,7 +187,6 @@ def main(argv):
     results[name] = row
     print(f"{name}: {json.dumps({k: _round(v) for k, v in row.items()})}", flush=True)
   _print_table(results)
-  _print_projection(projected)
   sync = results.get("sync")
   headline = {"quick": _QUICK.value, "steps": steps, "eta": _ETA.value,
               "samples_per_step": cfg.batch_groups * cfg.generation.group_size,
@@ -227,13 +197,6 @@ def main(argv):
   if sync:
     headline["speedup_over_sync"] = {k: _round(v["samples_per_s"] / sync["samples_per_s"])
                                      for k, v in results.items() if k != "sync"}
-  if projected:
-    headline["projected_samples_per_s_by_slots"] = {
-        k: {n: _round(v) for n, v in p.items()} for k, p in projected.items()}
-    best = {k: max(p.values()) for k, p in projected.items()}
-    if "sync" in best:
-      headline["projected_best_over_best_sync"] = {
-          k: _round(v / best["sync"]) for k, v in best.items() if k != "sync"}
   print(json.dumps(headline))
 
 
@@ -253,15 +216,6 @@ def _print_table(results):
   print(f"{'run':14}" + "".join(f"{h:>14}" for _, h, _ in cols))
   for name, row in results.items():
     print(f"{name:14}" + "".join(format(row[k], fmt).rjust(14) for k, _, fmt in cols))
-
-
-def _print_projection(projected):
-  if not projected:
-    return
-  print("simulated samples/s by slot count (each run's calibration, decode cost scaled)")
-  print(f"{'slots':>6}" + "".join(f"{name:>16}" for name in projected))
-  for slots in next(iter(projected.values())):
-    print(f"{slots:>6}" + "".join(f"{p[slots]:>16.1f}" for p in projected.values()))
 
 
 if __name__ == "__main__":

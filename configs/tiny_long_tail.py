@@ -6,7 +6,9 @@ Problems of up to 24 operands instead of 8: solutions of up to 187 tokens (mean 
 29, median 15), so the longest sample of a synchronous batch is many times the
 typical one, the tail that stalls synchronous RL. Run from the repository root (it
 builds on `configs/tiny.py`). On a 2-core CPU, async (η = 4, retract) trained 1.34x
-the samples/s of sync here, against 1.09x on `configs/tiny.py` (BENCHMARKS.md).
+the samples/s of sync here, against 1.09x on `configs/tiny.py` (BENCHMARKS.md). The
+ratio depends on the slot count: 1.03-1.15x at 16 slots, where both modes run
+fastest on a CPU, and up to 1.98x at 128, where sync is slowest.
 """
 
 from configs import tiny

@@ -6,7 +6,7 @@ A supervised warm start (100 steps), then asynchronous RL (η = 2, retract updat
 400 steps of 32 prompts x 8 samples), with held-out evaluation every 100 steps.
 RL trains on the shaped reward `arithmetic_steps` (credit for each correct leading
 step; `tasks.arithmetic.step_credit`); held-out accuracy still counts only fully
-correct worked solutions. About 8 minutes on a 2-core CPU; see the README for the
+correct worked solutions. About 6.5 minutes on a 2-core CPU; see the README for the
 measured accuracies.
 """
 
@@ -29,7 +29,10 @@ def get_config():
   c.generation.max_prompt_len = 32
   c.generation.max_new_tokens = 64
   c.generation.group_size = 8
-  c.generation.num_slots = 64
+  # A CPU decode step costs more per slot as slots are added (BENCHMARKS.md, sync vs
+  # async by slot count): with 16 slots instead of 64 the quick start took 6.5 minutes
+  # instead of 8.
+  c.generation.num_slots = 16
   c.staleness.max_staleness = 2
   c.staleness.max_concurrent = 96
   c.eval.num_prompts = 200

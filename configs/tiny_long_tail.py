@@ -20,4 +20,5 @@ def get_config():
   c.model.max_seq_len = 256
   c.generation.max_prompt_len = 56
   c.generation.max_new_tokens = 192
+  c.generation.num_slots = 64  # As measured; the slot count decides the ratio.
   return c

@@ -169,7 +169,8 @@ def step_credit(completion: str, problem: Problem) -> float:
   whole solution, scores m / (L + 1), so any wrong completion stays below a right one.
   All-or-nothing `verify` gives no signal on long chains, where almost no sample is
   fully right; credit for each leading correct step trains the single-step skill
-  that every chain length shares. Evaluation should still score with `verify`.
+  that every chain length shares. Evaluation counts a completion correct only at a
+  reward of 1, so it stays exact under this reward.
   """
   if completion == problem.solution:
     return 1.0

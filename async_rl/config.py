@@ -2,17 +2,18 @@
 
 Config files (`configs/*.py`) return an `ml_collections.ConfigDict`; binaries convert
 it once with `config_dict.from_config_dict`, and library code only ever sees these
-dataclasses. Every
-field is declared here once, with its default, and validated with a message that
-names it.
+dataclasses. Every field is declared here once, with its default. Bounds that concern
+the config alone are checked here; those a component owns (the loss's clip ranges, the
+pool's update modes) are checked by that component, and `config_check.check` runs them
+with the field's name in the message. This module is a leaf: it imports only other
+config dataclasses, never a component.
 """
 
 import dataclasses
 import os
 from typing import Optional
 
-from async_rl.generation.pool import UPDATE_MODES
-from async_rl.loss import LOSSES
+from async_rl.models import hf_config
 from async_rl.models.config import ModelConfig
 from async_rl.tasks.arithmetic import TaskConfig
 from async_rl.tasks.math_task import MathTaskConfig
@@ -73,8 +74,6 @@ class PPOConfig:
   behav_imp_weight_cap: Optional[float] = None
 
   def __post_init__(self):
-    if self.loss not in LOSSES:
-      _fail("ppo.loss", self.loss, f"must be one of {sorted(LOSSES)}")
     if self.eps_clip <= 0:
       _fail("ppo.eps_clip", self.eps_clip, "must be > 0")
     if self.eps_clip_higher is not None and self.eps_clip_higher <= 0:
@@ -177,8 +176,6 @@ class GenerationConfig:
       _fail("generation.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
     if not 0 < self.top_p <= 1:
       _fail("generation.top_p", self.top_p, "must lie in (0, 1]")
-    if self.update_mode not in UPDATE_MODES:
-      _fail("generation.update_mode", self.update_mode, f"must be one of {UPDATE_MODES}")
 
   @property
   def logp_temperature(self) -> float:
@@ -213,6 +210,17 @@ class RolloutConfig:
       _fail("rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
     if self.reward_workers < 1:
       _fail("rollout.reward_workers", self.reward_workers, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The training loop: after `max_consecutive_skips` non-finite steps in a row the run
+  stops with an error (each skipped step leaves the params as they were)."""
+  max_consecutive_skips: int = 5
+
+  def __post_init__(self):
+    if self.max_consecutive_skips < 1:
+      _fail("train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +301,7 @@ class ExperimentConfig:
   task: TaskConfig = TaskConfig()
   math: MathTaskConfig = MathTaskConfig()
   rollout: RolloutConfig = RolloutConfig()
+  train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
   sft: SFTConfig = SFTConfig()
@@ -345,11 +354,10 @@ class ExperimentConfig:
 
 def _model_from_hf(model: ModelConfig, model_dir: str) -> ModelConfig:
   """The architecture in `model_dir`'s config.json with `model`'s HF_RUN_MODEL_FIELDS."""
-  from async_rl.models import hf  # hf imports sharding, which imports this module
   if not os.path.isfile(os.path.join(model_dir, "config.json")):
     _fail("hf_model_dir", model_dir, "must be a directory holding config.json")
   try:
-    hf_model = hf.read_config(model_dir)
+    hf_model = hf_config.read_config(model_dir)
   except (KeyError, ValueError) as e:
     _fail("hf_model_dir", model_dir, f"holds a model that cannot be read: {e!r}")
   return dataclasses.replace(hf_model, **{f: getattr(model, f) for f in HF_RUN_MODEL_FIELDS})

@@ -15,6 +15,7 @@ import numpy as np
 from async_rl import batching, sharding, train_step
 from async_rl.config import ExperimentConfig, OptimizerConfig
 from async_rl.tasks import TrainStream
+from async_rl.trajectory import Trajectory
 
 # The warm start draws from its own stream, so RL does not begin on memorised prompts.
 _SFT_STREAM_SEED_OFFSET = 7919
@@ -30,14 +31,19 @@ def sft_loss(logp, prox_logp, behav_logp, advantages, mask, *, num_tokens=None,
   return nll, {"nll": nll, "num_tokens": count}
 
 
-def sft_sequences(prompts) -> list[batching.Sequence]:
-  """Prompt then reference solution; only the solution tokens are trained on."""
+def sft_sequences(prompts) -> list[Trajectory]:
+  """Prompt then reference solution; only the solution tokens are trained on.
+
+  The solution is not a policy's output, so its tokens carry version -1.
+  """
   out = []
   for p in prompts:
-    n = len(p.target)
-    out.append(batching.Sequence(tokens=np.array(p.tokens + p.target), prompt_len=len(p.tokens),
-                                 behav_logp=np.zeros(n, np.float32),
-                                 versions=np.zeros(n, np.int32), advantage=0.0))
+    tokens = np.array(p.tokens + p.target, np.int32)
+    P = len(p.tokens)
+    out.append(Trajectory(tokens_T=tokens, loss_mask_T=np.arange(tokens.size) >= P,
+                          logp_T=np.zeros(tokens.size, np.float32),
+                          versions_T=np.full(tokens.size, -1, np.int32), prompt_len=P,
+                          finish_reason="stop"))
   return out
 
 
@@ -57,9 +63,9 @@ def warm_start(cfg: ExperimentConfig, mesh, *, echo: Callable[[str], None] = pri
   t0 = time.perf_counter()
   for i in range(1, s.steps + 1):
     seqs = sft_sequences(next(stream) for _ in range(s.batch_size))
-    batch = batching.pack_dynamic(seqs, max_tokens_per_mb=budget, rows_per_mb=rows,
-                                  row_buckets=buckets)
-    state, metrics = step(state, batch)
+    batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=budget,
+                                  rows_per_mb=rows, row_buckets=buckets)
+    state, metrics = step(state, batch, batch.behav_logp)
     if i % s.log_every == 0 or i == s.steps:  # the only host reads: one every log_every
       echo(f"sft step {i}/{s.steps} nll={float(metrics['nll']):.4f} "
            f"({time.perf_counter() - t0:.0f}s)")

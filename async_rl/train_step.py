@@ -6,6 +6,11 @@ A batch is a `PackedBatch` of M micro-batches of R rows: gradients are accumulat
 over M with `lax.scan`, each micro-batch's loss divided by the valid-token count of
 the whole batch, so the update equals the full-batch one. Micro-batches with no valid
 token (bucket padding) are skipped with `lax.cond`.
+
+Version protocol (DESIGN.md, "Versions"): `TrainState.step` counts training steps,
+one per batch, whatever happens inside. A step whose loss or gradient is not finite
+changes neither params nor optimizer moments (`optax.apply_if_finite`) but still
+counts; its metrics say `skipped = 1`.
 """
 
 import functools
@@ -14,6 +19,7 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -23,9 +29,14 @@ from async_rl.config import OptimizerConfig
 from async_rl.models import ModelConfig, init_params
 
 
+# apply_if_finite gives up and applies a non-finite update after this many in a row;
+# the trainer loop stops the run long before (`train.max_consecutive_skips`).
+_NEVER_GIVE_UP = np.iinfo(np.int32).max
+
+
 @flax.struct.dataclass
 class TrainState:
-  """Params and optimizer state; `step` counts applied (finite) updates = version v."""
+  """Params and optimizer state; `step` counts training steps (skipped ones too)."""
   step: jax.Array
   params: Any
   opt_state: Any
@@ -50,9 +61,13 @@ def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
                        params=None) -> TrainState:
   """A sharded TrainState built in place: shapes first, then jit with out_shardings.
 
-  With `params` given (e.g. a warm start), they are resharded and used instead of a
-  random init.
+  `tx` is wrapped in `optax.apply_if_finite`, so a non-finite gradient leaves the
+  params and the optimizer's moments as they were (its schedule counts only applied
+  updates). With `params` given (e.g. a warm start), they are resharded and used
+  instead of a random init.
   """
+  tx = optax.apply_if_finite(tx, max_consecutive_errors=_NEVER_GIVE_UP)
+
   def init(key, params):
     params = init_params(model_cfg, key) if params is None else params
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -71,10 +86,11 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
                                          mesh))
 
 
-def _mb_loss(params, mb: PackedBatch, num_tokens, *, model_cfg, loss_fn, temperature):
+def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, *, model_cfg, loss_fn,
+             temperature):
   logp, ent = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
                                       mb.segment_ids, temperature=temperature)
-  return loss_fn(logp, mb.prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
+  return loss_fn(logp, prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
                  num_tokens=num_tokens, entropy=ent)
 
 
@@ -84,46 +100,49 @@ def _combine(acc, new):
           for k in acc}
 
 
-def train_step(state: TrainState, batch: PackedBatch, *, model_cfg: ModelConfig,
+def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: ModelConfig,
                loss_fn: Callable, temperature: float = 1.0):
-  """One optimizer update on a [M, R, T] batch; returns (state, metrics).
+  """One training step on a [M, R, T] batch; returns (state, metrics).
 
-  A non-finite loss or gradient norm leaves params and optimizer state unchanged and
-  reports `skipped = 1`.
+  `prox_logp` [M, R, T] are the proximal log-probs (`recompute_logp`, or
+  `batch.behav_logp` for naive PPO). A non-finite loss or gradient norm leaves
+  params and optimizer moments unchanged and reports `skipped = 1`; `state.step`
+  advances either way.
   """
   num_tokens = batch.loss_mask.sum()
   grad_fn = jax.value_and_grad(
       functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
                         temperature=temperature), has_aux=True)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-  first_mb = jax.tree.map(lambda x: x[0], batch)
-  _, metrics_shape = jax.eval_shape(grad_fn, state.params, first_mb, num_tokens)[0]
+  first = jax.tree.map(lambda x: x[0], (batch, prox_logp))
+  _, metrics_shape = jax.eval_shape(grad_fn, state.params, *first, num_tokens)[0]
   zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
 
-  def one(mb):
-    (loss, metrics), grads = grad_fn(state.params, mb, num_tokens)
+  def one(mb, prox):
+    (loss, metrics), grads = grad_fn(state.params, mb, prox, num_tokens)
     return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
-  def skip(mb):
+  def skip(mb, prox):
     return jnp.zeros((), jnp.float32), zero_metrics, zeros
 
-  def body(carry, mb):
+  def body(carry, xs):
     loss_acc, metrics_acc, grads_acc = carry
-    loss, metrics, grads = jax.lax.cond(mb.loss_mask.sum() > 0, one, skip, mb)
+    loss, metrics, grads = jax.lax.cond(xs[0].loss_mask.sum() > 0, one, skip, *xs)
     return (loss_acc + loss, _combine(metrics_acc, metrics),
             jax.tree.map(jnp.add, grads_acc, grads)), None
 
-  (loss, metrics, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zero_metrics, zeros), batch)
+  (loss, metrics, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zero_metrics, zeros),
+                                           (batch, prox_logp))
   grad_norm = optax.tree.norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, state.params)
+  # A non-finite loss poisons the gradient, so that apply_if_finite skips the update.
+  grads = jax.tree.map(lambda g, p: jnp.where(jnp.isfinite(loss), g, jnp.nan).astype(p.dtype),
+                       grads, state.params)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-  new_state = state.replace(step=state.step + ok.astype(jnp.int32),
-                            params=keep(params, state.params),
-                            opt_state=keep(opt_state, state.opt_state))
-  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=1 - ok.astype(jnp.int32))
+  finite = opt_state.last_finite
+  new_state = state.replace(step=state.step + 1,
+                            params=optax.apply_updates(state.params, updates),
+                            opt_state=opt_state)
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=1 - finite.astype(jnp.int32))
   return new_state, metrics
 
 
@@ -153,7 +172,8 @@ def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelC
   """`train_step` compiled over `mesh`; the input state is donated."""
   fn = functools.partial(train_step, model_cfg=model_cfg, loss_fn=loss_fn,
                          temperature=temperature)
-  return jax.jit(fn, in_shardings=(state_shardings, batch_shardings(mesh)),
+  return jax.jit(fn, in_shardings=(state_shardings, batch_shardings(mesh),
+                                   sharding.batch_sharding(mesh, leading_axes=1)),
                  out_shardings=(state_shardings, NamedSharding(mesh, P())),
                  donate_argnums=0)
 

@@ -26,8 +26,10 @@ def test_sft_sequences_train_on_the_solution_only():
   cfg = small_config()
   prompts = [next(TrainStream(cfg.task)) for _ in range(3)]
   for p, s in zip(prompts, sft.sft_sequences(prompts)):
-    assert list(s.tokens) == list(p.tokens) + list(p.target)
-    assert s.prompt_len == len(p.tokens) and len(s.behav_logp) == len(p.target)
+    assert list(s.tokens_T) == list(p.tokens) + list(p.target)
+    assert s.prompt_len == len(p.tokens)
+    np.testing.assert_array_equal(s.loss_mask_T, np.arange(len(s)) >= len(p.tokens))
+    assert (s.versions_T == -1).all(), "reference solutions are no policy's tokens"
 
 
 def test_warm_start_lowers_the_nll_of_reference_solutions():
@@ -39,7 +41,8 @@ def test_warm_start_lowers_the_nll_of_reference_solutions():
   params = sft.warm_start(cfg, mesh, echo=lines.append)
   assert lines and lines[-1].startswith("sft step 30/30")
   seqs = sft.sft_sequences(next(iter(TrainStream(cfg.task))) for _ in range(16))
-  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=64, rows_per_mb=1, row_buckets=(64,))
+  batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=64, rows_per_mb=1,
+                                row_buckets=(64,))
 
   def nll(p):
     logp = train_step.recompute_logp(jax.tree.map(jnp.asarray, p), batch, model_cfg=cfg.model)

@@ -1,4 +1,7 @@
-"""Train step: micro-batched == full batch, non-finite skip, no recompilation."""
+"""Train step: micro-batched == full batch, non-finite skip (the version protocol), no
+recompilation."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import pytest
 
 from async_rl import batching, loss, models, sharding, train_step
 from async_rl.config import MeshConfig, OptimizerConfig
+from async_rl.trajectory import Trajectory
 
 CFG = models.ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, d_ff=64)
@@ -15,24 +19,28 @@ LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, behav_imp_weigh
 
 
 def _seqs(n, seed=0):
+  """n random single-turn trajectories and their advantages."""
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
     p, c = int(rng.integers(2, 6)), int(rng.integers(1, 12))
-    out.append(batching.Sequence(
-        tokens=rng.integers(0, 53, p + c), prompt_len=p,
-        behav_logp=rng.normal(-3.0, 0.3, c).astype(np.float32),
-        versions=np.zeros(c, np.int32), advantage=float(rng.normal())))
-  return out
+    tokens = rng.integers(0, 53, p + c)
+    out.append(Trajectory.from_completion(tokens[:p], tokens[p:], rng.normal(-3.0, 0.3, c),
+                                          np.zeros(c, np.int32), "stop"))
+  return out, rng.normal(size=n)
+
+
+def _pack_dynamic(n, seed=0, **kw):
+  return batching.pack_dynamic(*_seqs(n, seed), **kw)
 
 
 def _state(mesh, tx):
   return train_step.create_train_state(CFG, tx, mesh, jax.random.key(0))
 
 
-def _with_prox(batch, params):
+def _prox(batch, params):
   prox = train_step.recompute_logp(params, batch, model_cfg=CFG)
-  return batch.replace(prox_logp=np.asarray(prox) + 0.05 * batch.loss_mask)
+  return np.asarray(prox) + 0.05 * batch.loss_mask
 
 
 def _update(mesh, batch, tx):
@@ -40,16 +48,16 @@ def _update(mesh, batch, tx):
   step = train_step.jit_train_step(mesh, train_step.train_state_shardings(
       jax.eval_shape(lambda: state), mesh), model_cfg=CFG, loss_fn=LOSS)
   before = jax.tree.map(np.asarray, state.params)
-  new, metrics = step(state, _with_prox(batch, state.params))
+  new, metrics = step(state, batch, _prox(batch, state.params))
   return jax.tree.map(lambda a, b: np.asarray(a) - b, new.params, before), metrics, step
 
 
 def test_micro_batched_update_equals_full_batch():
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  seqs = _seqs(12)
-  whole = batching.pack(seqs, [list(range(12))], rows_per_mb=1, row_len=256)
+  seqs, adv = _seqs(12)
+  whole = batching.pack(seqs, adv, [list(range(12))], rows_per_mb=1, row_len=256)
   groups = batching.ffd_allocate([len(s) for s in seqs], 24)
-  split = batching.pack(seqs, groups, rows_per_mb=2, row_len=24)
+  split = batching.pack(seqs, adv, groups, rows_per_mb=2, row_len=24)
   assert split.tokens.shape[0] > 2
   tx = optax.sgd(1.0)
   delta_whole, m_whole, _ = _update(mesh, whole, tx)
@@ -61,25 +69,58 @@ def test_micro_batched_update_equals_full_batch():
   assert int(m_whole["skipped"]) == 0
 
 
-def test_non_finite_gradient_skips_update():
+@pytest.mark.parametrize("poison", ["advantages", "behav_logp", "prox"])
+def test_non_finite_step_changes_nothing_but_the_step_count(poison):
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = batching.pack_dynamic(_seqs(6), max_tokens_per_mb=32, rows_per_mb=1,
-                                row_buckets=(32,))
+  batch = _pack_dynamic(6, max_tokens_per_mb=32, rows_per_mb=1, row_buckets=(32,))
   state = _state(mesh, train_step.make_optimizer(OptimizerConfig()))
-  batch = _with_prox(batch, state.params)
-  bad = batch.replace(advantages=np.where(batch.loss_mask > 0, np.nan, 0.0).astype(np.float32))
+  # Without the behaviour-weight cap: the cap masks a token whose weight is NaN.
+  step = functools.partial(train_step.train_step, model_cfg=CFG,
+                           loss_fn=loss.make_loss("decoupled_ppo", eps_clip=0.2))
+  prox = _prox(batch, state.params)
+  state, metrics = step(state, batch, prox)  # one good step, so the moments are non-zero
+  assert int(metrics["skipped"]) == 0 and int(state.step) == 1
+  nan_on_mask = np.where(batch.loss_mask > 0, np.nan, 0.0).astype(np.float32)
+  if poison == "prox":
+    bad, bad_prox = batch, nan_on_mask
+  else:
+    bad, bad_prox = batch.replace(**{poison: nan_on_mask}), prox
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  new, metrics = step(state, bad, bad_prox)
+  assert int(metrics["skipped"]) == 1
+  assert int(new.step) == 2, "a skipped step still counts as a training step"
+  after = jax.tree.map(np.asarray, (new.params, new.opt_state))
+  count_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(before)[0]]
+  for path, a, b in zip(count_paths, jax.tree.leaves(after), jax.tree.leaves(before)):
+    name = jax.tree_util.keystr(path)
+    if "notfinite" in name or "last_finite" in name:
+      continue  # apply_if_finite's own counters record the skip
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  assert int(new.opt_state.total_notfinite) == 1
+  new, metrics = step(new, batch, prox)
+  assert int(metrics["skipped"]) == 0 and int(new.step) == 3
+  assert int(new.opt_state.notfinite_count) == 0
+
+
+def test_non_finite_steps_are_skipped_however_many_in_a_row():
+  # apply_if_finite would apply a non-finite update after max_consecutive_errors
+  # skips; the train step never lets it (the loop stops the run instead).
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = _pack_dynamic(3, max_tokens_per_mb=32, rows_per_mb=1, row_buckets=(32,))
+  state = _state(mesh, optax.sgd(1.0))
+  bad = batch.replace(advantages=np.full_like(batch.advantages, np.inf))
+  step = jax.jit(functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS))
   before = jax.tree.map(np.asarray, state.params)
-  new, metrics = train_step.train_step(state, bad, model_cfg=CFG, loss_fn=LOSS)
-  assert int(metrics["skipped"]) == 1 and int(new.step) == 0
-  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(before)):
+  for _ in range(12):
+    state, metrics = step(state, bad, batch.behav_logp)
+    assert int(metrics["skipped"]) == 1
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)):
     np.testing.assert_array_equal(a, b)
-  new, metrics = train_step.train_step(state, batch, model_cfg=CFG, loss_fn=LOSS)
-  assert int(metrics["skipped"]) == 0 and int(new.step) == 1
 
 
 def test_all_empty_batch_is_a_finite_no_op_gradient():
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = batching.pack(_seqs(2), [[], []], rows_per_mb=1, row_len=16)
+  batch = batching.pack(*_seqs(2), [[], []], rows_per_mb=1, row_len=16)
   delta, metrics, _ = _update(mesh, batch, optax.sgd(1.0))
   assert float(metrics["loss"]) == 0.0 and int(metrics["skipped"]) == 0
   assert all(np.all(d == 0) for d in jax.tree.leaves(delta))
@@ -92,10 +133,10 @@ def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
   step = train_step.jit_train_step(mesh, shardings, model_cfg=CFG, loss_fn=LOSS)
   kw = dict(max_tokens_per_mb=32, rows_per_mb=1, row_buckets=(16, 32))
-  b1 = batching.pack_dynamic(_seqs(5, seed=1), **kw)
-  b2 = batching.pack_dynamic(_seqs(5, seed=2), **kw)
+  b1 = _pack_dynamic(5, seed=1, **kw)
+  b2 = _pack_dynamic(5, seed=2, **kw)
   assert b1.tokens.shape == b2.tokens.shape
-  state, _ = step(state, b1)
-  state, _ = step(state, b2)
+  state, _ = step(state, b1, b1.behav_logp)
+  state, _ = step(state, b2, b2.behav_logp)
   assert step._cache_size() == 1
   assert int(state.step) == 2

@@ -29,9 +29,9 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
                for i, p in enumerate(prompts)]
   greedy_samples = [f.result()[0] for f in greedy_f]
   correct = np.greater_equal(
-      score([(p, decode(s.tokens_T)) for p, s in zip(prompts, greedy_samples)]), 1.0)
-  sampled = [(p, decode(x.tokens_T)) for p, f in zip(prompts, sampled_f) for x in f.result()]
+      score([(p, decode(s.completion_C)) for p, s in zip(prompts, greedy_samples)]), 1.0)
+  sampled = [(p, decode(x.completion_C)) for p, f in zip(prompts, sampled_f) for x in f.result()]
   passed = np.reshape(np.greater_equal(score(sampled), 1.0), (len(prompts), pass_k)).max(axis=1)
-  lengths = [len(s.tokens_T) for s in greedy_samples]
+  lengths = [len(s.completion_C) for s in greedy_samples]
   return {"accuracy": float(np.mean(correct)), f"pass_at_{pass_k}": float(np.mean(passed)),
           "completion_len": float(np.mean(lengths))}

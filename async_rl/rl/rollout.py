@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from async_rl.generation import Request, SamplingParams
-from async_rl.param_server import ScoredGroup, ScoredSample
 from async_rl.rewards import RewardTask
+from async_rl.trajectory import Group
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ class RolloutController:
       return
     samples = future.result()
     reference = self._reference(prompt)
-    rewards = [self.rewards.submit(RewardTask(self._reward_fn, self._decode(s.tokens_T),
+    rewards = [self.rewards.submit(RewardTask(self._reward_fn, self._decode(s.completion_C),
                                               reference)) for s in samples]
     remaining = [len(rewards)]
 
@@ -127,11 +127,9 @@ class RolloutController:
       r.add_done_callback(scored)
 
   def _score(self, prompt, samples, rewards):
-    group = ScoredGroup(prompt.id, tuple(
-        ScoredSample(s.prompt_P, s.tokens_T, s.logp_T, s.versions_T, float(r), s.finish_reason)
-        for s, r in zip(samples, rewards)))
+    group = Group(prompt.id, tuple(s.with_reward(r) for s, r in zip(samples, rewards)))
     with self._lock:
-      self.stats.generated_tokens += sum(len(s.tokens_T) for s in samples)
+      self.stats.generated_tokens += sum(s.num_policy_tokens for s in samples)
     if self._dynamic_filter and np.ptp(rewards) == 0:
       self._finish(None, "filtered")
     else:

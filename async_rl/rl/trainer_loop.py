@@ -62,12 +62,14 @@ class TrainerLoop:
     if self.checkpointer.latest_step() is None and init_params is None:
       init_params = _initial_params(cfg, mesh, echo)
     self.trainer = Trainer(cfg, mesh, params=init_params)
+    self.skipped_steps = 0
     self.resume_meta = self._maybe_restore()
     params = self.trainer.host_params()
     server.publish(self.trainer.version, params)
     self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
     self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s)
     self.log = MetricsLog(workdir)
+    self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
 
@@ -83,7 +85,9 @@ class TrainerLoop:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             jax.eval_shape(lambda: self.trainer.state),
                             self.trainer.state_shardings)
-    self.trainer.state, meta = self.checkpointer.restore(step, abstract)
+    state, meta = self.checkpointer.restore(step, abstract)
+    self.trainer.restore(state)
+    self.skipped_steps = int(meta.get("skipped_steps", 0))
     self.server.load_state_dict(meta["server"])
     logging.info("resumed from checkpoint %d in %s", step, self.workdir)
     return meta
@@ -124,6 +128,7 @@ class TrainerLoop:
       metrics = self._train(groups, waited, rollouts, last)
       version = self.trainer.version
       self.echo(_line(version, metrics))
+      self._count_skip(version, metrics, groups)
       bar.update(1)
       if cfg.eval.every_steps and version % cfg.eval.every_steps == 0:
         self._eval_and_log()
@@ -155,12 +160,14 @@ class TrainerLoop:
     with self.timeline.span("trainer", "publish"):
       self.server.publish(self.trainer.version, self.trainer.host_params())
     now, logging_since = time.perf_counter(), time.time()
-    rewards = np.array([s.reward for g in groups for s in g.samples])
+    self.skipped_steps += metrics["skipped"]
+    rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
     metrics.update(
         reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
+        skipped_steps=self.skipped_steps, updates=self.trainer.version - self.skipped_steps,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
         server={k: v for k, v in self.server.metrics().items() if k != "staleness_hist"},
@@ -170,6 +177,23 @@ class TrainerLoop:
     self.history.append(metrics)
     self.timeline.record("trainer", "log", logging_since, time.time())
     return metrics
+
+  def _count_skip(self, version, metrics, groups):
+    """Warns about a skipped step; stops the run after too many in a row."""
+    if not metrics["skipped"]:
+      self.consecutive_skips = 0
+      return
+    self.consecutive_skips += 1
+    cause = _skip_cause(metrics, groups)
+    self.echo(f"WARNING: step {version} skipped ({cause}); params unchanged, "
+              f"{self.consecutive_skips} in a row")
+    logging.warning("step %d skipped: %s", version, cause)
+    limit = self.cfg.train.max_consecutive_skips
+    if self.consecutive_skips >= limit:
+      raise NonFiniteError(
+          f"{limit} consecutive training steps were skipped as non-finite, the last at "
+          f"step {version} ({cause}); the run stops and keeps its last checkpoint "
+          f"(step {self.checkpointer.latest_step()})")
 
   def _eval_and_log(self):
     with self.timeline.span("trainer", "eval"):
@@ -183,6 +207,7 @@ class TrainerLoop:
     if self.checkpointer.latest_step() == self.trainer.version:
       return
     meta = {"server": self.server.state_dict(), "version": self.trainer.version,
+            "skipped_steps": self.skipped_steps,
             "prompts": [r.prompt_state() for r in rollouts]}
     self.checkpointer.save(self.trainer.version, self.trainer.state, meta, wait=wait)
 
@@ -203,6 +228,23 @@ def _initial_params(cfg: ExperimentConfig, mesh, echo):
   if cfg.sft.steps:
     return warm_start(cfg, mesh, echo=echo)
   return None
+
+
+class NonFiniteError(RuntimeError):
+  """Too many consecutive training steps had a non-finite loss or gradient."""
+
+
+def _skip_cause(metrics, groups) -> str:
+  """What was not finite: the loss, the gradient norm, and any bad inputs."""
+  parts = [f"loss={metrics['loss']:.4g} grad_norm={metrics['grad_norm']:.4g}"]
+  trajs = [t for g in groups for t in g.trajectories]
+  bad_logp = sum(int(np.count_nonzero(~np.isfinite(t.logp_T[t.loss_mask_T]))) for t in trajs)
+  bad_reward = sum(not np.isfinite(t.reward) for t in trajs)
+  if bad_logp:
+    parts.append(f"{bad_logp} non-finite behaviour log-probs")
+  if bad_reward:
+    parts.append(f"{bad_reward} non-finite rewards")
+  return ", ".join(parts)
 
 
 def _line(version, m) -> str:

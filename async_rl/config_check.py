@@ -1,0 +1,36 @@
+"""The checks of an experiment that its components own, run once before any compute.
+
+`config.py` declares every field and checks what concerns the config alone. A bound
+that belongs to a component (the loss's clip ranges, the advantage estimator's
+levels, the pool's update modes) is checked by that component, where it is used;
+`check` runs those same checks up front and puts the config field's name in front of
+the component's message. `config_dict.from_config_dict` calls it, so a bad value on
+the command line stops a binary before anything is compiled.
+"""
+
+from async_rl import loss
+from async_rl.config import ExperimentConfig
+from async_rl.generation.pool import UPDATE_MODES
+from async_rl.rl.trainer import make_advantage_fn
+
+
+def _owned(section: str, build, *args, **kwargs):
+  try:
+    return build(*args, **kwargs)
+  except ValueError as e:
+    raise ValueError(f"{section}.{e}") from e
+
+
+def check(cfg: ExperimentConfig) -> ExperimentConfig:
+  """Raises ValueError naming the field whose value a component rejects; returns `cfg`."""
+  ppo = cfg.ppo
+  if ppo.loss not in loss.LOSSES:
+    raise ValueError(f"ppo.loss must be one of {sorted(loss.LOSSES)}, got {ppo.loss!r}")
+  _owned("ppo", loss.make_loss, ppo.loss, eps_clip=ppo.eps_clip,
+         eps_clip_higher=ppo.eps_clip_higher, c_clip=ppo.c_clip,
+         behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+  _owned("advantage", make_advantage_fn, cfg)
+  if cfg.generation.update_mode not in UPDATE_MODES:
+    raise ValueError(f"generation.update_mode must be one of {UPDATE_MODES}, got "
+                     f"{cfg.generation.update_mode!r}")
+  return cfg

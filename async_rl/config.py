@@ -199,11 +199,13 @@ class StalenessConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS`."""
+  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS`;
+  `allow_weak_sandbox` lets code rewards run without bubblewrap (rewards/sandbox.py)."""
   reward_fn: str = "arithmetic"
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   dynamic_filter: bool = False
+  allow_weak_sandbox: bool = False
 
   def __post_init__(self):
     if self.reward_timeout_s <= 0:

@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from async_rl.rewards import code_tests
+from async_rl.rewards import code_tests, sandbox
 from async_rl.rewards import (REWARD_FNS, RewardService, RewardTask, code_tests_all_reward,
-                              code_tests_reward, isolation,
-                              resolve_reward_fn, run_sandboxed)
+                              code_tests_reward, resolve_reward_fn, run_sandboxed)
 
 H = "reward_fns_for_tests:"  # Top-level functions the workers import by name.
 TIMEOUT_S = 1.0
@@ -169,29 +168,27 @@ def test_sandbox_memory_limit_stops_a_huge_allocation():
   assert "allocated" not in result.stdout
 
 
-def test_sandbox_works_in_a_temporary_directory_that_is_removed():
-  code = ("import os; open('f.txt', 'w').write('data'); "
+def test_sandbox_works_in_a_private_directory_that_does_not_outlive_it():
+  code = ("import os; print(os.listdir()); open('f.txt', 'w').write('data'); "
           "print(os.getcwd()); print(open('f.txt').read())")
-  result = run_sandboxed(code)
-  workdir, data = result.stdout.split()
-  assert data == "data" and os.path.basename(workdir).startswith("async_rl_sandbox_")
+  for _ in range(2):
+    result = run_sandboxed(code)
+    listing, workdir, data = result.stdout.split()
+    assert (listing, workdir, data) == ("['main.py']", sandbox.WORKDIR, "data")
   assert not os.path.exists(workdir)
 
 
 def test_sandbox_cannot_write_outside(tmp_path):
-  if isolation().user is None:
-    pytest.skip("the sandbox runs as the calling user, who may write here")
   outside = tmp_path / "outside"
   outside.mkdir()
   tmp_path.chmod(0o755)
+  outside.chmod(0o777)
   result = run_sandboxed(f"open({str(outside / 'f')!r}, 'w').write('x')")
-  assert "PermissionError" in result.stderr
+  assert "FileNotFoundError" in result.stderr  # The host's directories are not there.
   assert not (outside / "f").exists()
 
 
 def test_sandbox_limits_processes():
-  if not isolation().process_limit_enforced:
-    pytest.skip("RLIMIT_NPROC is not enforced for root")
   code = """
 import os, time
 started = 0
@@ -211,8 +208,6 @@ print(started)
 
 
 def test_sandbox_has_no_network():
-  if not isolation().namespaces:
-    pytest.skip("cannot create a network namespace here")
   code = """
 import socket
 print([name for _, name in socket.if_nameindex()])

@@ -28,6 +28,7 @@ from typing import Any
 from absl import logging
 
 from async_rl.rewards import worker as worker_lib
+from async_rl.rewards.code_tests import ALLOW_WEAK_SANDBOX_ENV
 from async_rl.rewards.registry import resolve_reward_fn
 
 
@@ -53,7 +54,7 @@ class _WorkerDied(Exception):
 class _Worker:
   """One worker process and its pipes, driven by a single service thread."""
 
-  def __init__(self, startup_timeout_s: float):
+  def __init__(self, startup_timeout_s: float, env: dict[str, str]):
     child_rx, self._tx = os.pipe()
     self._rx, child_tx = os.pipe()
     try:
@@ -62,7 +63,7 @@ class _Worker:
       self._proc = subprocess.Popen(
           worker_lib.worker_command(child_rx, child_tx), pass_fds=(child_rx, child_tx),
           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+          env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
     except OSError:
       self._close_pipes()
       raise
@@ -136,16 +137,20 @@ class RewardService:
     num_workers: worker processes, so the number of calls running at once.
     timeout_s: hard limit on one call, from when its worker receives it.
     startup_timeout_s: limit on starting a worker process.
+    allow_weak_sandbox: whether code rewards may run untrusted programs where only
+      the weak sandbox exists (rewards/sandbox.py); passed to the workers as
+      ASYNC_RL_ALLOW_WEAK_SANDBOX.
   """
 
   def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, *,
-               startup_timeout_s: float = 60.0):
+               startup_timeout_s: float = 60.0, allow_weak_sandbox: bool = False):
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     self._timeout_s = timeout_s
     self._startup_timeout_s = startup_timeout_s
+    self._worker_env = {ALLOW_WEAK_SANDBOX_ENV: "1" if allow_weak_sandbox else "0"}
     self._queue = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._closed = False
@@ -223,7 +228,7 @@ class RewardService:
 
   def _start_worker(self) -> _Worker | None:
     try:
-      return _Worker(self._startup_timeout_s)
+      return _Worker(self._startup_timeout_s, self._worker_env)
     except (OSError, RuntimeError) as e:
       logging.error("reward service: cannot start a worker: %s", e)
       return None

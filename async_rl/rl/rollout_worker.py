@@ -33,7 +33,8 @@ class RolloutWorker:
     self.pool = GeneratorPool(make_engine(cfg), params, version=version,
                               seed=cfg.seed + worker_index)
     self.rewards = RewardService(num_workers=cfg.rollout.reward_workers,
-                                 timeout_s=cfg.rollout.reward_timeout_s)
+                                 timeout_s=cfg.rollout.reward_timeout_s,
+                                 allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)
     self.controller = RolloutController(
         server=server, pool=self.pool, rewards=self.rewards, prompts=self.prompts,
         reference=self.task.reference, decode=self.task.decode,

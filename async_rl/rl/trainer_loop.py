@@ -67,7 +67,8 @@ class TrainerLoop:
     params = self.trainer.host_params()
     server.publish(self.trainer.version, params)
     self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
-    self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s)
+    self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
+                                      allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)
     self.log = MetricsLog(workdir)
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []

@@ -9,12 +9,25 @@ import types
 import typing
 from typing import Any
 
+from async_rl import loss
 from async_rl.config import ExperimentConfig
+
+# Keys the config once had: what to write instead.
+_REMOVED_KEYS = {
+    "ppo.behav_imp_weight_cap": "write ppo.rejection_upper=<the cap> instead (with the "
+                                "default rejection_level='token', rejection_action='mask' "
+                                "and rejection_metric='ratio' it masks the same tokens)",
+}
 
 
 def from_config_dict(cd: Any) -> ExperimentConfig:
-  """Converts a ConfigDict (or nested mapping) to an `ExperimentConfig`, strictly."""
-  return _build(ExperimentConfig, _to_plain(cd), "")
+  """Converts a ConfigDict (or nested mapping) to an `ExperimentConfig`, strictly.
+
+  The PPO hyper-parameters are then checked by their owner, `loss.check_hparams`.
+  """
+  cfg = _build(ExperimentConfig, _to_plain(cd), "")
+  loss.check_hparams(prefix="ppo.", **dataclasses.asdict(cfg.ppo))
+  return cfg
 
 
 def _to_plain(x):
@@ -29,6 +42,9 @@ def _build(cls, values, prefix):
   hints = typing.get_type_hints(cls)
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - names)
+  for k in unknown:
+    if prefix + k in _REMOVED_KEYS:
+      raise ValueError(f"config key {prefix + k} was removed: {_REMOVED_KEYS[prefix + k]}")
   if unknown:
     raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; "
                      f"known: {sorted(prefix + n for n in names)}")

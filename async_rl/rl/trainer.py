@@ -8,6 +8,7 @@ params.
 """
 
 import collections
+import dataclasses
 import time
 from typing import Sequence as SequenceOf
 
@@ -57,9 +58,16 @@ class Trainer:
     self.state_shardings = train_step.train_state_shardings(
         jax.eval_shape(lambda: self.state), mesh)
     ppo = cfg.ppo
-    self.loss_fn = loss.make_loss(ppo.loss, eps_clip=ppo.eps_clip,
-                                  eps_clip_higher=ppo.eps_clip_higher, c_clip=ppo.c_clip,
-                                  behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+    loss.check_hparams(prefix="ppo.", **dataclasses.asdict(ppo))
+    if ppo.prox_logp == "loglinear":
+      raise ValueError("ppo.prox_logp='loglinear' needs the train step to pass per-token "
+                       "versions to the loss, which it does not yet; use 'recompute'")
+    self.loss_fn = loss.make_loss(
+        ppo.loss, eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
+        c_clip=ppo.c_clip, importance_level=ppo.importance_level,
+        rejection_level=ppo.rejection_level, rejection_action=ppo.rejection_action,
+        rejection_metric=ppo.rejection_metric, rejection_upper=ppo.rejection_upper,
+        rejection_lower=ppo.rejection_lower)
     self._step = train_step.jit_train_step(mesh, self.state_shardings, model_cfg=cfg.model,
                                            loss_fn=self.loss_fn,
                                            temperature=cfg.generation.logp_temperature)
@@ -87,8 +95,10 @@ class Trainer:
     version = self.version
     batch = jax.device_put(self.pack(groups), self._batch_sharding)
     t_pack = time.perf_counter()
-    if self.cfg.ppo.loss == "decoupled_ppo":
+    if self.cfg.ppo.prox_logp == "recompute":
       batch = batch.replace(prox_logp=self._prox(self.state.params, batch))
+    else:  # "behav": naive PPO
+      batch = batch.replace(prox_logp=batch.behav_logp)
     self.state, metrics = self._step(self.state, batch)
     metrics = jax.device_get(metrics)
     t_done = time.perf_counter()

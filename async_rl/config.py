@@ -62,26 +62,42 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-  """The decoupled PPO objective of DESIGN.md; `loss="naive_ppo"` uses π_behav as π_prox.
+  """The decoupled PPO objective of DESIGN.md; `loss.check_hparams` validates it.
 
   Log-probs are taken at the sampling temperature (`generation.temperature`, or 1
   for greedy), so the trainer's recomputation matches the recorded behaviour ones.
+
+  Attributes:
+    loss: the objective, a name of `loss.LOSSES`.
+    prox_logp: where π_prox comes from: "recompute" (a forward pass under the params
+      at the start of the step), "loglinear" (AReaL's estimate from the per-token
+      versions, no forward pass) or "behav" (π_behav itself: naive PPO, w = 1).
+    eps_clip: PPO clip range below 1.
+    eps_clip_higher: clip range above 1 (DAPO clip-higher); None: eps_clip.
+    c_clip: dual-clip constant for negative advantages; None: no dual clip.
+    importance_level: "token" (PPO's ratio per token) or "sequence" (GSPO's ratio
+      per sequence).
+    rejection_level: the behaviour-weight correction judges each "token" or each
+      "sequence" (geometric mean of its tokens' weights).
+    rejection_action: "mask" drops what is out of bounds from the loss; "clamp"
+      clips the weight into the bounds (truncated importance sampling).
+    rejection_metric: what is bounded: "ratio" (π_prox / π_behav) or a KL estimate
+      "kl_k1", "kl_k2", "kl_k3".
+    rejection_upper: upper bound of the metric; None: none.
+    rejection_lower: lower bound of the metric; None: none. With neither bound, the
+      weight is not corrected.
   """
   loss: str = "decoupled_ppo"
+  prox_logp: str = "recompute"
   eps_clip: float = 0.2
   eps_clip_higher: Optional[float] = None
   c_clip: Optional[float] = None
-  behav_imp_weight_cap: Optional[float] = None
-
-  def __post_init__(self):
-    if self.eps_clip <= 0:
-      _fail("ppo.eps_clip", self.eps_clip, "must be > 0")
-    if self.eps_clip_higher is not None and self.eps_clip_higher <= 0:
-      _fail("ppo.eps_clip_higher", self.eps_clip_higher, "must be > 0")
-    if self.c_clip is not None and self.c_clip <= 1:
-      _fail("ppo.c_clip", self.c_clip, "must be > 1")
-    if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
-      _fail("ppo.behav_imp_weight_cap", self.behav_imp_weight_cap, "must be > 1")
+  importance_level: str = "token"
+  rejection_level: str = "token"
+  rejection_action: str = "mask"
+  rejection_metric: str = "ratio"
+  rejection_upper: Optional[float] = None
+  rejection_lower: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)

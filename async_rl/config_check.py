@@ -23,12 +23,7 @@ def _owned(section: str, build, *args, **kwargs):
 
 def check(cfg: ExperimentConfig) -> ExperimentConfig:
   """Raises ValueError naming the field whose value a component rejects; returns `cfg`."""
-  ppo = cfg.ppo
-  if ppo.loss not in loss.LOSSES:
-    raise ValueError(f"ppo.loss must be one of {sorted(loss.LOSSES)}, got {ppo.loss!r}")
-  _owned("ppo", loss.make_loss, ppo.loss, eps_clip=ppo.eps_clip,
-         eps_clip_higher=ppo.eps_clip_higher, c_clip=ppo.c_clip,
-         behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+  loss.from_config(cfg.ppo)
   _owned("advantage", make_advantage_fn, cfg)
   if cfg.generation.update_mode not in UPDATE_MODES:
     raise ValueError(f"generation.update_mode must be one of {UPDATE_MODES}, got "

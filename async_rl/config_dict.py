@@ -14,6 +14,13 @@ from typing import Any
 from async_rl import config_check
 from async_rl.config import ExperimentConfig
 
+# Keys the config once had: what to write instead.
+_REMOVED_KEYS = {
+    "ppo.behav_imp_weight_cap": "write ppo.rejection_upper=<the cap> instead (with the "
+                                "default rejection_level='token', rejection_action='mask' "
+                                "and rejection_metric='ratio' it masks the same tokens)",
+}
+
 
 def from_config_dict(cd: Any) -> ExperimentConfig:
   """Converts a ConfigDict (or nested mapping) to an `ExperimentConfig`, strictly.
@@ -106,7 +113,10 @@ def config_keys(cd=None) -> list[str]:
 
 
 def unknown_key_message(key: str, known) -> str:
-  """An error for an unknown config key that names the nearest valid ones."""
+  """An error for an unknown config key that names the nearest valid ones (or, for a
+  key the config once had, what to write instead)."""
+  if key in _REMOVED_KEYS:
+    return f"config key {key} was removed: {_REMOVED_KEYS[key]}"
   known = list(known)
   near = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
   if near:

@@ -21,10 +21,10 @@ from async_rl.trajectory import Trajectory
 _SFT_STREAM_SEED_OFFSET = 7919
 
 
-def sft_loss(logp, prox_logp, behav_logp, advantages, mask, *, num_tokens=None,
-             entropy=None):
+def sft_loss(logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, *,
+             num_tokens=None, entropy=None):
   """Mean negative log-likelihood of the masked tokens (the PPO-loss signature)."""
-  del prox_logp, behav_logp, advantages, entropy
+  del prox_logp, behav_logp, advantages, segment_ids, entropy
   count = mask.sum()
   denom = jnp.maximum(count if num_tokens is None else num_tokens, 1)
   nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / denom

@@ -91,7 +91,7 @@ def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, *, model_cfg, loss_
   logp, ent = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
                                       mb.segment_ids, temperature=temperature)
   return loss_fn(logp, prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
-                 num_tokens=num_tokens, entropy=ent)
+                 mb.segment_ids, num_tokens=num_tokens, entropy=ent)
 
 
 def _combine(acc, new):

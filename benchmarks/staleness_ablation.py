@@ -64,7 +64,7 @@ def variant(cfg: ExperimentConfig, loss: str, eta, seed: int) -> ExperimentConfi
   return dataclasses.replace(
       cfg, seed=cfg.seed + seed, sft=dataclasses.replace(cfg.sft, steps=0),
       task=dataclasses.replace(cfg.task, seed=cfg.task.seed + seed),
-      ppo=dataclasses.replace(cfg.ppo, loss=loss),
+      ppo=dataclasses.replace(cfg.ppo, prox_logp="behav" if loss == "naive_ppo" else "recompute"),
       staleness=dataclasses.replace(cfg.staleness, max_staleness=eta))
 
 

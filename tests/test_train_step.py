@@ -15,7 +15,7 @@ from async_rl.trajectory import Trajectory
 
 CFG = models.ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, d_ff=64)
-LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, behav_imp_weight_cap=5.0)
+LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, rejection_upper=5.0)
 
 
 def _seqs(n, seed=0):

@@ -57,10 +57,10 @@ class Trainer:
     self.version = 0
     self.state_shardings = train_step.train_state_shardings(
         jax.eval_shape(lambda: self.state), mesh)
-    ppo = cfg.ppo
-    self.loss_fn = loss.make_loss(ppo.loss, eps_clip=ppo.eps_clip,
-                                  eps_clip_higher=ppo.eps_clip_higher, c_clip=ppo.c_clip,
-                                  behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+    self.loss_fn = loss.from_config(cfg.ppo)
+    if cfg.ppo.prox_logp == "loglinear":
+      raise ValueError("ppo.prox_logp='loglinear' needs the train step to pass per-token "
+                       "versions to the loss, which it does not yet; use 'recompute'")
     self._step = train_step.jit_train_step(mesh, self.state_shardings, model_cfg=cfg.model,
                                            loss_fn=self.loss_fn,
                                            temperature=cfg.generation.logp_temperature)
@@ -92,9 +92,9 @@ class Trainer:
     t0 = time.perf_counter()
     batch = jax.device_put(self.pack(groups), self._batch_sharding)
     t_pack = time.perf_counter()
-    if self.cfg.ppo.loss == "decoupled_ppo":
+    if self.cfg.ppo.prox_logp == "recompute":
       prox_logp = self._prox(self.state.params, batch)
-    else:
+    else:  # "behav": naive PPO
       prox_logp = batch.behav_logp
     self.state, metrics = self._step(self.state, batch, prox_logp)
     metrics = jax.device_get(metrics)

@@ -72,6 +72,8 @@ class PPOConfig:
     prox_logp: where π_prox comes from: "recompute" (a forward pass under the params
       at the start of the step), "loglinear" (AReaL's estimate from the per-token
       versions, no forward pass) or "behav" (π_behav itself: naive PPO, w = 1).
+    num_minibatches: PPO updates per training step (AReaL's ppo_n_minibatches); π_prox
+      is taken once, before the first, and each is the mean over its own tokens.
     eps_clip: PPO clip range below 1.
     eps_clip_higher: clip range above 1 (DAPO clip-higher); None: eps_clip.
     c_clip: dual-clip constant for negative advantages; None: no dual clip.
@@ -89,6 +91,7 @@ class PPOConfig:
   """
   loss: str = "decoupled_ppo"
   prox_logp: str = "recompute"
+  num_minibatches: int = 1
   eps_clip: float = 0.2
   eps_clip_higher: Optional[float] = None
   c_clip: Optional[float] = None

@@ -58,12 +58,10 @@ class Trainer:
     self.state_shardings = train_step.train_state_shardings(
         jax.eval_shape(lambda: self.state), mesh)
     self.loss_fn = loss.from_config(cfg.ppo)
-    if cfg.ppo.prox_logp == "loglinear":
-      raise ValueError("ppo.prox_logp='loglinear' needs the train step to pass per-token "
-                       "versions to the loss, which it does not yet; use 'recompute'")
     self._step = train_step.jit_train_step(mesh, self.state_shardings, model_cfg=cfg.model,
                                            loss_fn=self.loss_fn,
-                                           temperature=cfg.generation.logp_temperature)
+                                           temperature=cfg.generation.logp_temperature,
+                                           num_minibatches=cfg.ppo.num_minibatches)
     self._prox = train_step.jit_recompute_logp(mesh, self.state_shardings.params,
                                                model_cfg=cfg.model,
                                                temperature=cfg.generation.logp_temperature)
@@ -80,9 +78,11 @@ class Trainer:
 
   def pack(self, groups) -> batching.PackedBatch:
     trajs, adv_N = group_advantages(groups, self._advantage_fn, self.cfg.generation.group_size)
-    return batching.pack_dynamic(trajs, adv_N,
-                                 max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
-                                 rows_per_mb=self._rows_per_mb, row_buckets=self._row_buckets)
+    batch = batching.pack_dynamic(trajs, adv_N,
+                                  max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
+                                  rows_per_mb=self._rows_per_mb, row_buckets=self._row_buckets,
+                                  with_versions=self.cfg.ppo.prox_logp == "loglinear")
+    return batching.pad_micro_batches(batch, self.cfg.ppo.num_minibatches)
 
   def train(self, groups: SequenceOf) -> dict:
     """One training step on `groups`; returns host metrics, with staleness and timings.
@@ -92,10 +92,13 @@ class Trainer:
     t0 = time.perf_counter()
     batch = jax.device_put(self.pack(groups), self._batch_sharding)
     t_pack = time.perf_counter()
-    if self.cfg.ppo.prox_logp == "recompute":
+    mode = self.cfg.ppo.prox_logp
+    if mode == "recompute":
       prox_logp = self._prox(self.state.params, batch)
-    else:  # "behav": naive PPO
+    elif mode == "behav":  # naive PPO
       prox_logp = batch.behav_logp
+    else:  # "loglinear": estimated inside the step from batch.versions
+      prox_logp = None
     self.state, metrics = self._step(self.state, batch, prox_logp)
     metrics = jax.device_get(metrics)
     t_done = time.perf_counter()
@@ -104,7 +107,7 @@ class Trainer:
     metrics = {k: float(v) for k, v in metrics.items()}
     stale_tokens = int(counts.sum())
     metrics.update(
-        skipped=int(metrics["skipped"]),
+        skipped=int(metrics["skipped"]), applied_updates=int(metrics["applied_updates"]),
         staleness_mean=float(np.arange(counts.size) @ counts) / max(stale_tokens, 1),
         staleness_max=int(counts.size - 1) if stale_tokens else 0,
         staleness_hist={k: int(c) for k, c in enumerate(counts) if c},

@@ -62,7 +62,7 @@ class TrainerLoop:
     if self.checkpointer.latest_step() is None and init_params is None:
       init_params = _initial_params(cfg, mesh, echo)
     self.trainer = Trainer(cfg, mesh, params=init_params)
-    self.skipped_steps = 0
+    self.skipped_steps = self.applied_updates = 0
     self.resume_meta = self._maybe_restore()
     params = self.trainer.host_params()
     server.publish(self.trainer.version, params)
@@ -88,7 +88,8 @@ class TrainerLoop:
                             self.trainer.state_shardings)
     state, meta = self.checkpointer.restore(step, abstract)
     self.trainer.restore(state)
-    self.skipped_steps = int(meta.get("skipped_steps", 0))
+    self.skipped_steps = int(meta["skipped_steps"])
+    self.applied_updates = int(meta["applied_updates"])
     self.server.load_state_dict(meta["server"])
     logging.info("resumed from checkpoint %d in %s", step, self.workdir)
     return meta
@@ -162,13 +163,14 @@ class TrainerLoop:
       self.server.publish(self.trainer.version, self.trainer.host_params())
     now, logging_since = time.perf_counter(), time.time()
     self.skipped_steps += metrics["skipped"]
+    self.applied_updates += metrics["applied_updates"]
     rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
     metrics.update(
         reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
-        skipped_steps=self.skipped_steps, updates=self.trainer.version - self.skipped_steps,
+        skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
         server={k: v for k, v in self.server.metrics().items() if k != "staleness_hist"},
@@ -208,7 +210,7 @@ class TrainerLoop:
     if self.checkpointer.latest_step() == self.trainer.version:
       return
     meta = {"server": self.server.state_dict(), "version": self.trainer.version,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates,
             "prompts": [r.prompt_state() for r in rollouts]}
     self.checkpointer.save(self.trainer.version, self.trainer.state, meta, wait=wait)
 

@@ -12,6 +12,7 @@ from typing import Sequence as SequenceOf
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from async_rl import advantages, batching, loss, sharding, train_step
 from async_rl.config import ExperimentConfig
@@ -117,5 +118,11 @@ class Trainer:
     return metrics
 
   def host_params(self):
-    """A host (numpy) copy of the params: safe to publish, since the state is donated."""
+    """A host (numpy) copy of the params: safe to publish, since the state is donated.
+
+    With a trainer over several `jax.distributed` processes, every process gets the
+    whole params (an all-gather), since no process holds all their shards.
+    """
+    if jax.process_count() > 1:
+      return multihost_utils.process_allgather(self.state.params, tiled=True)
     return jax.device_get(self.state.params)

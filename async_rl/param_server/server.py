@@ -22,12 +22,13 @@ class ParameterServer:
   (`acquire` with a timeout, `wait_for_version`, `get_batch`) need a threaded actor
   (`max_concurrency` > 1).
 
-  Version protocol: the trainer publishes `(v, params)` after its v-th update and
+  Version protocol: the trainer publishes `(v, params)` after its v-th training step and
   then takes the next batch of B groups at version v; that batch is trained into
   the params it publishes next. A publish must increase the version, except the
   first one after construction or `load_state_dict`, which may repeat the current
   (restored) version: it supplies the params the checkpoint holds. The server keeps
-  a reference to the published params, not a copy: publish immutable arrays.
+  a reference to the published params, not a copy: publish arrays that nothing
+  will donate or modify (`Trainer.device_params` copies the donated train state's).
 
   All state sits behind one lock; three conditions on it wake the waiters for a new
   version, for freed capacity and for a full batch.

@@ -117,6 +117,15 @@ class Trainer:
         time_pack_s=t_pack - t0, time_train_s=t_done - t_pack)
     return metrics
 
+  def device_params(self):
+    """A copy of the params on the trainer's devices, safe to publish in process.
+
+    The next step donates the train state, so the published params must not alias
+    it; this copy stays on the devices (no host round trip), and a generator
+    reshards it onto its own with `jax.device_put`.
+    """
+    return jax.device_put(self.state.params, self.state_shardings.params, may_alias=False)
+
   def host_params(self):
     """A host (numpy) copy of the params: safe to publish, since the state is donated.
 

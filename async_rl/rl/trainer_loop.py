@@ -44,12 +44,16 @@ class TrainerLoop:
       `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     echo: receives the one-line summary of every step.
+    publish_on_host: publish host (numpy) copies of the params, for a server in
+      another process; by default they stay device arrays (`Trainer.device_params`).
   """
 
   def __init__(self, cfg: ExperimentConfig, workdir: str, server, *, init_params=None,
                stop: Optional[threading.Event] = None,
-               echo: Callable[[str], None] = print, progress: bool = True):
+               echo: Callable[[str], None] = print, progress: bool = True,
+               publish_on_host: bool = False):
     self.cfg, self.workdir, self.server = cfg, workdir, server
+    self.publish_on_host = publish_on_host
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress
     os.makedirs(workdir, exist_ok=True)
@@ -64,7 +68,7 @@ class TrainerLoop:
     self.trainer = Trainer(cfg, mesh, params=init_params)
     self.skipped_steps = self.applied_updates = 0
     self.resume_meta = self._maybe_restore()
-    params = self.trainer.host_params()
+    params = self._published_params()
     server.publish(self.trainer.version, params)
     self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
     self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
@@ -73,6 +77,11 @@ class TrainerLoop:
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
+
+  def _published_params(self):
+    if self.publish_on_host:
+      return self.trainer.host_params()
+    return self.trainer.device_params()
 
   def prompt_state(self, worker_index: int) -> Optional[dict]:
     """The resumed prompt-stream position of a rollout worker (None when fresh)."""
@@ -98,7 +107,7 @@ class TrainerLoop:
     """Held-out metrics of the trainer's current params (greedy, pass@k)."""
     version = self.trainer.version
     if version > self.eval_pool.version:
-      self.eval_pool.update_weights(self.trainer.host_params(), version, "keep").result()
+      self.eval_pool.update_weights(self.trainer.device_params(), version, "keep").result()
     fn = self.cfg.rollout.reward_fn
 
     def score(pairs):
@@ -160,7 +169,7 @@ class TrainerLoop:
       metrics = self.trainer.train(groups)
     t0 = time.perf_counter()
     with self.timeline.span("trainer", "publish"):
-      self.server.publish(self.trainer.version, self.trainer.host_params())
+      self.server.publish(self.trainer.version, self._published_params())
     now, logging_since = time.perf_counter(), time.time()
     self.skipped_steps += metrics["skipped"]
     self.applied_updates += metrics["applied_updates"]

@@ -19,17 +19,6 @@ from async_rl.config import ExperimentConfig
 from async_rl.trajectory import staleness_counts
 
 
-def make_advantage_fn(cfg: ExperimentConfig):
-  a, g = cfg.advantage, cfg.generation
-  overlong = a.overlong_cache_len is not None
-  return advantages.make_advantage_fn(
-      bias=a.reward_bias, scale=a.reward_scale, clip=a.reward_clip,
-      overlong_max_len=g.max_new_tokens if overlong else None,
-      overlong_cache_len=a.overlong_cache_len, overlong_factor=a.overlong_factor,
-      zero_truncated=a.zero_truncated, mean_level=a.mean_level, std_level=a.std_level,
-      leave_one_out=a.leave_one_out)
-
-
 def group_advantages(groups, advantage_fn, group_size: int):
   """The groups' trajectories, flat, and their advantages [N] from the group rewards."""
   trajs = [t for g in groups for t in g.trajectories]
@@ -67,7 +56,7 @@ class Trainer:
                                                model_cfg=cfg.model,
                                                temperature=cfg.generation.logp_temperature)
     self._batch_sharding = train_step.batch_shardings(mesh)
-    self._advantage_fn = make_advantage_fn(cfg)
+    self._advantage_fn = advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
     b = cfg.batching
     self._row_buckets = b.row_buckets or batching.default_row_buckets(b.max_tokens_per_mb)
     self._rows_per_mb = sharding.num_batch_shards(mesh)

@@ -4,7 +4,7 @@
 that belongs to a component (the loss's clip ranges, the advantage estimator's
 levels, the pool's update modes) is checked by that component, where it is used;
 `check` runs those same checks up front and puts the config field's name in front of
-the component's message. `config_dict.from_config_dict` calls it, so a bad value on
+the component's message (a task's checks name the fields themselves). `config_dict.from_config_dict` calls it, so a bad value on
 the command line stops a binary before anything is compiled.
 """
 
@@ -12,6 +12,7 @@ from async_rl import loss
 from async_rl.config import ExperimentConfig
 from async_rl.generation.pool import UPDATE_MODES
 from async_rl.rl.trainer import make_advantage_fn
+from async_rl.tasks.registry import check_task
 
 
 def _owned(section: str, build, *args, **kwargs):
@@ -28,4 +29,5 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
   if cfg.generation.update_mode not in UPDATE_MODES:
     raise ValueError(f"generation.update_mode must be one of {UPDATE_MODES}, got "
                      f"{cfg.generation.update_mode!r}")
+  check_task(cfg)
   return cfg

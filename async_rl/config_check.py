@@ -2,10 +2,11 @@
 
 `config.py` declares every field and checks what concerns the config alone. A bound
 that belongs to a component (the loss's clip ranges, the advantage estimator's
-levels, the pool's update modes) is checked by that component, where it is used;
-`check` runs those same checks up front and puts the config field's name in front of
-the component's message (a task's checks name the fields themselves). `config_dict.from_config_dict` calls it, so a bad value on
-the command line stops a binary before anything is compiled.
+levels, the pool's update modes, the task's lengths and files) is checked by that
+component, where it is used; `check` runs those same checks up front and puts the
+config field's name in front of the component's message (a task's checks name the
+fields themselves). `config_dict.from_config_dict` calls it, so a bad value on the
+command line stops a binary before anything is compiled.
 """
 
 from async_rl import loss

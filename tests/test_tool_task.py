@@ -10,12 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from async_rl import sharding
 from async_rl.rl.run import run_in_process
+from async_rl.rl.trainer import Trainer
 from async_rl.tasks import Problem, TaskConfig, TrainStream, verify
 from async_rl.tasks.arithmetic import step_credit
 from async_rl.tasks.arithmetic_task import SFT_SEED_OFFSET
 from async_rl.tasks.tool_task import Calculator, ToolTask, policy_chars
-from async_rl.trajectory import Trajectory
+from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
 P = Problem(prompt="7+2-5+3=", answer="7", num_terms=4, solution="7+2=9\n9-5=4\n4+3=7\n#7")
@@ -87,11 +89,29 @@ def test_a_perfect_policy_writes_the_reference_transcript():
   assert cut.finish_reason == "max_turns" and TOK.decode(cut.completion_C) == "7+2=9\n9-5="
 
 
-@pytest.mark.parametrize("per_turn", [False, True])
-def test_a_short_tool_run_trains_on_policy_tokens_within_the_bound(tmp_path, per_turn):
+def test_a_sample_per_turn_trains_the_same_tokens_with_the_episodes_advantage():
+  right, = TASK.workflow.run(PROMPT, 1, _perfect_policy(P.solution))
+  wrong, = TASK.workflow.run(PROMPT, 1, _perfect_policy("7+2=9\n9+5=14\n#14"))
+  groups = [Group("g", (right.with_reward(1.0), wrong.with_reward(0.25)))]
+  packed = {}
+  for per_turn in (False, True):
+    cfg = small_config(**{"task_kind": "arithmetic_tool", "multi_turn.sample_per_turn": per_turn})
+    packed[per_turn] = Trainer(cfg, sharding.make_mesh(cfg.mesh)).pack(groups)
+  episode, turns = packed[False], packed[True]
+  assert turns.loss_mask.sum() == episode.loss_mask.sum() == right.loss_mask_T.sum() + \
+      wrong.loss_mask_T.sum()
+  assert turns.segment_ids.max(axis=-1).sum() == 4 + 3, "one sample per call and answer"
+  for field in ("advantages", "behav_logp"):
+    at = lambda b: np.sort(getattr(b, field)[b.loss_mask > 0])  # noqa: E731
+    np.testing.assert_array_equal(at(turns), at(episode))
+  low, high = np.unique(episode.advantages[episode.loss_mask > 0])
+  assert low < 0 < high and np.isclose(low, -high), "each token has its episode's advantage"
+
+
+def test_a_short_tool_run_trains_on_policy_tokens_within_the_bound(tmp_path):
   cfg = small_config(**{"task_kind": "arithmetic_tool", "num_steps": 2, "sft.steps": 3,
                         "sft.batch_size": 4, "rollout.reward_fn": "arithmetic_steps",
-                        "multi_turn.sample_per_turn": per_turn,
+                        "multi_turn.sample_per_turn": True,
                         "eval.num_prompts": 2, "generation.max_new_tokens": 40,
                         "batching.max_tokens_per_mb": 64})
   summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)

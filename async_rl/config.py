@@ -10,16 +10,17 @@ config dataclasses, never a component.
 """
 
 import dataclasses
+import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from async_rl.models import hf_config
 from async_rl.models.config import ModelConfig
 from async_rl.tasks.arithmetic import TaskConfig
+from async_rl.tasks.code_task import CodeTaskConfig
 from async_rl.tasks.math_task import MathTaskConfig
 
 SCHEDULES = ("constant", "cosine")
-TASK_KINDS = ("arithmetic", "math")  # The names of `rl.components.TASKS`.
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat")
@@ -209,9 +210,10 @@ class StalenessConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS`;
+  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS` or
+  "module:function" that replaces the task's own reward function (None: the task's);
   `allow_weak_sandbox` lets code rewards run without bubblewrap (rewards/sandbox.py)."""
-  reward_fn: str = "arithmetic"
+  reward_fn: Optional[str] = None
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   dynamic_filter: bool = False
@@ -222,6 +224,25 @@ class RolloutConfig:
       _fail("rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
     if self.reward_workers < 1:
       _fail("rollout.reward_workers", self.reward_workers, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+  """Multi-turn episodes (`tasks.workflow.MultiTurn`).
+
+  Attributes:
+    max_turns: the most policy turns of an episode; None: the task's own (for
+      "arithmetic_tool", `task.max_terms`: one call per step and the answer).
+    sample_per_turn: train each policy turn as a sample of its own, the episode before
+      it as its prompt (`tasks.workflow.split_turns`), instead of the whole episode
+      as one sample. Advantages stay the episode's.
+  """
+  max_turns: Optional[int] = None
+  sample_per_turn: bool = False
+
+  def __post_init__(self):
+    if self.max_turns is not None and self.max_turns < 1:
+      _fail("multi_turn.max_turns", self.max_turns, "must be >= 1 or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,18 +311,23 @@ class SFTConfig:
 class ExperimentConfig:
   """Everything one run needs; `batch_groups` is B, prompt groups per training batch.
 
-  `task_kind` names the task: "arithmetic" (`task`, the character tokenizer, random
-  or warm-started weights) or "math" (`math`, GSM8K/MATH JSONL files, the tokenizer
-  of `hf_model_dir`). `hf_model_dir` is a local Hugging Face Qwen2/Qwen3 directory
-  whose weights a fresh run starts from; the architecture fields of `model` are then
-  read from its `config.json`, replacing any configured values, and only
-  `HF_RUN_MODEL_FIELDS` stay as configured. Paths are made absolute.
+  `task_kind` names the task (`tasks.registry`): "arithmetic" (`task`, the character
+  tokenizer, random or warm-started weights), "arithmetic_tool" (the same problems
+  with a calculator tool, over several turns: `multi_turn`), "code" (`code`, small
+  programs run in the sandbox), "math" (`math`, GSM8K/MATH JSONL files, the tokenizer
+  of `hf_model_dir`), or "module:attr" naming a user's task factory, which reads its
+  own options from `task_options` (plain data: strings, numbers, bools, None, lists
+  and mappings, as config.json holds them). `hf_model_dir` is a local Hugging Face
+  Qwen2/Qwen3 directory whose weights a fresh run starts from; the architecture
+  fields of `model` are then read from its `config.json`, replacing any configured
+  values, and only `HF_RUN_MODEL_FIELDS` stay as configured. Paths are made absolute.
   """
   seed: int = 0
   batch_groups: int = 8
   num_steps: int = 100
   hf_model_dir: Optional[str] = None
   task_kind: str = "arithmetic"
+  task_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   model: ModelConfig = ModelConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   ppo: PPOConfig = PPOConfig()
@@ -312,6 +338,8 @@ class ExperimentConfig:
   staleness: StalenessConfig = StalenessConfig()
   task: TaskConfig = TaskConfig()
   math: MathTaskConfig = MathTaskConfig()
+  code: CodeTaskConfig = CodeTaskConfig()
+  multi_turn: MultiTurnConfig = MultiTurnConfig()
   rollout: RolloutConfig = RolloutConfig()
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
@@ -325,7 +353,10 @@ class ExperimentConfig:
     if self.hf_model_dir is not None:
       object.__setattr__(self, "hf_model_dir", os.path.abspath(self.hf_model_dir))
       object.__setattr__(self, "model", _model_from_hf(self.model, self.hf_model_dir))
-    self._check_task()
+    try:
+      json.dumps(self.task_options, allow_nan=False)
+    except (TypeError, ValueError) as e:
+      _fail("task_options", self.task_options, f"must hold plain data ({e})")
     longest = self.generation.max_prompt_len + self.generation.max_new_tokens
     if self.batching.max_tokens_per_mb < longest:
       _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
@@ -334,34 +365,6 @@ class ExperimentConfig:
     if longest > self.model.max_seq_len:
       _fail("model.max_seq_len", self.model.max_seq_len,
             f"must be >= generation.max_prompt_len + generation.max_new_tokens = {longest}")
-
-  def _check_task(self):
-    if self.task_kind not in TASK_KINDS:
-      _fail("task_kind", self.task_kind, f"must be one of {TASK_KINDS}")
-    if self.task_kind == "math":
-      if self.math.train_path is None:
-        _fail("math.train_path", None, "must name a JSONL file when task_kind='math'")
-      if self.hf_model_dir is None:
-        _fail("hf_model_dir", None, "must name the model (and tokenizer) directory when "
-              "task_kind='math'")
-      if self.rollout.reward_fn == "arithmetic":
-        _fail("rollout.reward_fn", self.rollout.reward_fn,
-              "must not be 'arithmetic' with task_kind='math' (use 'math')")
-      if self.sft.steps:
-        _fail("sft.steps", self.sft.steps, "must be 0 with task_kind='math': the warm start "
-              "trains on arithmetic solutions (a hf_model_dir checkpoint is the start)")
-      return
-    if self.hf_model_dir is not None:
-      _fail("hf_model_dir", self.hf_model_dir, "needs task_kind='math': the arithmetic "
-            "task's character tokenizer does not share a pretrained model's vocabulary")
-    if self.task.max_prompt_tokens > self.generation.max_prompt_len:
-      _fail("generation.max_prompt_len", self.generation.max_prompt_len,
-            f"must hold the task's longest prompt ({self.task.max_prompt_tokens} tokens)")
-    sft_longest = self.task.max_prompt_tokens + self.task.max_solution_tokens
-    if self.sft.steps and self.batching.max_tokens_per_mb < sft_longest:
-      _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
-            f"must hold the longest warm-start sequence ({sft_longest} tokens) when "
-            f"sft.steps > 0")
 
 
 def _model_from_hf(model: ModelConfig, model_dir: str) -> ModelConfig:

@@ -57,6 +57,11 @@ def _coerce(hint, value, path):
     hint = next(a for a in typing.get_args(hint) if a is not type(None))
   if dataclasses.is_dataclass(hint):
     return _build(hint, _to_plain(value), path + ".")
+  if typing.get_origin(hint) is dict:  # A free-form section (task_options): plain data.
+    value = _to_plain(value)
+    if not isinstance(value, typing.Mapping) or not all(isinstance(k, str) for k in value):
+      raise ValueError(f"{path} must be a mapping with string keys, got {value!r}")
+    return dict(value)
   if typing.get_origin(hint) is tuple:
     if not isinstance(value, (list, tuple)):
       raise ValueError(f"{path} must be a sequence, got {value!r}")
@@ -87,6 +92,8 @@ def default_config_dict():
       hint = hints[f.name]
       if dataclasses.is_dataclass(hint):
         out[f.name] = convert(hint)
+      elif typing.get_origin(hint) is dict:
+        out[f.name] = ml_collections.ConfigDict(f.default_factory())
       elif f.default is None:
         out[f.name] = placeholder(next(a for a in typing.get_args(hint) if a is not type(None)))
       else:

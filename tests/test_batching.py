@@ -43,7 +43,7 @@ def _random_seqs(seed, n, max_prompt=6, max_completion=8):
 def _unpack_rows(batch):
   """Per flattened row, the segments as dicts; checks the layout invariants on the way."""
   M, R, T = batch.tokens.shape
-  flat = {k: v.reshape(M * R, T) for k, v in vars(batch).items()}
+  flat = {k: v.reshape(M * R, T) for k, v in vars(batch).items() if v is not None}
   rows = []
   for r in range(M * R):
     seg_T = flat["segment_ids"][r]
@@ -190,7 +190,8 @@ def test_pack_hand_case():
       loss_mask=([0, 0, 1, 1, 0, 1, 1, 0], np.float32),
       behav_logp=([0, 0, -0.5, -0.25, 0, -1, -2, 0], np.float32),
       advantages=([0, 0, 1.5, 1.5, 0, -2, -2, 0], np.float32))
-  assert set(expected) == set(vars(batch)), "PackedBatch carries only what the device reads"
+  assert set(expected) | {"versions"} == set(vars(batch)), "only what the device reads"
+  assert batch.versions is None, "versions are packed only for the log-linear estimate"
   for name, (row, dtype) in expected.items():
     got = getattr(batch, name)
     assert got.dtype == dtype, name

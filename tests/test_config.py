@@ -61,10 +61,22 @@ def test_conversion_types_and_defaults():
       "batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
     ({"optimizer": {"learning_rate": "fast"}}, "optimizer.learning_rate"),
     ({"num_steps": True}, "num_steps"),
+    ({"multi_turn": {"max_turns": 0}}, "multi_turn.max_turns"),
+    ({"task_options": {"path": {1, 2}}}, "task_options"),
 ])
 def test_invalid_values_name_the_field(values, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
     from_config_dict(values)
+
+
+def test_task_options_are_free_form_plain_data_and_round_trip():
+  options = {"train": "a.jsonl", "sizes": [1, 2], "nested": {"k": None}}
+  cd = config_dict.default_config_dict()
+  cd.task_options = options
+  cfg = from_config_dict(cd)
+  assert cfg.task_options == options
+  assert config_dict.to_dict(cfg)["task_options"] == options
+  assert from_config_dict({}).task_options == {} and from_config_dict({}).rollout.reward_fn is None
 
 
 def test_mesh_axes_must_multiply_to_device_count():

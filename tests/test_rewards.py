@@ -124,6 +124,39 @@ def test_unknown_reward_fn_is_a_value_error(service):
   assert resolve_reward_fn("math") is REWARD_FNS["math"]
 
 
+def test_a_function_defined_in_place_runs_by_value_with_the_same_counters():
+  offset = 0.5  # A closure over a local: no worker could import it by name.
+
+  def shifted(completion, reference):
+    return len(completion) + reference + offset
+
+  def pid(completion, reference):
+    return float(os.getpid())
+
+  def raises(completion, reference):
+    raise KeyError(completion)
+
+  def hangs(completion, reference):
+    time.sleep(1000)
+
+  assert "<locals>" in shifted.__qualname__
+  with RewardService(num_workers=1, timeout_s=TIMEOUT_S) as svc:
+    assert svc.score_batch([RewardTask(shifted, "abc", 1.0), RewardTask(shifted, "", 0.0)]) == [
+        4.5, 0.5]
+    worker = svc.submit(RewardTask(pid, "", None)).result()
+    assert worker not in (0.0, float(os.getpid()))
+    assert svc.submit(RewardTask(raises, "x", None)).result() == 0.0
+    assert svc.submit(RewardTask(hangs, "", None)).result() == 0.0
+    # The replacement worker receives the function again with its first call.
+    assert svc.submit(RewardTask(shifted, "ab", 0.0)).result() == 2.5
+    assert svc.submit(RewardTask(pid, "", None)).result() not in (0.0, worker)
+    m = svc.metrics()
+    assert (m["calls"], m["errors"], m["timeouts"], m["worker_restarts"]) == (7, 1, 1, 1)
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="lock"):
+      svc.submit(RewardTask(lambda completion, reference: float(lock.locked()), "", None))
+
+
 def test_closed_service_cancels_queued_calls_and_refuses_new_ones():
   svc = RewardService(num_workers=1, timeout_s=TIMEOUT_S)
   running = svc.submit(_task("hangs"))

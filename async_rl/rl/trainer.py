@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 from async_rl import advantages, batching, loss, sharding, train_step
 from async_rl.config import ExperimentConfig
+from async_rl.tasks.workflow import split_turns
 from async_rl.trajectory import staleness_counts
 
 
@@ -68,6 +69,9 @@ class Trainer:
 
   def pack(self, groups) -> batching.PackedBatch:
     trajs, adv_N = group_advantages(groups, self._advantage_fn, self.cfg.generation.group_size)
+    if self.cfg.multi_turn.sample_per_turn:
+      turns = [split_turns(t) for t in trajs]
+      trajs, adv_N = [s for ts in turns for s in ts], np.repeat(adv_N, [len(ts) for ts in turns])
     batch = batching.pack_dynamic(trajs, adv_N,
                                   max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
                                   rows_per_mb=self._rows_per_mb, row_buckets=self._row_buckets,

@@ -23,11 +23,12 @@ from async_rl.generation import GeneratorPool
 from async_rl.models import hf
 from async_rl.rewards import RewardService, RewardTask
 from async_rl.rl.checkpoint import Checkpointer
-from async_rl.rl.components import make_engine, make_task
+from async_rl.rl.components import make_engine, reward_fn
 from async_rl.rl.evaluate import evaluate
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
 from async_rl.sft import warm_start
+from async_rl.tasks.registry import make_task
 from async_rl.timeline import Timeline
 
 _BATCH_POLL_S = 0.5
@@ -46,11 +47,13 @@ class TrainerLoop:
     echo: receives the one-line summary of every step.
     publish_on_host: publish host (numpy) copies of the params, for a server in
       another process; by default they stay device arrays (`Trainer.device_params`).
+    task: the task (`tasks.protocol.Task`) to warm-start on and evaluate; None builds
+      `cfg.task_kind`'s.
   """
 
   def __init__(self, cfg: ExperimentConfig, workdir: str, server, *, init_params=None,
                stop: Optional[threading.Event] = None,
-               echo: Callable[[str], None] = print, progress: bool = True,
+               echo: Callable[[str], None] = print, progress: bool = True, task=None,
                publish_on_host: bool = False):
     self.cfg, self.workdir, self.server = cfg, workdir, server
     self.publish_on_host = publish_on_host
@@ -59,12 +62,12 @@ class TrainerLoop:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(config_dict.to_dict(cfg), f, indent=2)
-    self.task = make_task(cfg)
+    self.task = make_task(cfg) if task is None else task
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=cfg.checkpoint.keep)
     mesh = sharding.make_mesh(cfg.mesh)
     if self.checkpointer.latest_step() is None and init_params is None:
-      init_params = _initial_params(cfg, mesh, echo)
+      init_params = _initial_params(cfg, mesh, echo, self.task)
     self.trainer = Trainer(cfg, mesh, params=init_params)
     self.skipped_steps = self.applied_updates = 0
     self.resume_meta = self._maybe_restore()
@@ -108,7 +111,7 @@ class TrainerLoop:
     version = self.trainer.version
     if version > self.eval_pool.version:
       self.eval_pool.update_weights(self.trainer.device_params(), version, "keep").result()
-    fn = self.cfg.rollout.reward_fn
+    fn = reward_fn(self.cfg, self.task)
 
     def score(pairs):
       return self.eval_rewards.score_batch(
@@ -116,9 +119,9 @@ class TrainerLoop:
 
     return evaluate(
         self.eval_pool, self.task.heldout(self.cfg.eval.num_prompts), score=score,
-        decode=self.task.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
-        stop_token_ids=self.task.stop_ids, pass_k=self.cfg.eval.pass_k,
-        seed=self.cfg.seed)
+        decode=self.task.tokenizer.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
+        stop_token_ids=self.task.tokenizer.stop_ids, pass_k=self.cfg.eval.pass_k,
+        seed=self.cfg.seed, workflow=self.task.workflow, vocab_size=self.cfg.model.vocab_size)
 
   def run(self, rollouts: Sequence) -> dict[str, Any]:
     """Starts `rollouts` and trains to `cfg.num_steps` (or until `stop`)."""
@@ -232,13 +235,13 @@ class TrainerLoop:
         logging.exception("error while closing")
 
 
-def _initial_params(cfg: ExperimentConfig, mesh, echo):
+def _initial_params(cfg: ExperimentConfig, mesh, echo, task):
   """A fresh run's params: the checkpoint, loaded straight onto the trainer's shardings;
-  else the warm start; else None (a random init)."""
+  else the warm start on `task`; else None (a random init)."""
   if cfg.hf_model_dir is not None:
     return hf.load_hf(cfg.hf_model_dir, mesh=mesh, dtype=cfg.model.param_dtype)[1]
   if cfg.sft.steps:
-    return warm_start(cfg, mesh, echo=echo)
+    return warm_start(cfg, mesh, task=task, echo=echo)
   return None
 
 

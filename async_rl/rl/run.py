@@ -24,7 +24,7 @@ def run_in_process(cfg: ExperimentConfig, workdir: str, *, init_params=None,
                      progress=progress)
   worker = None
   try:
-    worker = RolloutWorker(cfg, server, stream_state=loop.prompt_state(0))
+    worker = RolloutWorker(cfg, server)
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary

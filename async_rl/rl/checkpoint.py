@@ -97,7 +97,7 @@ class Checkpointer:
         if accept is not None:
           accept(state, meta)
       except Exception as e:  # Any failure to read a step whole marks it damaged.
-        failures.append((step, f"{type(e).__name__}: {e}"))
+        failures.append((step, " ".join(f"{type(e).__name__}: {e}".split())))
         logging.error("checkpoint %d in %s cannot be restored: %s", step, self.directory, e)
         continue
       damaged = tuple((s, why, self._set_aside(s)) for s, why in failures)

@@ -140,7 +140,7 @@ class TrainerLoop:
       r.start()
     bar = tqdm(total=cfg.num_steps, initial=start_version, desc="train", unit="step",
                disable=not self.progress, dynamic_ncols=True)
-    last = {"t": time.perf_counter(), "gen_tokens": 0}
+    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0}
 
     def waits():
       return {what: s for r in rollouts for what, s in r.waits().items()}
@@ -228,7 +228,10 @@ class TrainerLoop:
         lengths={k: length_summary(server["length_hist"][k]) for k in LENGTH_KINDS},
         server={k: v for k, v in server.items() if not k.endswith("_hist")},
         **(workers[0] if len(workers) == 1 else {"workers": workers}))
-    last.update(t=now, gen_tokens=gen_tokens)
+    if metrics["worker_restarts"] > last["restarts"]:
+      self.echo(f"WARNING: a rollout worker died and was restarted (worker_restarts="
+                f"{metrics['worker_restarts']}, lost_groups={server['lost_groups']})")
+    last.update(t=now, gen_tokens=gen_tokens, restarts=metrics["worker_restarts"])
     self.log.write(self.trainer.version, metrics)
     self.history.append(metrics)
     self.timeline.record("trainer", "log", logging_since, time.time())

@@ -222,3 +222,19 @@ def test_waits_name_the_part_that_holds_a_group_without_progress():
   time.sleep(0.2)
   assert controller.waits()["generator"] == pytest.approx(0.2, abs=0.1)
   controller.stop()
+
+
+class NeverRewards(FakeRewards):
+  def submit(self, task):
+    return Future()
+
+
+def test_waits_name_a_reward_service_that_never_answers():
+  server = FakeServer(1)
+  controller = _controller(server, FakePool({}), {})
+  controller.rewards = NeverRewards({})
+  controller.start()
+  time.sleep(0.3)
+  waits = controller.waits()
+  controller.stop()
+  assert set(waits) == {"rewards"} and waits["rewards"] >= 0.25

@@ -216,12 +216,11 @@ class ParameterServer:
         cond.notify_all()
 
   def metrics(self) -> dict[str, Any]:
-    """The counters, in prompt groups, and the staleness and length histograms.
+    """The counters, in prompt groups, and the staleness histogram.
 
     See `StalenessGate` and `AdmissionBuffer` for what each counter means
     (`lost_groups` is the gate's `lost`); `staleness_hist[k]` counts the trained
-    tokens of staleness k, `length_hist[kind][n]` the samples of n policy tokens
-    generated, admitted and trained.
+    tokens of staleness k.
     """
     with self._lock:
       g, b = self._gate, self._buffer
@@ -230,8 +229,13 @@ class ParameterServer:
               "buffer_size": len(b), "admitted": b.admitted, "dropped": b.dropped,
               "admitted_stale": b.admitted_stale, "trained": b.trained,
               "trained_stale": b.trained_stale, "masked_tokens": b.masked_tokens,
-              "staleness_hist": list(b.staleness_hist),
-              "length_hist": {k: list(v) for k, v in b.length_hist.items()}}
+              "staleness_hist": list(b.staleness_hist)}
+
+  def length_histograms(self) -> dict[str, list[int]]:
+    """`hist[kind][n]`: the samples of n policy tokens "generated" (offered),
+    "admitted" and "trained"."""
+    with self._lock:
+      return {k: list(v) for k, v in self._buffer.length_hist.items()}
 
   def state_dict(self) -> dict[str, Any]:
     """Counters, version and prompt ledger for a checkpoint, as JSON-able dicts.

@@ -22,10 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from async_rl import models
-
-
-class NoUsableCheckpointError(RuntimeError):
-  """Checkpoints exist, but none of them can be restored."""
+from async_rl.rl.errors import NoUsableCheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
-
-class StallError(RuntimeError):
-  """A wait passed `run.stall_timeout_s`; the message names what was awaited."""
+from async_rl.rl.errors import StallError
 
 
 class Deadlines:
@@ -60,12 +58,19 @@ class Deadlines:
 
   @contextlib.contextmanager
   def waiting(self, what: str, *, may_stall: bool = True):
-    """Marks the calling thread as waiting for `what` until the block ends."""
+    """Marks the calling thread as waiting for `what` until the block ends.
+
+    Yields a function to call on progress: the wait's clock starts again.
+    """
     key = next(self._ids)
-    with self._lock:
-      self._open[key] = (what, time.monotonic(), may_stall)
+
+    def progress():
+      with self._lock:
+        self._open[key] = (what, time.monotonic(), may_stall)
+
+    progress()
     try:
-      yield
+      yield progress
     finally:
       with self._lock:
         del self._open[key]
@@ -106,6 +111,17 @@ class Deadlines:
     if self.stalled is not None:
       raise self.stalled
 
+  def longest(self, *, besides: str) -> float:
+    """The longest wait now known, other than those named `besides`; 0 if none."""
+    with self._lock:
+      current = self._current(time.monotonic())
+    return max((s for what, (s, _) in current.items() if what != besides), default=0.0)
+
+  def stall(self, what: str, s: float) -> StallError:
+    """A `StallError` for `what`, awaited `s` seconds, naming the other long waits."""
+    with self._lock:
+      return StallError(self._stall_message(what, s, self._current(time.monotonic())))
+
   def result(self, future: concurrent.futures.Future, what: str) -> Any:
     """`future.result()`, reported past the soft deadline; StallError past the hard one."""
     start = time.monotonic()
@@ -117,9 +133,7 @@ class Deadlines:
           self.observe()
           waited = time.monotonic() - start
           if waited >= self.stall_timeout_s:
-            with self._lock:
-              message = self._stall_message(what, waited, self._current(time.monotonic()))
-            raise StallError(message) from None
+            raise self.stall(what, waited) from None
 
   def call(self, fn: Callable[[], Any], what: str) -> Any:
     """`fn()` on a helper thread, awaited as `result` awaits a future (a call that
@@ -145,6 +159,9 @@ class Deadlines:
       while not stop.wait(self.tick_s):
         try:
           others = waits()
+        except StallError as e:  # a probe that got no answer: that part is stalled
+          self.stalled = self.stalled or e
+          others = None
         except Exception:  # noqa: BLE001 - a failed probe must not end the watch.
           logging.exception("watchdog: could not read the rollout workers' waits")
           others = None

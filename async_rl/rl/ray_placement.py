@@ -37,9 +37,9 @@ from tqdm import tqdm
 
 from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
-from async_rl.rl.deadlines import StallError
+from async_rl.rl.errors import RolloutWorkerError, StallError
 from async_rl.rl.rollout_worker import RolloutWorker
-from async_rl.rl.trainer_loop import RolloutWorkerError, TrainerLoop
+from async_rl.rl.trainer_loop import TrainerLoop
 
 _POLL_S = 0.5
 _CLOSE_TIMEOUT_S = 60.0

@@ -27,11 +27,12 @@ from async_rl import config_dict, sharding
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
 from async_rl.models import hf
-from async_rl.param_server.buffer import LENGTH_KINDS, length_summary
+from async_rl.param_server.buffer import length_summary
 from async_rl.rewards import RewardService, RewardTask
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.components import make_engine, make_task
-from async_rl.rl.deadlines import Deadlines, StallError
+from async_rl.rl.deadlines import Deadlines
+from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError
 from async_rl.rl.evaluate import evaluate
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
@@ -157,7 +158,8 @@ class TrainerLoop:
     summary["timeline"] = self.timeline.spans() + [s for r in rollouts for s in r.timeline()]
     if self.trainer.version >= cfg.num_steps:
       summary["eval_after"] = self._eval_and_log()
-    summary["server"] = self.server.metrics()
+    summary["server"] = {**self.server.metrics(),
+                         "length_hist": self.server.length_histograms()}
     summary["longest_unreported_wait_s"] = self.deadlines.longest_unreported_s
     return summary
 
@@ -190,16 +192,35 @@ class TrainerLoop:
             f"to resume")
 
   def _next_batch(self, rollouts):
+    """The next batch, within the deadlines.
+
+    A slow batch is not a stall; no progress is. The wait counts from the last group
+    that finished (admitted, dropped or rejected), and the rollout workers' own waits
+    name the part that holds a group up: past the stall timeout (and `warn_after_s`
+    more, for them to speak first) the batch wait is the stall only if no other wait
+    is past the soft deadline.
+    """
     t0 = time.perf_counter()
-    with self.deadlines.waiting("a training batch"):
+    finished, since = None, time.monotonic()
+    what = "a training batch (no group finished)"
+    with self.deadlines.waiting(what, may_stall=False) as progress:
       while not self.stop.is_set():
         self.deadlines.check()
+        waited = time.monotonic() - since
+        run = self.cfg.run
+        if (waited >= run.stall_timeout_s + run.warn_after_s
+            and self.deadlines.longest(besides=what) < run.warn_after_s):
+          raise self.deadlines.stall(what, waited)
         for r in rollouts:
           if (error := r.error()) is not None:
             raise RolloutWorkerError(f"rollout worker failed:\n{error}")
         groups = self.server.get_batch(timeout=_BATCH_POLL_S)
         if groups is not None:
           return groups, time.perf_counter() - t0
+        m = self.server.metrics()
+        if m["admitted"] + m["rejected"] != finished:
+          finished, since = m["admitted"] + m["rejected"], time.monotonic()
+          progress()
     return None, time.perf_counter() - t0
 
   def _train(self, groups, waited, rollouts, last):
@@ -225,8 +246,8 @@ class TrainerLoop:
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
         prompts=[str(g.prompt_id) for g in groups],
         worker_restarts=sum(w.get("restarts", 0) for w in workers),
-        lengths={k: length_summary(server["length_hist"][k]) for k in LENGTH_KINDS},
-        server={k: v for k, v in server.items() if not k.endswith("_hist")},
+        lengths={k: length_summary(hist) for k, hist in self.server.length_histograms().items()},
+        server={k: v for k, v in server.items() if k != "staleness_hist"},
         **(workers[0] if len(workers) == 1 else {"workers": workers}))
     if metrics["worker_restarts"] > last["restarts"]:
       self.echo(f"WARNING: a rollout worker died and was restarted (worker_restarts="
@@ -296,14 +317,6 @@ def _initial_params(cfg: ExperimentConfig, mesh, echo):
   if cfg.sft.steps:
     return warm_start(cfg, mesh, echo=echo)
   return None
-
-
-class NonFiniteError(RuntimeError):
-  """Too many consecutive training steps had a non-finite loss or gradient."""
-
-
-class RolloutWorkerError(RuntimeError):
-  """A rollout worker's controller failed; the message holds its traceback."""
 
 
 def _skip_cause(metrics, groups) -> str:

@@ -2,7 +2,6 @@
 
 import ctypes
 import os
-import signal
 import time
 
 
@@ -39,20 +38,3 @@ def segfaults(completion, reference):
   del completion, reference
   ctypes.string_at(0)
 
-
-def kills_its_rollout_worker(completion, reference):
-  """`length`, except that the call numbered $KILL_AT among those made for a Ray rollout
-  worker (counted in the file $KILL_COUNT) SIGKILLs that worker's process, while its
-  group is running."""
-  parent = os.getppid()
-  with open(f"/proc/{parent}/cmdline", "rb") as f:
-    if not f.read().startswith(b"ray::RolloutWorker"):
-      return length(completion, reference)
-  path = os.environ["KILL_COUNT"]
-  calls = int(open(path).read() or 0) + 1 if os.path.exists(path) else 1
-  with open(path, "w") as f:
-    f.write(str(calls))
-  if calls == int(os.environ["KILL_AT"]):
-    os.kill(parent, signal.SIGKILL)
-    time.sleep(60)  # this process ends with its parent
-  return length(completion, reference)

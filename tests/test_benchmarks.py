@@ -57,3 +57,15 @@ def test_staleness_ablation_runs_the_grid_and_resumes(tmp_path):
   assert again["accuracy"] == summary["accuracy"]
   assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 5
   assert "[1/" not in stdout
+
+
+def test_faults_survives_every_in_process_fault(tmp_path):
+  stdout, summary = _run("benchmarks.faults", "--quick", f"--out_dir={tmp_path}")
+  assert summary["faults"] == {name: True for name in (
+      "non_finite_step", "raising_reward", "hanging_reward", "stalled_generator",
+      "truncated_checkpoint")}
+  assert summary["injected"] == summary["survived"] == 5
+  assert summary["lost_samples"] == 0 and summary["staleness_violations"] == 0
+  # Reported within the 2 s soft deadline, give or take the watchdog's tick and load.
+  assert summary["longest_unreported_wait_s"] < 4.0
+  assert "in_process (" in stdout

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -76,10 +75,10 @@ def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_p
   # The rollout worker's reward subprocess SIGKILLs it while scoring its 7th group (2
   # samples each), which is running then; with η = 1 and B = 2 that group can start
   # only once version 2 is published, after step 1 is logged.
-  monkeypatch.setenv("KILL_COUNT", str(tmp_path / "calls"))
-  monkeypatch.setenv("KILL_AT", "13")
+  monkeypatch.setenv("FAULTS_KILL_COUNT", str(tmp_path / "calls"))
+  monkeypatch.setenv("FAULTS_KILL_AT", "13")
   summary = _run(tmp_path, num_steps=5,
-                 **{"rollout.reward_fn": "reward_fns_for_tests:kills_its_rollout_worker"})
+                 **{"rollout.reward_fn": "benchmarks.fault_rewards:kills_its_rollout_worker"})
   assert summary["end_version"] == 5
   steps = _steps(tmp_path)
   assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]

@@ -15,7 +15,8 @@ import numpy as np
 
 from async_rl.models import ModelConfig
 from async_rl.rl.checkpoint import restore_params
-from rl_test_utils import check_prompt_accounting, step_lines
+from async_rl.rl.run_stats import step_lines
+from rl_test_utils import check_prompt_accounting
 
 ROOT = Path(__file__).parents[1]
 

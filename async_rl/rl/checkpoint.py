@@ -94,8 +94,10 @@ class Checkpointer:
         if accept is not None:
           accept(state, meta)
       except Exception as e:  # Any failure to read a step whole marks it damaged.
-        failures.append((step, " ".join(f"{type(e).__name__}: {e}".split())))
-        logging.error("checkpoint %d in %s cannot be restored: %s", step, self.directory, e)
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        failures.append((step, why))
+        logging.error("checkpoint %d in %s cannot be restored: %s", step, self.directory,
+                      why[:500])
         continue
       damaged = tuple((s, why, self._set_aside(s)) for s, why in failures)
       return Restored(step, state, meta, damaged)

@@ -151,29 +151,34 @@ class Deadlines:
 
   @contextlib.contextmanager
   def watching(self, waits: Callable[[], Mapping[str, float]]):
-    """Observes the open waits and `waits()` every `tick_s` on a watchdog thread,
-    until the block ends."""
+    """Until the block ends, observes the open waits every `tick_s`, and `waits()` as
+    often as it answers: a probe that blocks (a worker that is restarting, or hung)
+    holds up no report, and the waits it last gave keep ageing meanwhile."""
     stop = threading.Event()
 
-    def watch():
+    def probe():
       while not stop.wait(self.tick_s):
         try:
-          others = waits()
+          self.observe(waits())
         except StallError as e:  # a probe that got no answer: that part is stalled
           self.stalled = self.stalled or e
-          others = None
         except Exception:  # noqa: BLE001 - a failed probe must not end the watch.
           logging.exception("watchdog: could not read the rollout workers' waits")
-          others = None
-        self.observe(others)
 
-    thread = threading.Thread(target=watch, name="watchdog", daemon=True)
-    thread.start()
+    def tick():
+      while not stop.wait(self.tick_s):
+        self.observe()
+
+    threads = [threading.Thread(target=f, name=f"watchdog {f.__name__}", daemon=True)
+               for f in (probe, tick)]
+    for thread in threads:
+      thread.start()
     try:
       yield
     finally:
       stop.set()
-      thread.join(timeout=10 * self.tick_s)  # a probe that hangs is left behind
+      for thread in threads:
+        thread.join(timeout=10 * self.tick_s)  # a probe that hangs is left behind
 
   def _current(self, now):
     current = {what: (s + now - self._others_at, True) for what, s in self._others.items()}

@@ -245,6 +245,7 @@ class TrainerLoop:
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
         prompts=[str(g.prompt_id) for g in groups],
+        longest_unreported_wait_s=self.deadlines.longest_unreported_s,
         worker_restarts=sum(w.get("restarts", 0) for w in workers),
         lengths={k: length_summary(hist) for k, hist in self.server.length_histograms().items()},
         server={k: v for k, v in server.items() if k != "staleness_hist"},

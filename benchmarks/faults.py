@@ -10,7 +10,7 @@ Deadlines are seconds here (`run.warn_after_s=2`, `run.stall_timeout_s=15`,
   1. non_finite_step       the batch of step 2 carries NaN behaviour log-probs;
                            survived: step 2 is skipped, counted, and training goes on.
   2. raising_reward        the reward function raises on about 1 completion in 4
-                           (`benchmarks.fault_rewards.flaky`); survived: those
+                           (`async_rl.rewards.injected.flaky`); survived: those
                            score 0, are counted, and training goes on.
   3. hanging_reward        it never returns on about 1 in 11; survived: each is killed
                            after rollout.reward_timeout_s, scores 0, is counted.
@@ -66,8 +66,8 @@ _STEPS = flags.DEFINE_integer("steps", 6, "Training steps of each run (at least 
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/async_rl_faults", "Workdirs go here.")
 
 ROOT = Path(__file__).parents[1]
-FLAKY = "benchmarks.fault_rewards:flaky"
-KILLER = "benchmarks.fault_rewards:kills_its_rollout_worker"
+FLAKY = "async_rl.rewards.injected:flaky"
+KILLER = "async_rl.rewards.injected:kills_its_rollout_worker"
 POISONED_STEP, STALL_AT = 2, 3
 
 

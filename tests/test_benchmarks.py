@@ -69,3 +69,11 @@ def test_faults_survives_every_in_process_fault(tmp_path):
   # Reported within the 2 s soft deadline, give or take the watchdog's tick and load.
   assert summary["longest_unreported_wait_s"] < 4.0
   assert "in_process (" in stdout
+
+
+def test_admission_deciles_split_tied_lengths_in_proportion():
+  from benchmarks.admission import by_decile  # noqa: PLC0415 (a script's helper)
+  one_each = [0] + [1] * 10  # ten samples, of lengths 1 to 10: one per decile
+  assert by_decile(one_each, [0] * 10 + [1], one_each) == [0.0] * 9 + [1.0]
+  # 5 samples of length 1 and 15 of length 2: the third decile takes half a sample of each.
+  assert by_decile([0, 5, 15], [0, 5, 0], [0, 5, 15]) == [1.0, 1.0, 0.5] + [0.0] * 7

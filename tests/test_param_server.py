@@ -157,8 +157,9 @@ def test_mask_tokens_trains_a_stale_group_without_its_old_tokens():
   assert m["masked_tokens"] == 3
   assert m["staleness_hist"] == [1, 2]  # trained tokens only: 4 (fresh), 3 and 3 (long)
   # Lengths count policy tokens per sample, whether or not some were masked.
-  assert server.length_histograms() == {"generated": [0, 1, 2, 1], "admitted": [0, 1, 1, 1],
-                                        "trained": [0, 1, 1, 1]}
+  assert server.length_histograms() == {
+      "generated": [0, 1, 2, 1], "admitted": [0, 1, 1, 1], "dropped": [0, 0, 1],
+      "trained": [0, 1, 1, 1], "trained_tokens": [0, 1, 1, 1]}
 
 
 def test_a_masked_group_that_ages_out_in_the_buffer_is_dropped():
@@ -170,6 +171,7 @@ def test_a_masked_group_that_ages_out_in_the_buffer_is_dropped():
   m = server.metrics()
   assert (m["buffer_size"], m["dropped"], m["rejected"]) == (0, 1, 1)
   assert m["capacity"] == capacity + 2 * 2 + 1
+  assert server.length_histograms()["dropped"] == [0, 0, 1]
 
 
 def test_length_summary():

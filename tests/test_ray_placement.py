@@ -78,7 +78,7 @@ def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_p
   monkeypatch.setenv("FAULTS_KILL_COUNT", str(tmp_path / "calls"))
   monkeypatch.setenv("FAULTS_KILL_AT", "13")
   summary = _run(tmp_path, num_steps=5,
-                 **{"rollout.reward_fn": "benchmarks.fault_rewards:kills_its_rollout_worker"})
+                 **{"rollout.reward_fn": "async_rl.rewards.injected:kills_its_rollout_worker"})
   assert summary["end_version"] == 5
   steps = _steps(tmp_path)
   assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]

@@ -13,7 +13,10 @@ import numpy as np
 from async_rl.trajectory import Group, staleness_counts
 
 ON_STALE = ("drop", "mask_tokens", "admit")
-LENGTH_KINDS = ("generated", "admitted", "trained")
+# Samples by completion length: offered, admitted, dropped (at offer or while
+# waiting), handed to the trainer; and "trained_tokens", the tokens those trained
+# samples of each length kept in the loss.
+LENGTH_KINDS = ("generated", "admitted", "dropped", "trained", "trained_tokens")
 _COUNTERS = ("admitted", "dropped", "admitted_stale", "trained", "trained_stale",
              "masked_tokens")
 
@@ -46,7 +49,8 @@ class AdmissionBuffer:
   `masked_tokens` policy tokens of trained groups masked out as too stale.
   `staleness_hist[k]` counts the trained tokens of staleness k, and
   `length_hist[kind][n]` the samples of n policy tokens that were generated
-  (offered), admitted and trained.
+  (offered), admitted, dropped and trained, and the tokens such trained samples kept
+  in the loss ("trained_tokens").
   """
 
   def __init__(self, max_staleness: Optional[int], on_stale: str = "drop"):
@@ -85,6 +89,7 @@ class AdmissionBuffer:
     kept = self._admissible(group, version)
     if kept is None:
       self.dropped += 1
+      _count_lengths(self.length_hist["dropped"], [group])
       return False
     self.admitted += 1
     self.admitted_stale += stale
@@ -99,11 +104,12 @@ class AdmissionBuffer:
       return []
     kept, dropped = [], []
     for min_version, ticket, group in self._heap:
-      group = self._admissible(group, version)
-      if group is None:
+      admissible = self._admissible(group, version)
+      if admissible is None:
         dropped.append(ticket)
+        _count_lengths(self.length_hist["dropped"], [group])
       else:
-        kept.append((min_version, ticket, group))
+        kept.append((min_version, ticket, admissible))
     heapq.heapify(kept)
     self._heap = kept
     self.dropped += len(dropped)
@@ -125,6 +131,7 @@ class AdmissionBuffer:
     for k, c in enumerate(counts):
       self.staleness_hist[k] += int(c)
     _count_lengths(self.length_hist["trained"], groups)
+    _count_lengths(self.length_hist["trained_tokens"], groups, trained_tokens=True)
     return taken
 
   def clear(self) -> int:
@@ -204,9 +211,10 @@ def _grow(hist, size):
     hist += [0] * (size - len(hist))
 
 
-def _count_lengths(hist, groups):
+def _count_lengths(hist, groups, trained_tokens=False):
+  """Counts each sample at its length: once, or as its number of trained tokens."""
   for group in groups:
     for t in group.trajectories:
       n = t.num_policy_tokens
       _grow(hist, n + 1)
-      hist[n] += 1
+      hist[n] += _trained_versions(t).size if trained_tokens else 1

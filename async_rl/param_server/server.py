@@ -233,7 +233,8 @@ class ParameterServer:
 
   def length_histograms(self) -> dict[str, list[int]]:
     """`hist[kind][n]`: the samples of n policy tokens "generated" (offered),
-    "admitted" and "trained"."""
+    "admitted", "dropped" and "trained", and the tokens trained samples of that
+    length kept in the loss ("trained_tokens")."""
     with self._lock:
       return {k: list(v) for k, v in self._buffer.length_hist.items()}
 

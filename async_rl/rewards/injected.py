@@ -1,7 +1,7 @@
-"""Reward functions that fail on purpose, for `benchmarks/faults.py`.
+"""Reward functions that fail on purpose: fault injection (`benchmarks/faults.py`, tests).
 
-They run in the reward worker processes, which import this module by name
-("benchmarks.fault_rewards:flaky"), so it imports nothing heavy.
+Name them as "async_rl.rewards.injected:flaky"; the reward workers import this module
+by that name, so it imports nothing heavy.
 """
 
 import hashlib

@@ -4,6 +4,7 @@ Host-side numpy, like packing: the trainer computes one advantage per sample bef
 batch goes to the device. Statistics are taken in float64 and the result is float32.
 """
 
+import dataclasses
 import operator
 
 import numpy as np
@@ -26,11 +27,11 @@ def _check_normalize_args(mean_level, std_level, leave_one_out, eps):
     raise ValueError(f"eps must be >= 0, got {eps}")
 
 
-def _check_shape_args(scale, clip):
+def _check_shape_args(scale, clip, prefix=""):
   if not scale > 0:
-    raise ValueError(f"scale must be > 0, got {scale}")
+    raise ValueError(f"{prefix}scale must be > 0, got {scale}")
   if clip is not None and not clip > 0:
-    raise ValueError(f"clip must be > 0 or None, got {clip}")
+    raise ValueError(f"{prefix}clip must be > 0 or None, got {clip}")
 
 
 def _check_overlong_args(max_len, cache_len, factor, prefix=""):
@@ -156,9 +157,10 @@ def overlong_penalty(lengths, *, max_len, cache_len, factor):
   return np.where(lengths_N <= start, 0.0, np.where(lengths_N <= max_len, soft_N, -factor))
 
 
-def make_advantage_fn(*, bias=0.0, scale=1.0, clip=None, overlong_max_len=None,
-                      overlong_cache_len=None, overlong_factor=1.0, zero_truncated=False,
-                      mean_level="group", std_level="group", leave_one_out=False, eps=1e-6):
+def make_advantage_fn(*, reward_bias=0.0, reward_scale=1.0, reward_clip=None,
+                      overlong_max_len=None, overlong_cache_len=None, overlong_factor=1.0,
+                      zero_truncated=False, mean_level="group", std_level="group",
+                      leave_one_out=False, eps=1e-6):
   """Returns `fn(rewards_N, lengths_N, truncated_N, group_size) -> advantages_N`.
 
   In order: `shape_rewards`; if `zero_truncated`, truncated samples' shaped reward
@@ -166,8 +168,10 @@ def make_advantage_fn(*, bias=0.0, scale=1.0, clip=None, overlong_max_len=None,
   zeroing, so a truncated sample still carries its length penalty); then
   `group_normalize`. Host numpy, float64 inside; the advantages are float32.
 
+  The keyword names are those of `config.AdvantageConfig`, so an error names the field.
+
   Args:
-    bias, scale, clip: see `shape_rewards`.
+    reward_bias, reward_scale, reward_clip: `bias`, `scale`, `clip` of `shape_rewards`.
     overlong_max_len, overlong_cache_len, overlong_factor: see `overlong_penalty`;
       the penalty is off unless both lengths are given.
     zero_truncated: zero the reward of samples cut at the length budget.
@@ -176,7 +180,7 @@ def make_advantage_fn(*, bias=0.0, scale=1.0, clip=None, overlong_max_len=None,
   Raises:
     ValueError: an invalid argument, named in the message.
   """
-  _check_shape_args(scale, clip)
+  _check_shape_args(reward_scale, reward_clip, prefix="reward_")
   if (overlong_max_len is None) != (overlong_cache_len is None):
     raise ValueError("overlong_max_len and overlong_cache_len must be given together, got "
                      f"{overlong_max_len} and {overlong_cache_len}")
@@ -187,7 +191,7 @@ def make_advantage_fn(*, bias=0.0, scale=1.0, clip=None, overlong_max_len=None,
   _check_normalize_args(mean_level, std_level, leave_one_out, eps)
 
   def advantage_fn(rewards_N, lengths_N, truncated_N, group_size):
-    shaped_N = shape_rewards(rewards_N, bias=bias, scale=scale, clip=clip)
+    shaped_N = shape_rewards(rewards_N, bias=reward_bias, scale=reward_scale, clip=reward_clip)
     if zero_truncated:
       shaped_N = np.where(np.asarray(truncated_N, bool), 0.0, shaped_N)
     if overlong:
@@ -198,3 +202,19 @@ def make_advantage_fn(*, bias=0.0, scale=1.0, clip=None, overlong_max_len=None,
                            std_level=std_level, leave_one_out=leave_one_out, eps=eps)
 
   return advantage_fn
+
+
+def from_config(cfg, max_new_tokens: int):
+  """The advantage function of a `config.AdvantageConfig`; the DAPO overlong penalty
+  (when `overlong_cache_len` is set) ends at the generation budget `max_new_tokens`.
+
+  Raises:
+    ValueError: an invalid field, named `advantage.<field>`.
+  """
+  fields = dataclasses.asdict(cfg)
+  if fields["overlong_cache_len"] is not None:
+    fields["overlong_max_len"] = max_new_tokens
+  try:
+    return make_advantage_fn(**fields)
+  except ValueError as e:
+    raise ValueError(f"advantage.{e}") from None

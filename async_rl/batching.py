@@ -7,6 +7,7 @@ jitted train step compiles a bounded number of times.
 """
 
 from collections.abc import Sequence as SequenceOf
+from typing import Optional
 
 import numpy as np
 from flax import struct
@@ -96,6 +97,8 @@ class PackedBatch:
     loss_mask: float32, 1 on the trajectories' loss-mask tokens, 0 elsewhere.
     behav_logp: float32 behaviour-policy log-prob, 0 off the mask.
     advantages: float32 the trajectory's advantage, 0 off the mask.
+    versions: int32 version of each loss-mask token, -1 elsewhere; only packed
+      (`with_versions`) for the log-linear proximal estimate, None otherwise.
   """
   tokens: np.ndarray
   positions: np.ndarray
@@ -103,10 +106,11 @@ class PackedBatch:
   loss_mask: np.ndarray
   behav_logp: np.ndarray
   advantages: np.ndarray
+  versions: Optional[np.ndarray] = None
 
 
 def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[SequenceOf[int]], *,
-         rows_per_mb: int, row_len: int) -> PackedBatch:
+         rows_per_mb: int, row_len: int, with_versions: bool = False) -> PackedBatch:
   """Packs an allocation: group g becomes row g; rows m*R..(m+1)*R-1 form micro-batch m.
 
   Each row holds its group's trajectories concatenated in order, then padding up to
@@ -130,6 +134,7 @@ def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[Sequenc
   loss_mask = np.zeros(shape, np.float32)
   behav_logp = np.zeros(shape, np.float32)
   advantages = np.zeros(shape, np.float32)
+  versions = np.full(shape, -1, np.int32)
   for r, group in enumerate(groups):
     total = sum(len(trajs[i]) for i in group)
     if total > row_len:
@@ -145,12 +150,14 @@ def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[Sequenc
       loss_mask[r, span] = mask_T
       behav_logp[r, span] = np.where(mask_T, traj.logp_T, 0.0)
       advantages[r, span] = np.where(mask_T, advantages_N[i], 0.0)
+      versions[r, span] = np.where(mask_T, traj.versions_T, -1)
       start = span.stop
   to_mrt = lambda x: x.reshape(num_mb, rows_per_mb, row_len)
   return PackedBatch(
       tokens=to_mrt(tokens), positions=to_mrt(positions),
       segment_ids=to_mrt(segment_ids), loss_mask=to_mrt(loss_mask),
-      behav_logp=to_mrt(behav_logp), advantages=to_mrt(advantages))
+      behav_logp=to_mrt(behav_logp), advantages=to_mrt(advantages),
+      versions=to_mrt(versions) if with_versions else None)
 
 
 def default_row_buckets(max_tokens_per_mb: int, num: int = 4) -> tuple[int, ...]:
@@ -168,7 +175,8 @@ def default_row_buckets(max_tokens_per_mb: int, num: int = 4) -> tuple[int, ...]
 
 
 def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_mb: int,
-                 rows_per_mb: int, row_buckets: SequenceOf[int]) -> PackedBatch:
+                 rows_per_mb: int, row_buckets: SequenceOf[int],
+                 with_versions: bool = False) -> PackedBatch:
   """Allocates with `ffd_allocate` and packs into one of a bounded set of shapes.
 
   Each allocated group (at most `max_tokens_per_mb` tokens, at least `rows_per_mb`
@@ -202,4 +210,22 @@ def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_
   rows = []
   for mb_rows in rows_of_mb + [[]] * (padded_mb - num_mb):
     rows += mb_rows + [[]] * (rows_per_mb - len(mb_rows))
-  return pack(trajs, advantages_N, rows, rows_per_mb=rows_per_mb, row_len=fitting[0])
+  return pack(trajs, advantages_N, rows, rows_per_mb=rows_per_mb, row_len=fitting[0],
+              with_versions=with_versions)
+
+
+def pad_micro_batches(batch: PackedBatch, multiple: int) -> PackedBatch:
+  """Appends empty micro-batches until M is a multiple of `multiple` (PPO minibatches)."""
+  if multiple < 1:
+    raise ValueError(f"multiple must be >= 1, got {multiple}")
+  M = batch.tokens.shape[0]
+  extra = -M % multiple
+  if not extra:
+    return batch
+  padded = {}
+  for name in PackedBatch.__dataclass_fields__:
+    x = getattr(batch, name)
+    if x is not None:
+      fill = -1 if name == "versions" else 0
+      padded[name] = np.concatenate([x, np.full((extra, *x.shape[1:]), fill, x.dtype)])
+  return batch.replace(**padded)

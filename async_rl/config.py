@@ -18,7 +18,6 @@ from async_rl.models.config import ModelConfig
 from async_rl.tasks.arithmetic import TaskConfig
 from async_rl.tasks.math_task import MathTaskConfig
 
-_LEVELS = ("group", "batch", None)
 SCHEDULES = ("constant", "cosine")
 TASK_KINDS = ("arithmetic", "math")  # The names of `rl.components.TASKS`.
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
@@ -72,6 +71,8 @@ class PPOConfig:
     prox_logp: where π_prox comes from: "recompute" (a forward pass under the params
       at the start of the step), "loglinear" (AReaL's estimate from the per-token
       versions, no forward pass) or "behav" (π_behav itself: naive PPO, w = 1).
+    num_minibatches: PPO updates per training step (AReaL's ppo_n_minibatches); π_prox
+      is taken once, before the first, and each is the mean over its own tokens.
     eps_clip: PPO clip range below 1.
     eps_clip_higher: clip range above 1 (DAPO clip-higher); None: eps_clip.
     c_clip: dual-clip constant for negative advantages; None: no dual clip.
@@ -89,6 +90,7 @@ class PPOConfig:
   """
   loss: str = "decoupled_ppo"
   prox_logp: str = "recompute"
+  num_minibatches: int = 1
   eps_clip: float = 0.2
   eps_clip_higher: Optional[float] = None
   c_clip: Optional[float] = None
@@ -102,7 +104,8 @@ class PPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  """Reward shaping, DAPO overlong penalty and group/batch normalisation."""
+  """Reward shaping, DAPO overlong penalty and group/batch normalisation; checked by
+  `advantages.from_config`, which names its keywords after these fields."""
   reward_bias: float = 0.0
   reward_scale: float = 1.0
   reward_clip: Optional[float] = None
@@ -112,15 +115,6 @@ class AdvantageConfig:
   mean_level: Optional[str] = "group"
   std_level: Optional[str] = "group"
   leave_one_out: bool = False
-
-  def __post_init__(self):
-    if self.reward_clip is not None and self.reward_clip <= 0:
-      _fail("advantage.reward_clip", self.reward_clip, "must be > 0")
-    if self.overlong_cache_len is not None and self.overlong_cache_len < 1:
-      _fail("advantage.overlong_cache_len", self.overlong_cache_len, "must be >= 1")
-    for name in ("mean_level", "std_level"):
-      if getattr(self, name) not in _LEVELS:
-        _fail(f"advantage.{name}", getattr(self, name), f"must be one of {_LEVELS}")
 
 
 @dataclasses.dataclass(frozen=True)

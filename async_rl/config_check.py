@@ -9,24 +9,16 @@ calls it, so a bad value on the command line stops a binary before anything is
 compiled.
 """
 
-from async_rl import loss
+from async_rl import advantages, loss
 from async_rl.config import ExperimentConfig
 from async_rl.generation.pool import UPDATE_MODES
 from async_rl.param_server.buffer import ON_STALE
-from async_rl.rl.trainer import make_advantage_fn
-
-
-def _owned(section: str, build, *args, **kwargs):
-  try:
-    return build(*args, **kwargs)
-  except ValueError as e:
-    raise ValueError(f"{section}.{e}") from e
 
 
 def check(cfg: ExperimentConfig) -> ExperimentConfig:
   """Raises ValueError naming the field whose value a component rejects; returns `cfg`."""
   loss.from_config(cfg.ppo)
-  _owned("advantage", make_advantage_fn, cfg)
+  advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
   if cfg.generation.update_mode not in UPDATE_MODES:
     raise ValueError(f"generation.update_mode must be one of {UPDATE_MODES}, got "
                      f"{cfg.generation.update_mode!r}")

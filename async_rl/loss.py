@@ -21,7 +21,9 @@ _REMOVED_LOSSES = {
 _LOSS_HPARAMS = ("eps_clip", "eps_clip_higher", "c_clip", "importance_level",
                  "rejection_level", "rejection_action", "rejection_metric", "rejection_upper",
                  "rejection_lower")
-_HPARAMS = ("loss", "prox_logp") + _LOSS_HPARAMS
+# Fields of the PPO section that shape the train step rather than the loss.
+_STEP_HPARAMS = ("prox_logp", "num_minibatches")
+_HPARAMS = ("loss",) + _STEP_HPARAMS + _LOSS_HPARAMS
 
 
 def check_hparams(*, prefix="", **hparams):
@@ -45,6 +47,9 @@ def check_hparams(*, prefix="", **hparams):
   if "prox_logp" in h and h["prox_logp"] not in off_policy.PROX_LOGP:
     raise ValueError(f"{prefix}prox_logp must be one of {off_policy.PROX_LOGP}, "
                      f"got {h['prox_logp']!r}")
+  if "num_minibatches" in h and not (isinstance(h["num_minibatches"], int)
+                                     and h["num_minibatches"] >= 1):
+    raise ValueError(f"{prefix}num_minibatches must be an int >= 1, got {h['num_minibatches']!r}")
   if "eps_clip" in h and not h["eps_clip"] > 0:
     raise ValueError(f"{prefix}eps_clip must be > 0, got {h['eps_clip']}")
   if h.get("eps_clip_higher") is not None and not h["eps_clip_higher"] >= 0:
@@ -220,5 +225,6 @@ def from_config(ppo) -> Callable:
   fields = dataclasses.asdict(ppo)
   check_hparams(prefix="ppo.", **fields)
   name = fields.pop("loss")
-  del fields["prox_logp"]  # the trainer's concern: where prox_logp comes from
+  for step_field in _STEP_HPARAMS:  # the train step's, not the loss's
+    del fields[step_field]
   return make_loss(name, **fields)

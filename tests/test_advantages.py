@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_rl import advantages as adv_lib
+from async_rl.config import AdvantageConfig
 
 RTOL = 1e-6
 ATOL = 1e-6
@@ -96,7 +97,7 @@ def test_equal_rewards_give_exactly_zero():
   # Shaping in float64 does not make the mean exact either: 10 copies of 2.3 + 0.1.
   shaped = adv_lib.shape_rewards(rewards[:10], bias=0.1)
   assert shaped.mean() != shaped[0]
-  got = adv_lib.make_advantage_fn(bias=0.1)(rewards[:10], np.zeros(10), np.zeros(10), 10)
+  got = adv_lib.make_advantage_fn(reward_bias=0.1)(rewards[:10], np.zeros(10), np.zeros(10), 10)
   np.testing.assert_array_equal(got, np.zeros(10, np.float32))
 
 
@@ -154,7 +155,7 @@ def test_zero_spread_groups_get_exactly_zero(data, value, bias, mode):
   rewards, size = data
   rewards[:size] = value  # group 0 is constant, the others are random
   mean_level, std_level, loo = mode
-  fn = adv_lib.make_advantage_fn(bias=bias, mean_level=mean_level, std_level=std_level,
+  fn = adv_lib.make_advantage_fn(reward_bias=bias, mean_level=mean_level, std_level=std_level,
                                  leave_one_out=loo)
   got = fn(rewards, np.zeros(len(rewards)), np.zeros(len(rewards), bool), size)
   np.testing.assert_array_equal(got[:size], np.zeros(size, np.float32))
@@ -183,7 +184,7 @@ def test_advantage_fn_zeroes_truncated_then_adds_penalty():
 
 
 def test_advantage_fn_shapes_before_normalising():
-  fn = adv_lib.make_advantage_fn(bias=-0.5, scale=2.0, clip=0.5, mean_level="batch",
+  fn = adv_lib.make_advantage_fn(reward_bias=-0.5, reward_scale=2.0, reward_clip=0.5, mean_level="batch",
                                  std_level=None)
   rewards = np.asarray([1.0, 0.0, 0.0, 0.0])
   _close(fn(rewards, np.zeros(4), np.ones(4, bool), 2), [0.75, -0.25, -0.25, -0.25])
@@ -234,11 +235,21 @@ def test_shaping_errors(fn, kwargs, word):
     ({"overlong_max_len": 8}, "overlong_cache_len"),
     ({"overlong_max_len": 8, "overlong_cache_len": 9}, "overlong_cache_len"),
     ({"overlong_max_len": 8, "overlong_cache_len": 4, "overlong_factor": -1}, "overlong_factor"),
-    ({"clip": -1.0}, "clip"),
-    ({"scale": -1.0}, "scale"),
+    ({"reward_clip": -1.0}, "reward_clip"),
+    ({"reward_scale": -1.0}, "reward_scale"),
     ({"std_level": "groups"}, "std_level"),
     ({"mean_level": None, "leave_one_out": True}, "leave_one_out"),
 ])
 def test_make_advantage_fn_errors(kwargs, word):
   with pytest.raises(ValueError, match=word):
     adv_lib.make_advantage_fn(**kwargs)
+
+
+def test_from_config_names_the_config_field():
+  fn = adv_lib.from_config(AdvantageConfig(overlong_cache_len=4, std_level=None), 10)
+  rewards, lengths = np.ones(2), np.asarray([5, 10])
+  _close(fn(rewards, lengths, np.zeros(2, bool), 2), [0.5, -0.5])  # penalties 0 and -1
+  with pytest.raises(ValueError, match=r"advantage\.reward_clip must be > 0"):
+    adv_lib.from_config(AdvantageConfig(reward_clip=0.0), 10)
+  with pytest.raises(ValueError, match=r"advantage\.overlong_cache_len must be in"):
+    adv_lib.from_config(AdvantageConfig(overlong_cache_len=11), 10)

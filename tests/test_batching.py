@@ -330,3 +330,18 @@ def test_pack_dynamic_shapes_stay_in_bucket_set():
     assert len({x.shape for x in jax.tree.leaves(batch)}) == 1
   assert shapes <= allowed
   assert len(shapes) > 1
+
+
+def test_versions_are_packed_only_when_asked_and_padding_keeps_them():
+  a = _seq([11, 12], [13, 14], versions=[3, 4])
+  b = _seq([21], [22], versions=[5])
+  plain = batching.pack([a, b], [0.0, 0.0], [[0], [1]], rows_per_mb=1, row_len=4)
+  assert plain.versions is None and len(jax.tree.leaves(plain)) == 6
+  batch = batching.pack([a, b], [0.0, 0.0], [[0], [1]], rows_per_mb=1, row_len=4,
+                        with_versions=True)
+  np.testing.assert_array_equal(batch.versions[:, 0], [[-1, -1, 3, 4], [-1, 5, -1, -1]])
+  padded = batching.pad_micro_batches(batch, 3)
+  assert padded.tokens.shape == (3, 1, 4) and (padded.versions[2] == -1).all()
+  assert not padded.loss_mask[2].any() and not padded.segment_ids[2].any()
+  assert batching.pad_micro_batches(plain, 2) is plain
+  assert batching.pad_micro_batches(plain, 4).versions is None

@@ -1,6 +1,7 @@
 """Train step: micro-batched == full batch, non-finite skip (the version protocol), no
 recompilation."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from async_rl import batching, loss, models, sharding, train_step
+from async_rl import batching, loss, models, off_policy, sharding, train_step
 from async_rl.config import MeshConfig, OptimizerConfig
 from async_rl.trajectory import Trajectory
 
@@ -140,3 +141,75 @@ def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   state, _ = step(state, b2, b2.behav_logp)
   assert step._cache_size() == 1
   assert int(state.step) == 2
+
+
+def _versioned_batch(n_seqs, rows_per_mb, budget, seed=3):
+  """A batch whose tokens have versions 0..2 (the step runs at version 2)."""
+  trajs, adv = _seqs(n_seqs, seed)
+  rng = np.random.default_rng(seed)
+  trajs = [dataclasses.replace(t, versions_T=np.where(
+      t.versions_T >= 0, rng.integers(0, 3, len(t)), -1).astype(np.int32)) for t in trajs]
+  return batching.pack_dynamic(trajs, adv, max_tokens_per_mb=budget, rows_per_mb=rows_per_mb,
+                               row_buckets=(budget,), with_versions=True)
+
+
+def _at_version(state, v):
+  return state.replace(step=jnp.asarray(v, jnp.int32))
+
+
+def test_minibatches_are_sequential_updates_on_strided_micro_batches():
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = _versioned_batch(12, rows_per_mb=1, budget=24)
+  M = batch.tokens.shape[0]
+  assert M % 2 == 0 and M >= 4
+  state = _state(mesh, optax.sgd(1.0))
+  prox = _prox(batch, state.params)
+  step = functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS)
+  both, metrics = step(state, batch, prox, num_minibatches=2)
+  assert int(both.step) == 1 and int(metrics["applied_updates"]) == 2
+  manual = state
+  for k in range(2):
+    sub = jax.tree.map(lambda x: x[k::2], batch)
+    manual, _ = step(manual, sub, prox[k::2])
+  for a, b in zip(jax.tree.leaves(both.params), jax.tree.leaves(manual.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert float(metrics["num_tokens"]) == float(batch.loss_mask.sum())
+  with pytest.raises(ValueError, match="do not split into 3 minibatches"):
+    step(state, batch, prox, num_minibatches=3)
+  padded = batching.pad_micro_batches(batch, 3)
+  assert padded.tokens.shape[0] % 3 == 0
+  _, metrics = step(state, padded, batching.pad_micro_batches(
+      batch.replace(behav_logp=prox), 3).behav_logp, num_minibatches=3)
+  assert int(metrics["applied_updates"]) == 3 and int(metrics["skipped"]) == 0
+
+
+def test_loglinear_with_one_minibatch_equals_recompute():
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = _versioned_batch(8, rows_per_mb=2, budget=32)
+  state = _at_version(_state(mesh, optax.sgd(1.0)), 2)
+  step = functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS)
+  exact = train_step.recompute_logp(state.params, batch, model_cfg=CFG)
+  a, ma = step(state, batch, exact)
+  b, mb = step(state, batch, None)
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
+
+
+def test_loglinear_second_minibatch_interpolates_from_the_moved_params():
+  # Reference: update 1 with the exact π_prox, then update 2 with log π_behav +
+  # α (log π_θ1 - log π_behav), α = lag / (lag + 1/2), log π_θ1 recomputed.
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = _versioned_batch(12, rows_per_mb=1, budget=24)
+  state = _at_version(_state(mesh, optax.sgd(1.0)), 2)
+  step = functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS)
+  got, _ = step(state, batch, None, num_minibatches=2)
+  first = jax.tree.map(lambda x: x[0::2], batch)
+  second = jax.tree.map(lambda x: x[1::2], batch)
+  ref, _ = step(state, first, train_step.recompute_logp(state.params, first, model_cfg=CFG))
+  theta1 = train_step.recompute_logp(ref.params, second, model_cfg=CFG)
+  prox2 = off_policy.loglinear_prox_logp(theta1, second.behav_logp, second.versions,
+                                         prox_version=2, theta_version=2.5)
+  ref, _ = step(ref, second, prox2)
+  for x, y in zip(jax.tree.leaves(got.params), jax.tree.leaves(ref.params)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

@@ -28,8 +28,9 @@ class ParameterServer:
   trained into the params it publishes next. A publish must increase the version,
   except the first one after construction or `load_state_dict`, which may repeat
   the current (restored) version: it supplies the params the checkpoint holds. The
-  server keeps a reference to the published params, not a copy: publish immutable
-  arrays.
+  server keeps a reference to the published params, not a copy: publish arrays that
+  nothing will donate or modify (`Trainer.device_params` copies the donated train
+  state's).
 
   Every ticket is recorded in a `PromptLedger` with its worker and prompt position,
   so the groups of a worker that died, and those open when a checkpoint was taken,

@@ -12,21 +12,11 @@ from typing import Sequence as SequenceOf
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from async_rl import advantages, batching, loss, sharding, train_step
 from async_rl.config import ExperimentConfig
 from async_rl.trajectory import staleness_counts
-
-
-def make_advantage_fn(cfg: ExperimentConfig):
-  a, g = cfg.advantage, cfg.generation
-  overlong = a.overlong_cache_len is not None
-  return advantages.make_advantage_fn(
-      bias=a.reward_bias, scale=a.reward_scale, clip=a.reward_clip,
-      overlong_max_len=g.max_new_tokens if overlong else None,
-      overlong_cache_len=a.overlong_cache_len, overlong_factor=a.overlong_factor,
-      zero_truncated=a.zero_truncated, mean_level=a.mean_level, std_level=a.std_level,
-      leave_one_out=a.leave_one_out)
 
 
 def group_advantages(groups, advantage_fn, group_size: int):
@@ -58,17 +48,15 @@ class Trainer:
     self.state_shardings = train_step.train_state_shardings(
         jax.eval_shape(lambda: self.state), mesh)
     self.loss_fn = loss.from_config(cfg.ppo)
-    if cfg.ppo.prox_logp == "loglinear":
-      raise ValueError("ppo.prox_logp='loglinear' needs the train step to pass per-token "
-                       "versions to the loss, which it does not yet; use 'recompute'")
     self._step = train_step.jit_train_step(mesh, self.state_shardings, model_cfg=cfg.model,
                                            loss_fn=self.loss_fn,
-                                           temperature=cfg.generation.logp_temperature)
+                                           temperature=cfg.generation.logp_temperature,
+                                           num_minibatches=cfg.ppo.num_minibatches)
     self._prox = train_step.jit_recompute_logp(mesh, self.state_shardings.params,
                                                model_cfg=cfg.model,
                                                temperature=cfg.generation.logp_temperature)
     self._batch_sharding = train_step.batch_shardings(mesh)
-    self._advantage_fn = make_advantage_fn(cfg)
+    self._advantage_fn = advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
     b = cfg.batching
     self._row_buckets = b.row_buckets or batching.default_row_buckets(b.max_tokens_per_mb)
     self._rows_per_mb = sharding.num_batch_shards(mesh)
@@ -80,9 +68,11 @@ class Trainer:
 
   def pack(self, groups) -> batching.PackedBatch:
     trajs, adv_N = group_advantages(groups, self._advantage_fn, self.cfg.generation.group_size)
-    return batching.pack_dynamic(trajs, adv_N,
-                                 max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
-                                 rows_per_mb=self._rows_per_mb, row_buckets=self._row_buckets)
+    batch = batching.pack_dynamic(trajs, adv_N,
+                                  max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
+                                  rows_per_mb=self._rows_per_mb, row_buckets=self._row_buckets,
+                                  with_versions=self.cfg.ppo.prox_logp == "loglinear")
+    return batching.pad_micro_batches(batch, self.cfg.ppo.num_minibatches)
 
   def train(self, groups: SequenceOf) -> dict:
     """One training step on `groups`; returns host metrics, with staleness and timings.
@@ -92,10 +82,13 @@ class Trainer:
     t0 = time.perf_counter()
     batch = jax.device_put(self.pack(groups), self._batch_sharding)
     t_pack = time.perf_counter()
-    if self.cfg.ppo.prox_logp == "recompute":
+    mode = self.cfg.ppo.prox_logp
+    if mode == "recompute":
       prox_logp = self._prox(self.state.params, batch)
-    else:  # "behav": naive PPO
+    elif mode == "behav":  # naive PPO
       prox_logp = batch.behav_logp
+    else:  # "loglinear": estimated inside the step from batch.versions
+      prox_logp = None
     self.state, metrics = self._step(self.state, batch, prox_logp)
     metrics = jax.device_get(metrics)
     t_done = time.perf_counter()
@@ -104,7 +97,7 @@ class Trainer:
     metrics = {k: float(v) for k, v in metrics.items()}
     stale_tokens = int(counts.sum())
     metrics.update(
-        skipped=int(metrics["skipped"]),
+        skipped=int(metrics["skipped"]), applied_updates=int(metrics["applied_updates"]),
         staleness_mean=float(np.arange(counts.size) @ counts) / max(stale_tokens, 1),
         staleness_max=int(counts.size - 1) if stale_tokens else 0,
         staleness_hist={k: int(c) for k, c in enumerate(counts) if c},
@@ -113,6 +106,21 @@ class Trainer:
         time_pack_s=t_pack - t0, time_train_s=t_done - t_pack)
     return metrics
 
+  def device_params(self):
+    """A copy of the params on the trainer's devices, safe to publish in process.
+
+    The next step donates the train state, so the published params must not alias
+    it; this copy stays on the devices (no host round trip), and a generator
+    reshards it onto its own with `jax.device_put`.
+    """
+    return jax.device_put(self.state.params, self.state_shardings.params, may_alias=False)
+
   def host_params(self):
-    """A host (numpy) copy of the params: safe to publish, since the state is donated."""
+    """A host (numpy) copy of the params: safe to publish, since the state is donated.
+
+    With a trainer over several `jax.distributed` processes, every process gets the
+    whole params (an all-gather), since no process holds all their shards.
+    """
+    if jax.process_count() > 1:
+      return multihost_utils.process_allgather(self.state.params, tiled=True)
     return jax.device_get(self.state.params)

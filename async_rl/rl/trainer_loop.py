@@ -53,12 +53,16 @@ class TrainerLoop:
       `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     echo: receives the one-line summary of every step, and warnings.
+    publish_on_host: publish host (numpy) copies of the params, for a server in
+      another process; by default they stay device arrays (`Trainer.device_params`).
   """
 
   def __init__(self, cfg: ExperimentConfig, workdir: str, server, *, init_params=None,
                stop: Optional[threading.Event] = None,
-               echo: Callable[[str], None] = print, progress: bool = True):
+               echo: Callable[[str], None] = print, progress: bool = True,
+               publish_on_host: bool = False):
     self.cfg, self.workdir, self.server = cfg, workdir, server
+    self.publish_on_host = publish_on_host
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress
     self.deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
@@ -73,9 +77,9 @@ class TrainerLoop:
     if self.checkpointer.latest_step() is None and init_params is None:
       init_params = _initial_params(cfg, mesh, echo)
     self.trainer = Trainer(cfg, mesh, params=init_params)
-    self.skipped_steps = 0
+    self.skipped_steps = self.applied_updates = 0
     self.damaged_checkpoints = self._maybe_restore()
-    params = self.trainer.host_params()
+    params = self._published_params()
     server.publish(self.trainer.version, params)
     self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
     self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
@@ -84,6 +88,11 @@ class TrainerLoop:
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
+
+  def _published_params(self):
+    if self.publish_on_host:
+      return self.trainer.host_params()
+    return self.trainer.device_params()
 
   def _maybe_restore(self) -> int:
     """Restores the newest checkpoint that reads whole; returns how many were damaged."""
@@ -98,6 +107,7 @@ class TrainerLoop:
       self.echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
     self.trainer.restore(restored.state)
     self.skipped_steps = int(restored.meta["skipped_steps"])
+    self.applied_updates = int(restored.meta["applied_updates"])
     self.echo(f"resumed from checkpoint {restored.step} in {self.workdir}")
     return len(restored.damaged)
 
@@ -106,7 +116,7 @@ class TrainerLoop:
     version = self.trainer.version
     if version > self.eval_pool.version:
       self.deadlines.result(
-          self.eval_pool.update_weights(self.trainer.host_params(), version, "keep"),
+          self.eval_pool.update_weights(self.trainer.device_params(), version, "keep"),
           "the held-out generator's weight update")
     fn = self.cfg.rollout.reward_fn
 
@@ -231,9 +241,10 @@ class TrainerLoop:
     t0 = time.perf_counter()
     with self.timeline.span("trainer", "publish"), self.deadlines.waiting(
         f"publishing version {version + 1}", may_stall=False):
-      self.server.publish(self.trainer.version, self.trainer.host_params())
+      self.server.publish(self.trainer.version, self._published_params())
     now, logging_since = time.perf_counter(), time.time()
     self.skipped_steps += metrics["skipped"]
+    self.applied_updates += metrics["applied_updates"]
     rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
@@ -241,7 +252,7 @@ class TrainerLoop:
     metrics.update(
         reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
-        skipped_steps=self.skipped_steps, updates=self.trainer.version - self.skipped_steps,
+        skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
         prompts=[str(g.prompt_id) for g in groups],
@@ -290,7 +301,7 @@ class TrainerLoop:
     if self.checkpointer.latest_step() == version:
       return
     meta = {"server": self.server.state_dict(), "version": version,
-            "skipped_steps": self.skipped_steps}
+            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates}
     try:
       self.deadlines.call(
           lambda: self.checkpointer.save(version, self.trainer.state, meta, wait=wait),

@@ -1,8 +1,9 @@
-"""No unbounded wait: the deadlines alone, then whole runs whose generator or reward
-service never answers (they stop, checkpointed, naming it) or whose reward function
-hangs (killed per call; the run goes on)."""
+"""No unbounded wait: the deadlines alone, then whole runs whose generator never answers
+(it stops, checkpointed, naming it), whose reward function hangs (killed per call; the
+run goes on), or whose rollout callback raises (it stops with the traceback)."""
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -11,7 +12,7 @@ import pytest
 
 from async_rl.param_server import ParameterServer
 from async_rl.rl.deadlines import Deadlines
-from async_rl.rl.errors import StallError
+from async_rl.rl.errors import RolloutWorkerError, StallError
 from async_rl.rl.rollout_worker import RolloutWorker
 from async_rl.rl.trainer_loop import TrainerLoop
 from rl_test_utils import checkpoint_meta, small_config
@@ -143,3 +144,18 @@ def test_a_reward_function_that_never_returns_is_killed_and_the_run_goes_on(tmp_
   assert any(l.startswith("WARNING: waiting") and l.endswith("s for rollout worker 0 rewards")
              for l in lines)
   assert summary["longest_unreported_wait_s"] < 3.0
+
+
+def test_a_failing_rollout_callback_stops_the_run_with_its_traceback(tmp_path):
+  def broken_reference(worker, release):
+    def reference(prompt):
+      raise KeyError(f"no reference for {prompt.id}")
+    worker.controller._reference = reference
+
+  started = time.monotonic()
+  with pytest.raises(RolloutWorkerError) as failure:
+    _run(tmp_path, small_config(**_FAST), broken_reference)
+  assert time.monotonic() - started < 120
+  message = str(failure.value)
+  assert re.search(r"KeyError: 'no reference for train/0/\d+'", message), message
+  assert "Traceback" in message and "checkpoint 0 holds the params" in message

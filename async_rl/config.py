@@ -196,9 +196,14 @@ class GenerationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StalenessConfig:
-  """η = `max_staleness` (None = unbounded); groups are counted in prompts."""
+  """η = `max_staleness` (None = unbounded); groups are counted in prompts.
+
+  `on_stale` says what happens to a group holding a token older than v - η
+  (`param_server.buffer.ON_STALE`): "drop" it, "mask_tokens" (train it without
+  those tokens) or "admit" it as it is.
+  """
   max_staleness: Optional[int] = 4
-  admit_stale: bool = False
+  on_stale: str = "drop"
   max_concurrent: int = 64
 
   def __post_init__(self):
@@ -254,6 +259,29 @@ class TrainConfig:
   def __post_init__(self):
     if self.max_consecutive_skips < 1:
       _fail("train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Deadlines on the run's blocking waits, and rollout-worker restarts.
+
+  A wait longer than `warn_after_s` is logged, naming what is awaited (again at
+  each doubling); one longer than `stall_timeout_s` checkpoints and stops the run
+  with an error naming the stalled component. A rollout worker whose process dies
+  (Ray placement) is restarted up to `max_worker_restarts` times in all.
+  """
+  warn_after_s: float = 60.0
+  stall_timeout_s: float = 600.0
+  max_worker_restarts: int = 10
+
+  def __post_init__(self):
+    if self.warn_after_s <= 0:
+      _fail("run.warn_after_s", self.warn_after_s, "must be > 0")
+    if self.stall_timeout_s <= self.warn_after_s:
+      _fail("run.stall_timeout_s", self.stall_timeout_s,
+            f"must exceed run.warn_after_s={self.warn_after_s}")
+    if self.max_worker_restarts < 0:
+      _fail("run.max_worker_restarts", self.max_worker_restarts, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +370,7 @@ class ExperimentConfig:
   multi_turn: MultiTurnConfig = MultiTurnConfig()
   rollout: RolloutConfig = RolloutConfig()
   train: TrainConfig = TrainConfig()
+  run: RunConfig = RunConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
   sft: SFTConfig = SFTConfig()
@@ -358,6 +387,10 @@ class ExperimentConfig:
     except (TypeError, ValueError) as e:
       _fail("task_options", self.task_options, f"must hold plain data ({e})")
     longest = self.generation.max_prompt_len + self.generation.max_new_tokens
+    if self.rollout.reward_timeout_s >= self.run.stall_timeout_s:
+      _fail("rollout.reward_timeout_s", self.rollout.reward_timeout_s,
+            f"must be below run.stall_timeout_s={self.run.stall_timeout_s} (a reward call "
+            f"that hangs is killed and scores 0; it must not stall the run first)")
     if self.batching.max_tokens_per_mb < longest:
       _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
             f"must hold the longest allowed sequence (generation.max_prompt_len + "

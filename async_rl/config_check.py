@@ -2,16 +2,17 @@
 
 `config.py` declares every field and checks what concerns the config alone. A bound
 that belongs to a component (the loss's clip ranges, the advantage estimator's
-levels, the pool's update modes, the task's lengths and files) is checked by that
-component, where it is used; `check` runs those same checks up front and puts the
-config field's name in front of the component's message (a task's checks name the
-fields themselves). `config_dict.from_config_dict` calls it, so a bad value on the
-command line stops a binary before anything is compiled.
+levels, the pool's update modes, the buffer's `on_stale` policies, the task's lengths
+and files) is checked by that component, where it is used; `check` runs those same
+checks up front and puts the config field's name in front of the component's message (a
+task's checks name the fields themselves). `config_dict.from_config_dict` calls it, so a
+bad value on the command line stops a binary before anything is compiled.
 """
 
 from async_rl import advantages, loss
 from async_rl.config import ExperimentConfig
 from async_rl.generation.pool import UPDATE_MODES
+from async_rl.param_server.buffer import ON_STALE
 from async_rl.tasks.registry import check_task
 
 
@@ -22,5 +23,8 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
   if cfg.generation.update_mode not in UPDATE_MODES:
     raise ValueError(f"generation.update_mode must be one of {UPDATE_MODES}, got "
                      f"{cfg.generation.update_mode!r}")
+  if cfg.staleness.on_stale not in ON_STALE:
+    raise ValueError(f"staleness.on_stale must be one of {ON_STALE}, got "
+                     f"{cfg.staleness.on_stale!r}")
   check_task(cfg)
   return cfg

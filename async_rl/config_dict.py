@@ -19,6 +19,10 @@ _REMOVED_KEYS = {
     "ppo.behav_imp_weight_cap": "write ppo.rejection_upper=<the cap> instead (with the "
                                 "default rejection_level='token', rejection_action='mask' "
                                 "and rejection_metric='ratio' it masks the same tokens)",
+    "staleness.admit_stale": "write staleness.on_stale='admit' instead of admit_stale=True, "
+                             "or on_stale='drop' (the default) instead of admit_stale=False; "
+                             "on_stale='mask_tokens' trains a stale group without its too "
+                             "old tokens",
 }
 
 

@@ -167,7 +167,9 @@ def staleness_T(traj: Trajectory, version: int) -> np.ndarray:
 
 
 def staleness_counts(groups: Sequence[Group], version: int) -> np.ndarray:
-  """counts[k] = policy tokens of `groups` whose staleness at `version` is k."""
-  stale = [staleness_T(t, version) for g in groups for t in g.trajectories]
+  """counts[k] = trained policy tokens (those in the loss mask) of `groups` whose
+  staleness at `version` is k."""
+  stale = [staleness_T(t, version)[np.asarray(t.loss_mask_T, bool)[t.versions_T >= 0]]
+           for g in groups for t in g.trajectories]
   stale = np.concatenate(stale) if stale else np.zeros(0, np.int64)
   return np.bincount(stale) if stale.size else np.zeros(0, np.int64)

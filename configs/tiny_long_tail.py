@@ -9,6 +9,11 @@ builds on `configs/tiny.py`). On a 2-core CPU, async (η = 4, retract) trained 1
 the samples/s of sync here, against 1.09x on `configs/tiny.py` (BENCHMARKS.md). The
 ratio depends on the slot count: 1.03-1.15x at 16 slots, where both modes run
 fastest on a CPU, and up to 1.98x at 128, where sync is slowest.
+
+  python -m benchmarks.admission --config.batch_groups=16 --steps=10
+
+measures what dropping stale groups does to these long samples, against
+`staleness.on_stale=mask_tokens` (BENCHMARKS.md, "Length-fair admission").
 """
 
 from configs import tiny

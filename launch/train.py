@@ -4,10 +4,13 @@ r"""Asynchronous RL training binary.
       [--config.staleness.max_staleness=0] [--placement=ray]
 
 Starting again with the same --workdir resumes from its latest checkpoint. SIGTERM
-(or Ctrl-C) checkpoints and exits.
+(or Ctrl-C) checkpoints and exits. A fault the run cannot survive (a stall past
+run.stall_timeout_s, a failed rollout worker, too many non-finite steps, no
+checkpoint that can be restored) exits with status 1 and a message naming it.
 """
 
 import signal
+import sys
 import threading
 
 from absl import app, flags, logging
@@ -15,6 +18,7 @@ from ml_collections import config_flags
 
 from async_rl.config_dict import from_config_dict, parse_flags
 from async_rl.rl import launch
+from async_rl.rl.errors import RunError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -46,8 +50,11 @@ def main(argv):
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
-  summary = launch.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop,
-                       ray_address=_RAY_ADDRESS.value)
+  try:
+    summary = launch.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop,
+                         ray_address=_RAY_ADDRESS.value)
+  except RunError as e:
+    sys.exit(f"train: the run stopped: {e}")
   logging.info("done: %s", summary)
 
 

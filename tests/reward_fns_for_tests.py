@@ -37,3 +37,4 @@ def exits(completion, reference):
 def segfaults(completion, reference):
   del completion, reference
   ctypes.string_at(0)
+

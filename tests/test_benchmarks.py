@@ -74,3 +74,23 @@ def test_multi_turn_times_prefills_and_both_workflows():
   single, multi = summary["runs"]["single_turn"], summary["runs"]["multi_turn"]
   assert single["turns"] == 1.0 and single["env_tokens"] == 0 and multi["turns"] > 1
   assert single["reprefill_share"] == 0 < multi["reprefill_share"]
+
+
+def test_faults_survives_every_in_process_fault(tmp_path):
+  stdout, summary = _run("benchmarks.faults", "--quick", f"--out_dir={tmp_path}")
+  assert summary["faults"] == {name: True for name in (
+      "non_finite_step", "raising_reward", "hanging_reward", "stalled_generator",
+      "truncated_checkpoint")}
+  assert summary["injected"] == summary["survived"] == 5
+  assert summary["lost_samples"] == 0 and summary["staleness_violations"] == 0
+  # Reported within the 2 s soft deadline, give or take the watchdog's tick and load.
+  assert summary["longest_unreported_wait_s"] < 4.0
+  assert "in_process (" in stdout
+
+
+def test_admission_deciles_split_tied_lengths_in_proportion():
+  from benchmarks.admission import by_decile  # noqa: PLC0415 (a script's helper)
+  one_each = [0] + [1] * 10  # ten samples, of lengths 1 to 10: one per decile
+  assert by_decile(one_each, [0] * 10 + [1], one_each) == [0.0] * 9 + [1.0]
+  # 5 samples of length 1 and 15 of length 2: the third decile takes half a sample of each.
+  assert by_decile([0, 5, 15], [0, 5, 0], [0, 5, 15]) == [1.0, 1.0, 0.5] + [0.0] * 7

@@ -15,11 +15,12 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from async_rl.config import StalenessConfig
 from async_rl.param_server import ParameterServer, StalenessGate
+from async_rl.param_server.buffer import ON_STALE, length_summary
 from async_rl.trajectory import Group, Trajectory
 
 
-def _server(eta=1, b=2, mc=64, admit_stale=False):
-  return ParameterServer(StalenessConfig(max_staleness=eta, admit_stale=admit_stale,
+def _server(eta=1, b=2, mc=64, on_stale="drop"):
+  return ParameterServer(StalenessConfig(max_staleness=eta, on_stale=on_stale,
                                          max_concurrent=mc), batch_groups=b)
 
 
@@ -37,8 +38,9 @@ def _params(fill=0.0):
 
 
 def _offer(server, versions, prompt_id=0):
-  assert server.acquire()
-  return server.offer(_group(versions, prompt_id))
+  ticket = server.acquire()
+  assert ticket is not None
+  return server.offer(ticket, _group(versions, prompt_id))
 
 
 # The gate formula.
@@ -90,8 +92,9 @@ def test_gate_bookkeeping():
 def test_sync_eta0_admits_exactly_one_batch_per_version():
   server = _server(eta=0, b=2)
   server.publish(0, _params())
-  assert server.acquire() and server.acquire() and not server.acquire()
-  assert server.offer(_group([[0, 0]], 0)) and server.offer(_group([[0]], 1))
+  first, second = server.acquire(), server.acquire()
+  assert (first, second, server.acquire()) == (1, 2, None)
+  assert server.offer(second, _group([[0, 0]], 1)) and server.offer(first, _group([[0]], 0))
   assert not server.acquire() and server.metrics()["capacity"] == 0
   assert [g.prompt_id for g in server.get_batch(timeout=1)] == [0, 1]
   assert not server.acquire()  # consumed, but v is still 0
@@ -126,7 +129,7 @@ def test_group_crosses_processes():
 
 def test_offer_applies_the_strict_per_token_bound():
   for admit_stale in (False, True):
-    server = _server(eta=1, b=4, admit_stale=admit_stale)
+    server = _server(eta=1, b=4, on_stale="admit" if admit_stale else "drop")
     server.publish(3, _params())
     assert _offer(server, [[3, 2], [2]])  # staleness 1 <= η
     assert _offer(server, [[3], [3, 1]]) == admit_stale  # one token of staleness 2
@@ -137,20 +140,64 @@ def test_offer_applies_the_strict_per_token_bound():
         (2, 0, 2) if admit_stale else (1, 1, 1))
 
 
+def test_mask_tokens_trains_a_stale_group_without_its_old_tokens():
+  server = _server(eta=1, b=2, on_stale="mask_tokens")
+  server.publish(3, _params())
+  assert _offer(server, [[1, 2, 3], [3, 1]], "long")  # tokens of version 1 are 2 stale
+  assert not _offer(server, [[1, 0]], "too old")  # nothing left to train: dropped
+  server.publish(4, _params())  # now the tokens of version 2 are stale too
+  assert _offer(server, [[4]], "fresh")
+  long, fresh = server.get_batch(timeout=1)
+  assert (long.prompt_id, fresh.prompt_id) == ("long", "fresh")
+  assert [list(t.loss_mask_T[t.prompt_len:]) for t in long.trajectories] == [
+      [False, False, True], [True, False]]
+  assert long.min_version == 1  # the tokens are kept, only out of the loss
+  m = server.metrics()
+  assert (m["admitted"], m["dropped"], m["admitted_stale"], m["trained_stale"]) == (2, 1, 1, 0)
+  assert m["masked_tokens"] == 3
+  assert m["staleness_hist"] == [1, 2]  # trained tokens only: 4 (fresh), 3 and 3 (long)
+  # Lengths count policy tokens per sample, whether or not some were masked.
+  assert server.length_histograms() == {
+      "generated": [0, 1, 2, 1], "admitted": [0, 1, 1, 1], "dropped": [0, 0, 1],
+      "trained": [0, 1, 1, 1], "trained_tokens": [0, 1, 1, 1]}
+
+
+def test_a_masked_group_that_ages_out_in_the_buffer_is_dropped():
+  server = _server(eta=1, b=2, on_stale="mask_tokens")
+  server.publish(1, _params())
+  assert _offer(server, [[0, 1]], "a")
+  capacity = server.metrics()["capacity"]
+  server.publish(3, _params())  # every token of "a" is now 2 or 3 versions old
+  m = server.metrics()
+  assert (m["buffer_size"], m["dropped"], m["rejected"]) == (0, 1, 1)
+  assert m["capacity"] == capacity + 2 * 2 + 1
+  assert server.length_histograms()["dropped"] == [0, 0, 1]
+
+
+def test_length_summary():
+  assert length_summary([]) == {"n": 0}
+  hist = [0, 2, 0, 3, 0, 0, 0, 0, 0, 0, 5]  # lengths 1, 1, 3, 3, 3 and five of 10
+  assert length_summary(hist) == {"n": 10, "mean": 6.1, "p10": 1, "p50": 3, "p90": 10,
+                                  "max": 10}
+
+
 def test_bad_offers_change_nothing():
   server = _server()
   server.publish(1, _params())
-  with pytest.raises(ValueError, match="no group is running"):
-    server.offer(_group([[1]]))
-  with pytest.raises(ValueError, match="no group is running"):
-    server.reject()
-  assert server.acquire()
+  with pytest.raises(ValueError, match="ticket 1 is not running"):
+    server.offer(1, _group([[1]]))
+  with pytest.raises(ValueError, match="ticket 7 is not running"):
+    server.reject(7)
+  ticket = server.acquire()
   before = server.metrics()
   with pytest.raises(ValueError, match="newer than the published version 1"):
-    server.offer(_group([[1, 2]]))
+    server.offer(ticket, _group([[1, 2]]))
   with pytest.raises(ValueError, match="expects a Group"):
-    server.offer([np.array([1])])
+    server.offer(ticket, [np.array([1])])
   assert server.metrics() == before
+  server.reject(ticket)
+  with pytest.raises(ValueError, match=f"ticket {ticket} is not running"):
+    server.reject(ticket)
 
 
 def test_buffer_hands_out_oldest_min_version_first():
@@ -163,7 +210,7 @@ def test_buffer_hands_out_oldest_min_version_first():
 
 def test_groups_that_grow_stale_in_the_buffer_are_dropped_or_counted():
   for admit_stale in (False, True):
-    server = _server(eta=1, b=3, admit_stale=admit_stale)
+    server = _server(eta=1, b=3, on_stale="admit" if admit_stale else "drop")
     server.publish(1, _params())
     _offer(server, [[0]], "old")
     _offer(server, [[1]], "new")
@@ -258,8 +305,8 @@ def test_get_batch_times_out_and_close_wakes_every_waiter():
   for t in waiters:
     t.join(timeout=10)
   assert not any(t.is_alive() for t in waiters)
-  assert sorted(results, key=repr) == [False, None, None]
-  assert not server.acquire() and server.get_batch() is None
+  assert results == [None, None, None]
+  assert server.acquire() is None and server.get_batch() is None
 
 
 # Checkpoints.
@@ -270,8 +317,7 @@ def test_state_dict_round_trip_rebases_the_gate():
   server.publish(0, _params())
   _offer(server, [[0]], 0)
   _offer(server, [[0]], 1)
-  assert server.acquire()
-  server.reject()
+  server.reject(server.acquire())
   server.get_batch(timeout=1)
   server.publish(1, _params())  # the batch is now trained into version 1
   _offer(server, [[1]], 2)
@@ -286,7 +332,7 @@ def test_state_dict_round_trip_rebases_the_gate():
   restored = _server(eta=1, b=2)
   restored.load_state_dict(state)
   m = restored.metrics()
-  assert (m["version"], m["running"], m["accepted"], m["lost"], m["buffer_size"]) == (
+  assert (m["version"], m["running"], m["accepted"], m["lost_groups"], m["buffer_size"]) == (
       1, 0, 2, 4, 0)
   for key in ("rejected", "admitted", "dropped", "trained", "staleness_hist"):
     assert m[key] == saved[key]
@@ -304,6 +350,63 @@ def test_state_dict_round_trip_rebases_the_gate():
     restored.load_state_dict(state)
 
 
+# The prompt ledger: lost groups are written off and their prompts issued again.
+
+
+def _at(i):
+  return {"index": i}
+
+
+def _start(server, worker, i):
+  return server.acquire(worker=worker, position=_at(i), next_position=_at(i + 1))
+
+
+def test_a_restarted_worker_writes_off_what_its_predecessor_left_running():
+  server = _server(eta=None, b=4, mc=8)
+  server.publish(0, _params())
+  assert server.register_worker(0) == {"cursor": None, "replay": []}
+  assert server.register_worker(1) == {"cursor": None, "replay": []}
+  tickets = {i: _start(server, 0, i) for i in range(4)}
+  other = _start(server, 1, 0)
+  assert server.offer(tickets[1], _group([[0]], "w0/1"))  # buffered: survives the worker
+  server.reject(tickets[2])  # filtered: never issued again
+  assert server.metrics()["running"] == 3
+  # Worker 0 dies and is replaced: its running groups (0 and 3) are lost.
+  assert server.register_worker(0) == {"cursor": _at(4), "replay": [_at(0), _at(3)]}
+  m = server.metrics()
+  assert (m["running"], m["lost_groups"], m["capacity"]) == (1, 2, 8 - 1)
+  # A late answer of the dead worker is ignored, not admitted twice.
+  assert not server.offer(tickets[0], _group([[0]], "w0/0"))
+  server.reject(tickets[3])
+  assert server.metrics() == m
+  # The new worker issues the lost prompts first, each leaving the replay queue; its
+  # stream's cursor stays where it was.
+  assert server.acquire(worker=0, position=_at(0), next_position=_at(4))
+  assert server.register_worker(1) == {"cursor": _at(1), "replay": [_at(0)]}  # it died too
+  assert server.register_worker(0) == {"cursor": _at(4), "replay": [_at(3), _at(0)]}
+  assert not server.offer(other, _group([[0]], "w1/0"))
+
+
+def test_a_checkpoint_replays_every_group_not_trained_into_its_params():
+  server = _server(eta=None, b=1, mc=8)
+  server.publish(0, _params())
+  server.register_worker(0)
+  trained, taken, buffered, running, dropped = (_start(server, 0, i) for i in range(5))
+  for ticket, i in ((trained, 0), (taken, 1), (buffered, 2)):
+    assert server.offer(ticket, _group([[0]], i))
+  server.reject(dropped)
+  assert server.get_batch(timeout=1)[0].prompt_id == 0
+  server.publish(1, _params())  # group 0 is trained into version 1
+  assert server.get_batch(timeout=1)[0].prompt_id == 1  # taken, never published
+  state = server.state_dict()
+  assert json.loads(json.dumps(state)) == state
+  restored = _server(eta=None, b=1, mc=8)
+  restored.load_state_dict(state)
+  assert restored.metrics()["lost_groups"] == 3
+  assert restored.register_worker(0) == {"cursor": _at(5), "replay": [_at(1), _at(2), _at(3)]}
+  assert restored.acquire() > running  # tickets are never reused
+
+
 # Random interleavings against an independent model.
 
 
@@ -311,35 +414,48 @@ class ServerMachine(RuleBasedStateMachine):
   """Drives one server with random schedules; a plain model predicts every outcome."""
 
   @initialize(eta=st.sampled_from([0, 1, 2, None]), b=st.integers(1, 3),
-              mc=st.integers(1, 6), admit_stale=st.booleans())
-  def setup(self, eta, b, mc, admit_stale):
-    self.eta, self.b, self.mc, self.admit_stale = eta, b, mc, admit_stale
-    self.server = _server(eta, b, mc, admit_stale)
+              mc=st.integers(1, 6), on_stale=st.sampled_from(ON_STALE))
+  def setup(self, eta, b, mc, on_stale):
+    self.eta, self.b, self.mc, self.on_stale = eta, b, mc, on_stale
+    self.server = _server(eta, b, mc, on_stale)
     self.server.publish(0, _params())
-    self.version = self.running = self.consumed = self.pending = self.restores = 0
+    self.version = self.consumed = self.pending = self.restores = 0
     self.rejected = self.lost = self.dropped = self.violations = self.admitted_stale = 0
-    self.buffer = []  # (min_version, prompt_id, versions); ids grow with admission
+    self.masked = 0
+    self.running = []  # tickets
+    self.buffer = []  # (min_version, ticket, prompt_id, versions)
     self.offered, self.trained, self.lost_ids, self.hist = [], [], [], []
 
-  def _stale(self, min_version):
-    return self.eta is not None and self.version - min_version > self.eta
+  def _oldest(self):
+    return -1 if self.eta is None else self.version - self.eta
 
   def _accepted(self):
     return self.consumed + self.pending + len(self.buffer)
 
+  def _trainable(self, versions):
+    """Whether a group may stay, and whether it is stale, at the current version."""
+    flat = [v for vs in versions for v in vs]
+    stale = min(flat) < self._oldest()
+    if not stale or self.on_stale == "admit":
+      return True, stale
+    return self.on_stale == "mask_tokens" and max(flat) >= self._oldest(), stale
+
   @rule(data=st.data())
   def generate(self, data):
-    """Tries to start some groups, then finishes some of those running."""
+    """Tries to start some groups, then finishes some of those running, in any order."""
     for _ in range(data.draw(st.integers(1, 3))):
-      window = (float("inf") if self.eta is None
-                else (self.eta + self.version + 1) * self.b - self._accepted() - self.running)
-      expected = min(self.mc - self.running, window) > 0
-      assert self.server.acquire() == expected
-      self.running += expected
-    for _ in range(data.draw(st.integers(0, self.running))):
-      self.running -= 1
+      window = (float("inf") if self.eta is None else
+                (self.eta + self.version + 1) * self.b - self._accepted() - len(self.running))
+      expected = min(self.mc - len(self.running), window) > 0
+      ticket = self.server.acquire()
+      assert (ticket is not None) == expected
+      if expected:
+        self.running.append(ticket)
+    for _ in range(data.draw(st.integers(0, len(self.running)))):
+      ticket = data.draw(st.sampled_from(self.running))
+      self.running.remove(ticket)
       if data.draw(st.integers(0, 3)) == 0:  # filtered out by the rollout side
-        self.server.reject()
+        self.server.reject(ticket)
         self.rejected += 1
         continue
       token = st.integers(max(0, self.version - 3), self.version)  # weights may lag
@@ -347,12 +463,11 @@ class ServerMachine(RuleBasedStateMachine):
       versions[0] += data.draw(st.lists(token, min_size=1, max_size=2))
       prompt_id = len(self.offered)
       self.offered.append(prompt_id)
-      min_version = min(min(v) for v in versions if v)
-      stale = self._stale(min_version)
-      admitted = self.server.offer(_group(versions, prompt_id))
-      assert admitted == (not stale or self.admit_stale)
+      keep, stale = self._trainable(versions)
+      admitted = self.server.offer(ticket, _group(versions, prompt_id))
+      assert admitted == keep
       if admitted:
-        self.buffer.append((min_version, prompt_id, versions))
+        self.buffer.append((min(min(v) for v in versions if v), ticket, prompt_id, versions))
         self.admitted_stale += stale
       else:
         self.rejected += 1
@@ -366,11 +481,15 @@ class ServerMachine(RuleBasedStateMachine):
       return
     self.buffer.sort(key=lambda e: e[:2])
     expected, self.buffer = self.buffer[:self.b], self.buffer[self.b:]
-    assert [g.prompt_id for g in batch] == [e[1] for e in expected]
-    for group in batch:
-      versions = np.concatenate([t.versions_T[t.prompt_len:] for t in group.trajectories])
-      staleness = self.version - versions
-      if not self.admit_stale and self.eta is not None:
+    assert [g.prompt_id for g in batch] == [e[2] for e in expected]
+    for group, entry in zip(batch, expected):
+      versions = np.array([v for vs in entry[3] for v in vs])
+      masked = versions < self._oldest() if self.on_stale == "mask_tokens" else 0 * versions
+      self.masked += int(np.sum(masked))
+      trained = np.concatenate([t.versions_T[t.loss_mask_T] for t in group.trajectories])
+      np.testing.assert_array_equal(np.sort(trained), np.sort(versions[~masked.astype(bool)]))
+      staleness = self.version - trained
+      if self.on_stale != "admit" and self.eta is not None:
         assert staleness.max() <= self.eta, "a trained token breaks the staleness bound"
       self.violations += self.eta is not None and staleness.max() > self.eta
       for k in staleness:
@@ -391,41 +510,40 @@ class ServerMachine(RuleBasedStateMachine):
     self.server.publish(self.version, _params(self.version))
     self.consumed += self.pending
     self.pending = 0
-    if not self.admit_stale:
-      stale = [e for e in self.buffer if self._stale(e[0])]
-      self.buffer = [e for e in self.buffer if not self._stale(e[0])]
-      self.dropped += len(stale)
-      self.rejected += len(stale)
+    kept = [e for e in self.buffer if self._trainable(e[3])[0]]
+    self.dropped += len(self.buffer) - len(kept)
+    self.rejected += len(self.buffer) - len(kept)
+    self.buffer = kept
 
   @precondition(lambda self: self.restores < 2)  # rare in real runs; keep the rest busy
   @rule()
   def restore(self):
     self.restores += 1
     state = self.server.state_dict()
-    self.server = _server(self.eta, self.b, self.mc, self.admit_stale)
+    self.server = _server(self.eta, self.b, self.mc, self.on_stale)
     self.server.load_state_dict(state)
     self.server.publish(self.version, _params(self.version))
-    self.lost += self.running + self.pending + len(self.buffer)
-    self.lost_ids += [e[1] for e in self.buffer]
-    self.running = self.pending = 0
-    self.buffer = []
+    self.lost += len(self.running) + self.pending + len(self.buffer)
+    self.lost_ids += [e[2] for e in self.buffer]
+    self.running, self.pending, self.buffer = [], 0, []
 
   @invariant()
   def counters_match_the_model(self):
     m = self.server.metrics()
     assert m["capacity"] >= 0
     assert 0 <= m["running"] <= self.mc
-    assert (m["version"], m["running"], m["accepted"], m["rejected"], m["lost"]) == (
-        self.version, self.running, self._accepted(), self.rejected, self.lost)
+    assert (m["version"], m["running"], m["accepted"], m["rejected"], m["lost_groups"]) == (
+        self.version, len(self.running), self._accepted(), self.rejected, self.lost)
     assert (m["dropped"], m["buffer_size"], m["trained"]) == (
         self.dropped, len(self.buffer), len(self.trained))
     assert (m["trained_stale"], m["admitted_stale"]) == (self.violations, self.admitted_stale)
+    assert m["masked_tokens"] == self.masked
     assert m["staleness_hist"] == self.hist
     assert self.server.state_dict()["consumed"] == self.consumed
 
   @invariant()
   def nothing_lost_or_duplicated(self):
-    buffered = [e[1] for e in self.buffer]
+    buffered = [e[2] for e in self.buffer]
     accounted = self.trained + buffered + self.lost_ids
     assert len(set(accounted)) == len(accounted)
     assert len(accounted) + self.dropped == len(self.offered)
@@ -473,15 +591,16 @@ def test_concurrent_publisher_generators_and_trainer():
       if got is not None:
         assert got[0] > have and np.all(got[1]["w"] == got[0])
         have = got[0]
-      if not server.acquire(timeout=0.02):
+      ticket = server.acquire(timeout=0.02)
+      if ticket is None:
         continue
       if rng.random() < 0.1:
-        server.reject()
+        server.reject(ticket)
         continue
       prompt_id = (seed, len(offered))
       offered.append(prompt_id)
       versions = [rng.randint(max(0, have - 2), have) for _ in range(3)]  # lagging weights
-      server.offer(_group([versions], prompt_id))
+      server.offer(ticket, _group([versions], prompt_id))
 
   def watcher():
     have = -1

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ray", reason="the ray placement needs ray (pip install -e .[ray])")
 
 from async_rl.rl.ray_placement import run_on_ray  # noqa: E402 (after the skip)
-from rl_test_utils import small_config  # noqa: E402
+from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
 
 
 def _steps(workdir):
@@ -68,6 +68,24 @@ def test_stop_checkpoints_and_returns(tmp_path):
   summary = _run(tmp_path, stop=stop, num_steps=100)
   assert 1 <= summary["end_version"] < 100
   assert _checkpoints(tmp_path)[-1] == summary["end_version"]
+
+
+def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_path,
+                                                                        monkeypatch):
+  # The rollout worker's reward subprocess SIGKILLs it while scoring its 7th group (2
+  # samples each), which is running then; with η = 1 and B = 2 that group can start
+  # only once version 2 is published, after step 1 is logged.
+  monkeypatch.setenv("FAULTS_KILL_COUNT", str(tmp_path / "calls"))
+  monkeypatch.setenv("FAULTS_KILL_AT", "13")
+  summary = _run(tmp_path, num_steps=5,
+                 **{"rollout.reward_fn": "async_rl.rewards.injected:kills_its_rollout_worker"})
+  assert summary["end_version"] == 5
+  steps = _steps(tmp_path)
+  assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+  assert steps[0]["worker_restarts"] == 0 and steps[-1]["worker_restarts"] == 1
+  assert steps[0]["pid"] == summary["pids"]["rollout"][0] != steps[-1]["pid"]
+  assert steps[-1]["server"]["lost_groups"] >= 1
+  check_prompt_accounting(tmp_path)
 
 
 def test_pinning_moves_every_thread_of_the_process():

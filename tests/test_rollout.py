@@ -1,60 +1,75 @@
-"""RolloutController with fake collaborators: grouping, filtering, failures, weight sync."""
+"""RolloutController with fake collaborators: grouping, filtering, failures, weight sync,
+seeds, waits."""
 
 import threading
 import time
 from concurrent.futures import Future
 
 import numpy as np
+import pytest
 
 from async_rl.generation import SamplingParams
+from async_rl.rl.prompt_source import PromptSource, sample_seed
 from async_rl.rl.rollout import RolloutController
 from async_rl.trajectory import Trajectory
 
 
 class FakeServer:
   def __init__(self, groups_allowed):
-    self.allowed, self.offered, self.rejected = groups_allowed, [], 0
+    self.allowed, self.offered, self.rejected = groups_allowed, [], []
     self.version_published, self.params = 0, "p0"
-    self.acquire_versions = []
+    self.acquire_versions, self.positions = [], []
     self.lock = threading.Lock()
+    self.tickets = 0
 
-  def acquire(self, timeout, generator_version):
+  def acquire(self, timeout, generator_version, *, worker, position, next_position):
     with self.lock:
       self.acquire_versions.append(generator_version)
       if self.allowed:
         self.allowed -= 1
-        return True
+        self.tickets += 1
+        self.positions.append((worker, position, next_position))
+        return self.tickets
     time.sleep(0.01)
-    return False
+    return None
 
   def fetch(self, have):
     return (self.version_published, self.params) if self.version_published > have else None
 
-  def offer(self, group):
-    self.offered.append(group)
+  def offer(self, ticket, group):
+    self.offered.append((ticket, group))
     return True
 
-  def reject(self):
-    self.rejected += 1
+  def reject(self, ticket):
+    self.rejected.append(ticket)
+
+  def finished(self):
+    return len(self.offered) + len(self.rejected)
 
 
 class FakePool:
-  def __init__(self, rewards_by_prompt, abort=()):
-    self.version, self.updates = 0, []
-    self.rewards_by_prompt, self.abort = rewards_by_prompt, abort
+  def __init__(self, rewards_by_prompt, abort=(), hang=()):
+    self.version, self.updates, self.requests = 0, [], []
+    self.rewards_by_prompt, self.abort, self.hang = rewards_by_prompt, abort, hang
+    self.steps = 0
 
   def update_weights(self, params, version, mode):
     self.updates.append((params, version, mode))
     self.version = version
 
   def submit(self, request):
+    self.requests.append(request)
     samples = [Trajectory.from_completion(
         np.array(request.prompt, np.int32), np.array([3, 4, 2], np.int32),
         np.full(3, -1.0, np.float32), np.zeros(3, np.int32),
         "aborted" if request.request_id in self.abort else "stop") for _ in range(request.n)]
     future = Future()
-    future.set_result(samples)
+    if request.request_id not in self.hang:
+      future.set_result(samples)
     return future
+
+  def metrics(self):
+    return {"decode_steps": self.steps}
 
 
 class FakeRewards:
@@ -70,23 +85,44 @@ class FakeRewards:
     future.set_result(self.rewards_by_prompt[task.reference][k])
     return future
 
+  def metrics(self):
+    return {"calls": sum(self.calls.values())}
+
 
 class Prompt:
   def __init__(self, i):
     self.id, self.tokens = f"p{i}", (1, 5 + i)
 
 
+class Stream:
+  """Prompts p<start>, p<start + 1>, ...; its state is the next index."""
+
+  def __init__(self, state):
+    self.index = 0 if state is None else state["index"]
+
+  def __next__(self):
+    self.index += 1
+    return Prompt(self.index - 1)
+
+  def state(self):
+    return {"index": self.index}
+
+
+def _controller(server, pool, rewards_by_prompt, *, reference=lambda p: p.id, **kwargs):
+  return RolloutController(
+      server=server, pool=pool, rewards=FakeRewards(rewards_by_prompt),
+      prompts=PromptSource(Stream), reference=reference, decode=lambda t: "x",
+      reward_fn="f", sampling=SamplingParams(), group_size=2, update_mode="keep",
+      worker=3, seed=7, **kwargs)
+
+
 def _run(rewards_by_prompt, *, dynamic_filter, abort=(), n_prompts=3):
   server = FakeServer(n_prompts)
   pool = FakePool(rewards_by_prompt, abort)
-  prompts = iter([Prompt(i) for i in range(n_prompts)] + [None] * 100)
-  controller = RolloutController(
-      server=server, pool=pool, rewards=FakeRewards(rewards_by_prompt), prompts=prompts,
-      reference=lambda p: p.id, decode=lambda t: "x", reward_fn="f",
-      sampling=SamplingParams(), group_size=2, update_mode="keep",
-      dynamic_filter=dynamic_filter).start()
+  controller = _controller(server, pool, rewards_by_prompt,
+                           dynamic_filter=dynamic_filter).start()
   deadline = time.time() + 10
-  while len(server.offered) + server.rejected < n_prompts and time.time() < deadline:
+  while server.finished() < n_prompts and time.time() < deadline:
     time.sleep(0.01)
   controller.stop()
   assert controller.error is None
@@ -96,36 +132,109 @@ def _run(rewards_by_prompt, *, dynamic_filter, abort=(), n_prompts=3):
 def test_groups_are_scored_in_sample_order_and_offered():
   rewards = {"p0": [1.0, 0.0], "p1": [0.0, 0.0], "p2": [1.0, 1.0]}
   server, _, controller = _run(rewards, dynamic_filter=False)
-  assert sorted(g.prompt_id for g in server.offered) == ["p0", "p1", "p2"]
-  for g in server.offered:
+  assert sorted(g.prompt_id for _, g in server.offered) == ["p0", "p1", "p2"]
+  for ticket, g in server.offered:
+    assert g.prompt_id == f"p{ticket - 1}"  # each group is finished with its own ticket
     assert [t.reward for t in g.trajectories] == rewards[g.prompt_id]
     assert list(g.trajectories[0].completion_C) == [3, 4, 2]
-  assert controller.metrics()["offered"] == 3 and server.rejected == 0
+  assert controller.metrics()["offered"] == 3 and server.rejected == []
 
 
 def test_dynamic_filter_rejects_groups_with_equal_rewards_and_counts_them():
   rewards = {"p0": [1.0, 0.0], "p1": [0.0, 0.0], "p2": [1.0, 1.0]}
   server, _, controller = _run(rewards, dynamic_filter=True)
-  assert [g.prompt_id for g in server.offered] == ["p0"]
-  assert server.rejected == 2 and controller.metrics()["filtered"] == 2
+  assert [g.prompt_id for _, g in server.offered] == ["p0"]
+  assert sorted(server.rejected) == [2, 3] and controller.metrics()["filtered"] == 2
 
 
 def test_aborted_generation_releases_the_groups_capacity():
   rewards = {"p0": [1.0, 0.0], "p1": [0.0, 1.0], "p2": [1.0, 0.0]}
   server, _, controller = _run(rewards, dynamic_filter=False, abort=("p1",))
-  assert sorted(g.prompt_id for g in server.offered) == ["p0", "p2"]
-  assert server.rejected == 1 and controller.metrics()["failed"] == 1
+  assert sorted(g.prompt_id for _, g in server.offered) == ["p0", "p2"]
+  assert server.rejected == [2] and controller.metrics()["failed"] == 1
 
 
 def test_new_weights_reach_the_pool_before_the_next_acquire():
   server = FakeServer(0)
   server.version_published, server.params = 3, "p3"
   pool = FakePool({})
-  controller = RolloutController(
-      server=server, pool=pool, rewards=FakeRewards({}), prompts=iter([]),
-      reference=lambda p: p.id, decode=lambda t: "x", reward_fn="f",
-      sampling=SamplingParams(), group_size=2, update_mode="retract").start()
+  controller = _controller(server, pool, {}).start()
   time.sleep(0.2)
   controller.stop()
-  assert pool.updates == [("p3", 3, "retract")]
+  assert pool.updates == [("p3", 3, "keep")]
   assert server.acquire_versions and set(server.acquire_versions) == {3}
+
+
+def test_groups_carry_their_stream_position_and_a_seed_derived_from_it():
+  rewards = {"p0": [1.0, 0.0], "p1": [0.0, 1.0]}
+  server = FakeServer(2)
+  pool = FakePool(rewards)
+  controller = _controller(server, pool, rewards).start()
+  deadline = time.time() + 10
+  while server.finished() < 2 and time.time() < deadline:
+    time.sleep(0.01)
+  controller.stop()
+  # The prompt drawn while waiting for capacity is not counted as started.
+  assert server.positions == [(3, {"index": 0}, {"index": 1}), (3, {"index": 1}, {"index": 2})]
+  assert [r.sampling.seed for r in pool.requests] == [
+      sample_seed(7, 3, {"index": i}) for i in range(2)]
+  assert len({r.sampling.seed for r in pool.requests}) == 2
+  assert sample_seed(7, 3, {"index": 0}) != sample_seed(7, 4, {"index": 0})
+
+
+def test_a_prompt_source_replays_lost_positions_then_continues_its_stream():
+  source = PromptSource(Stream, cursor={"index": 5}, replay=[{"index": 1}, {"index": 3}])
+  drawn = [source.draw() for _ in range(3)]
+  assert [d.prompt.id for d in drawn] == ["p1", "p3", "p5"]
+  assert [d.position for d in drawn] == [{"index": 1}, {"index": 3}, {"index": 5}]
+  assert [d.next_position for d in drawn] == [{"index": 5}, {"index": 5}, {"index": 6}]
+
+
+def test_a_failing_callback_is_reported_and_frees_its_group():
+  rewards = {"p0": [1.0, 0.0]}
+  server = FakeServer(1)
+
+  def reference(prompt):
+    raise KeyError(f"no reference for {prompt.id}")
+
+  controller = _controller(server, FakePool(rewards), rewards, reference=reference).start()
+  deadline = time.time() + 10
+  while controller.error is None and time.time() < deadline:
+    time.sleep(0.01)
+  controller.stop()
+  assert isinstance(controller.error, KeyError) and "no reference for p0" in str(controller.error)
+  assert server.rejected == [1] and controller.metrics()["failed"] == 1
+
+
+def test_waits_name_the_part_that_holds_a_group_without_progress():
+  rewards = {"p0": [1.0, 0.0], "p1": [0.0, 1.0]}
+  server = FakeServer(2)
+  pool = FakePool(rewards, hang=("p1",))
+  controller = _controller(server, pool, rewards).start()
+  deadline = time.time() + 10
+  while len(server.offered) < 1 and time.time() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.3)
+  first = controller.waits()
+  assert set(first) == {"generator"} and first["generator"] >= 0.3
+  pool.steps += 1  # the pool makes progress: the wait starts again
+  assert controller.waits()["generator"] < 0.1
+  time.sleep(0.2)
+  assert controller.waits()["generator"] == pytest.approx(0.2, abs=0.1)
+  controller.stop()
+
+
+class NeverRewards(FakeRewards):
+  def submit(self, task):
+    return Future()
+
+
+def test_waits_name_a_reward_service_that_never_answers():
+  server = FakeServer(1)
+  controller = _controller(server, FakePool({}), {})
+  controller.rewards = NeverRewards({})
+  controller.start()
+  time.sleep(0.3)
+  waits = controller.waits()
+  controller.stop()
+  assert set(waits) == {"rewards"} and waits["rewards"] >= 0.25

@@ -74,3 +74,7 @@ def test_staleness_counts_policy_tokens_only():
   np.testing.assert_array_equal(staleness_counts([Group("a", [t]), Group("b", [u])], 6),
                                 [2, 1, 1, 1])
   assert staleness_counts([], 3).size == 0
+  # Only trained tokens count: a policy token masked out of the loss (too stale) does not.
+  masked = Trajectory.from_completion([1], [2, 3], [0, 0], [2, 6], "stop", reward=0.0)
+  masked = Trajectory(**{**masked.__dict__, "loss_mask_T": np.array([False, False, True])})
+  np.testing.assert_array_equal(staleness_counts([Group("c", [masked])], 6), [1])

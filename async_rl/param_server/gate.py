@@ -26,8 +26,9 @@ class StalenessGate:
 
   Counters, in groups: `running` started and not finished; `accepted` finished and
   admitted for training (buffered or trained); `rejected` finished or dropped and
-  never to be trained, which frees its capacity; `lost` in flight or buffered when
-  the checkpoint being resumed was taken (see `rebase`).
+  never to be trained, which frees its capacity; `lost` started and never to
+  finish: running on a rollout worker that died (`write_off`), or in flight or
+  buffered when the checkpoint being resumed was taken (`rebase`).
   """
   max_staleness: Optional[int]
   batch_groups: int
@@ -92,6 +93,13 @@ class StalenessGate:
       raise ValueError(f"cannot drop {n} accepted groups: {self.accepted} are accepted")
     self.accepted -= n
     self.rejected += n
+
+  def write_off(self, n: int) -> None:
+    """`n` running groups will never finish (their worker died); frees their capacity."""
+    if not 0 <= n <= self.running:
+      raise ValueError(f"cannot write off {n} groups: {self.running} are running")
+    self.running -= n
+    self.lost += n
 
   def set_version(self, version: int) -> None:
     """Moves to trainer version `version` (never backwards)."""

@@ -1,26 +1,54 @@
 """Orbax checkpoints of a run: the train state plus the host-side bookkeeping.
 
 A checkpoint at step v holds the params, optimizer state and version (`state`), and
-a JSON item (`meta`) with the parameter server's counters, the prompt stream's
-position and anything else the loop needs to resume exactly.
+a JSON item (`meta`) with the parameter server's counters, the prompt streams'
+positions and anything else the loop needs to resume exactly.
+
+Writes are atomic: Orbax writes a step into a temporary directory and renames it
+when every item is complete, so a process killed mid-save leaves the previous
+checkpoints as they were and no half-written step among them. Damage after the
+fact (a truncated or deleted file, a missing item) shows up when the step is read:
+`restore_latest` then falls back to the newest step that restores whole.
 """
 
+import dataclasses
 import functools
+import logging
 import os
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
 from async_rl import models
+from async_rl.rl.errors import NoUsableCheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What `Checkpointer.restore_latest` found.
+
+  Attributes:
+    step: the step restored.
+    state: the train state, with the shardings asked for.
+    meta: the JSON item saved with it.
+    damaged: `(step, error, moved_to)` of each newer step that failed to restore,
+      newest first; each was moved aside to `moved_to` (no longer a step).
+  """
+  step: int
+  state: Any
+  meta: dict[str, Any]
+  damaged: tuple[tuple[int, str, str], ...] = ()
 
 
 class Checkpointer:
   """Saves and restores (train_state, meta) under `directory`, keeping the last `keep`."""
 
   def __init__(self, directory: str, *, keep: int):
+    self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
-        os.path.abspath(directory),
+        self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
   def latest_step(self) -> Optional[int]:
@@ -42,6 +70,50 @@ class Checkpointer:
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     restored = abstract_state.replace(**out["state"])
     return restored, dict(out["meta"])
+
+  def restore_latest(self, abstract_state,
+                     accept: Optional[Callable[[Any, dict], None]] = None) -> Optional[Restored]:
+    """The newest step that restores whole; None when there is no checkpoint at all.
+
+    A step is damaged when Orbax cannot read it, when its train state's step or its
+    meta's "version" is not the step's number, or when `accept(state, meta)` raises
+    (the caller's own check of the meta; it must change nothing when it raises).
+    Damaged steps newer than the one restored are logged and moved aside (renamed
+    `<step>.damaged-<unix time>`, kept for inspection), so that the run can write
+    those step numbers again.
+
+    Raises:
+      NoUsableCheckpointError: every step is damaged; they are all left in place
+        and the error lists why each failed.
+    """
+    failures = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(step, abstract_state)
+        _check_step(step, state, meta)
+        if accept is not None:
+          accept(state, meta)
+      except Exception as e:  # Any failure to read a step whole marks it damaged.
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        failures.append((step, why))
+        logging.error("checkpoint %d in %s cannot be restored: %s", step, self.directory,
+                      why[:500])
+        continue
+      damaged = tuple((s, why, self._set_aside(s)) for s, why in failures)
+      return Restored(step, state, meta, damaged)
+    if failures:
+      listing = "; ".join(f"step {s}: {why[:300]}" for s, why in failures)
+      raise NoUsableCheckpointError(
+          f"no checkpoint under {self.directory} can be restored ({listing}). They are "
+          f"left in place; move the directory away to start the run afresh.")
+    return None
+
+  def _set_aside(self, step: int) -> str:
+    path = os.path.join(self.directory, str(step))
+    moved = f"{path}.damaged-{int(time.time())}"
+    os.rename(path, moved)
+    self._manager.reload()
+    return moved
 
   def close(self) -> None:
     self._manager.wait_until_finished()
@@ -71,6 +143,13 @@ def restore_params(directory: str, cfg: models.ModelConfig, *, step: int | None 
     return out["state"]["params"]
   finally:
     manager.close()
+
+
+def _check_step(step, state, meta):
+  if int(state.step) != step:
+    raise ValueError(f"its train state is at step {int(state.step)}")
+  if meta.get("version") != step:
+    raise ValueError(f"its meta says version {meta.get('version')!r}")
 
 
 def _arrays(state) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy accuracy and pass@k through a generator pool."""
 
-from typing import Callable, Optional, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -12,7 +13,8 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
              score: Callable[[Sequence[tuple[object, str]]], Sequence[float]],
              decode: Callable, max_new_tokens: int, stop_token_ids: Sequence[int],
              pass_k: int, seed: int = 0, workflow=None,
-             vocab_size: Optional[int] = None) -> dict[str, float]:
+             vocab_size: Optional[int] = None,
+             wait: Callable[[Future], Any] = Future.result) -> dict[str, float]:
   """Greedy accuracy, pass@k (k samples at temperature 1) and mean completion length.
 
   `score([(prompt, completion_text), ...])` returns each completion's reward (the run
@@ -21,6 +23,7 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
   (`step_credit`) never counts. Uses the pool's current weights; requests are tagged
   `eval/...` so they never mix with training requests. Each prompt's samples come
   from the task's `workflow` (None: single-turn), so a completion is a whole episode.
+  `wait(future)` returns a request's samples (the run waits with its deadlines).
   """
   greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                           stop_token_ids=stop_token_ids, seed=seed)
@@ -32,8 +35,8 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
                 for i, p in enumerate(prompts)]
     sampled_f = [runner.submit(p, Request(f"eval/pass/{i}", list(p.tokens), pass_k, sampled))
                  for i, p in enumerate(prompts)]
-    greedy_samples = [f.result()[0] for f in greedy_f]
-    sampled_samples = [f.result() for f in sampled_f]
+    greedy_samples = [wait(f)[0] for f in greedy_f]
+    sampled_samples = [wait(f) for f in sampled_f]
   finally:
     runner.close()
   correct = np.greater_equal(

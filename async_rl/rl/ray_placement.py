@@ -2,8 +2,15 @@
 
 The component classes are the in-process ones; each runs in its own Ray actor
 process and reaches the others through `_Proxy`, which turns method calls into
-actor calls. The driver only starts the actors, prints the trainer's step lines,
-forwards a stop request and shuts everything down.
+actor calls that fail with `StallError` past `run.stall_timeout_s`. The driver only
+starts the actors, prints the trainer's step lines, forwards a stop request and
+shuts everything down.
+
+A rollout worker whose process dies (SIGKILL, the OOM killer, a lost node) does not
+end the run: the trainer reaches each worker through a `_RolloutHandle`, which
+starts a new actor in its place (from the latest weights; registering with the
+server writes off the dead one's running groups and hands over its prompts to issue
+again), up to `run.max_worker_restarts` times per worker.
 
 By default actors ask for no CPUs, so any number of them fits on a laptop. On a
 cluster, give them devices with Ray actor options, e.g.
@@ -30,6 +37,7 @@ from tqdm import tqdm
 
 from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
+from async_rl.rl.errors import RolloutWorkerError, StallError
 from async_rl.rl.rollout_worker import RolloutWorker
 from async_rl.rl.trainer_loop import TrainerLoop
 
@@ -38,16 +46,104 @@ _CLOSE_TIMEOUT_S = 60.0
 
 
 class _Proxy:
-  """`proxy.f(*args)` is `ray.get(handle.f.remote(*args))`: an actor as a local object."""
+  """`proxy.f(*args)` is `ray.get(handle.f.remote(*args))`: an actor as a local object.
 
-  def __init__(self, handle):
-    self._handle = handle
+  A call without an answer in `timeout_s` raises `StallError` naming it.
+  """
+
+  def __init__(self, handle, name: str, timeout_s: float):
+    self._handle, self._name, self._timeout_s = handle, name, timeout_s
 
   def __getattr__(self, name):
     if name.startswith("_"):  # pickle probes dunders on a bare instance
       raise AttributeError(name)
     method = getattr(self._handle, name)
-    return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+    def call(*args, **kwargs):
+      try:
+        return ray.get(method.remote(*args, **kwargs), timeout=self._timeout_s)
+      except ray.exceptions.GetTimeoutError:
+        raise StallError(f"stalled: the Ray call {self._name}.{name} got no answer in "
+                         f"{self._timeout_s:g} s (run.stall_timeout_s)") from None
+
+    return call
+
+
+class _RolloutHandle:
+  """Rollout worker `index` as an actor, replaced by a new one when its process dies.
+
+  The trainer calls it like a `RolloutWorker`. It is built by the driver around the
+  first actor and travels to the trainer's process, which restarts the worker.
+  """
+
+  def __init__(self, cfg, server, index, actor, options, cpus):
+    self._cfg, self._server, self._index = cfg, server, index
+    self._options, self._cpus = options, cpus
+    self._use(actor)
+    self.restarts = 0
+
+  def start(self):
+    self._call("start")
+
+  def error(self):
+    """The controller's failure (None if none); a dead process is replaced first.
+
+    Raises:
+      RolloutWorkerError: the worker died more than `run.max_worker_restarts` times.
+    """
+    return self._call("error")
+
+  def waits(self):
+    return self._call("waits", restart=False) or {}
+
+  def metrics(self):
+    return {**self._call("metrics"), "restarts": self.restarts}
+
+  def timeline(self):
+    return self._call("timeline", restart=False) or []
+
+  def close(self):
+    try:
+      ray.get(self._actor.close.remote(), timeout=_CLOSE_TIMEOUT_S)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+      pass
+    ray.kill(self._actor)
+
+  def _use(self, actor):
+    self._actor = actor
+    self._proxy = _Proxy(actor, f"rollout worker {self._index}", self._cfg.run.stall_timeout_s)
+
+  def _call(self, method, restart=True):
+    """`method` on the actor; if it died, None, or with `restart` a new actor's answer."""
+    try:
+      return getattr(self._proxy, method)()
+    except ray.exceptions.RayActorError as e:
+      if not restart:
+        return None
+      self._restart(e)
+    try:
+      return getattr(self._proxy, method)()
+    except ray.exceptions.RayActorError as e:
+      raise RolloutWorkerError(f"rollout worker {self._index} died again right after a "
+                               f"restart: {e}") from e
+
+  def _restart(self, error):
+    limit = self._cfg.run.max_worker_restarts
+    if self.restarts >= limit:
+      raise RolloutWorkerError(f"rollout worker {self._index} died, and has been restarted "
+                               f"run.max_worker_restarts={limit} times already: {error}")
+    logging.warning("rollout worker %d died (%s); starting a new one", self._index, error)
+    ray.kill(self._actor)
+    self._use(_rollout_actor(self._cfg, self._server, self._index, self._options))
+    if self._cpus is not None:
+      ray.get(self._actor.__ray_call__.remote(_pin, self._cpus))
+    self.restarts += 1
+    self._proxy.start()
+
+
+def _rollout_actor(cfg, server, index, options):
+  return ray.remote(RolloutWorker).options(**{"num_cpus": 0, **(options or {})}).remote(
+      cfg, _Proxy(server, "server", cfg.run.stall_timeout_s), worker_index=index)
 
 
 class _Trainer:
@@ -55,17 +151,21 @@ class _Trainer:
 
   def __init__(self, cfg, workdir, server, init_params):
     self._lines = queue.SimpleQueue()
+    self._rollouts = []
     # The server is another process: publish host copies (one device_get per step).
     self.loop = TrainerLoop(cfg, workdir, server, init_params=init_params,
                             echo=self._lines.put, progress=False, publish_on_host=True)
 
-  def prompt_state(self, worker_index):
-    return self.loop.prompt_state(worker_index)
-
   def run(self, rollouts):
+    self._rollouts = rollouts
     summary = self.loop.run(rollouts)
     summary["history"] = self.loop.history
     return summary
+
+  def close_rollouts(self):
+    """Closes the rollout workers as they are now (restarted ones included)."""
+    for r in self._rollouts:
+      r.close()
 
   def request_stop(self):
     self.loop.stop.set()
@@ -126,17 +226,18 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
     # request_stop and lines must run while run() does.
     trainer = ray.remote(_Trainer).options(
         **{"num_cpus": 0, **(trainer_options or {}), "max_concurrency": 4}
-    ).remote(cfg, workdir, _Proxy(server), init_params)
+    ).remote(cfg, workdir, _Proxy(server, "server", cfg.run.stall_timeout_s), init_params)
     # The trainer publishes the (restored) params before the workers fetch them.
-    states = ray.get([trainer.prompt_state.remote(i) for i in range(num_rollout_workers)])
-    rollout_cls = ray.remote(RolloutWorker).options(**{"num_cpus": 0, **(rollout_options or {})})
-    rollouts = [rollout_cls.remote(cfg, _Proxy(server), worker_index=i, stream_state=s)
-                for i, s in enumerate(states)]
+    ray.get(trainer.__ray_ready__.remote())
+    rollouts = [_rollout_actor(cfg, server, i, rollout_options)
+                for i in range(num_rollout_workers)]
     pids = ray.get([a.__ray_call__.remote(_pid) for a in (server, trainer, *rollouts)])
     ray.get([a.__ray_call__.remote(_pin, cpus)
              for actors, cpus in (([trainer], trainer_cpus), (rollouts, rollout_cpus))
              if cpus is not None for a in actors])
-    summary = _drive(cfg, server, trainer, rollouts, stop, echo, progress)
+    handles = [_RolloutHandle(cfg, server, i, a, rollout_options, rollout_cpus)
+               for i, a in enumerate(rollouts)]
+    summary = _drive(cfg, server, trainer, handles, stop, echo, progress)
     summary["pids"] = {"driver": os.getpid(), "server": pids[0], "trainer": pids[1],
                        "rollout": pids[2:]}
     return summary
@@ -184,11 +285,11 @@ def _pin(_actor, cpus):
 
 def _drive(cfg, server, trainer, rollouts, stop, echo, progress):
   """Runs the trainer, printing its lines and forwarding `stop`, until it returns."""
-  server_proxy = _Proxy(server)
+  server_proxy = _Proxy(server, "server", cfg.run.stall_timeout_s)
   start = server_proxy.version()
   bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
              disable=not progress, dynamic_ncols=True)
-  run = trainer.run.remote([_Proxy(r) for r in rollouts])
+  run = trainer.run.remote(rollouts)
   stop_sent = finished = False
   try:
     while True:
@@ -211,12 +312,17 @@ def _drive(cfg, server, trainer, rollouts, stop, echo, progress):
 
 
 def _shutdown(server, trainer, rollouts):
-  """Closes the server (waking its waiters), the rollout workers, the trainer; kills them."""
-  for group in ([server], rollouts, [trainer]):
-    refs = [a.close.remote() for a in group if a is not None]
+  """Closes the server (waking its waiters), the rollout workers (those the trainer
+  restarted too), the trainer; kills them."""
+  calls = ([server], "close"), ([trainer], "close_rollouts"), (rollouts, "close"), (
+      [trainer], "close")
+  for actors, method in calls:
+    refs = [getattr(a, method).remote() for a in actors if a is not None]
     for ref in refs:
       try:
         ray.get(ref, timeout=_CLOSE_TIMEOUT_S)
+      except ray.exceptions.RayActorError:  # a rollout worker that died and was replaced
+        pass
       except Exception:  # keep closing the rest; an earlier error is already raised
         logging.exception("error while closing a Ray actor")
   for a in (server, trainer, *rollouts):

@@ -1,23 +1,31 @@
 """The rollout controller: keeps the generator pool fed within the staleness gate.
 
-One thread loops: apply the newest published weights to the pool, acquire a prompt
-group from the gate (at the pool's version, so a lagging generator never starts a
-group whose tokens would arrive too stale), draw a prompt, hand it to the task's
-workflow (`rl.episodes`; single-turn by default). Trajectories are scored
+One thread loops: apply the newest published weights to the pool, draw a prompt,
+acquire a ticket for its group from the gate (at the pool's version, so a lagging
+generator never starts a group whose tokens would arrive too stale), hand it to the
+task's workflow (`rl.episodes`; single-turn by default). Trajectories are scored
 asynchronously by the reward service and offered to the parameter server as one
 group; nothing here blocks the pool's decode thread.
+
+Failures: an exception in the loop, in the workflow or in a completion callback
+rejects the group it concerned (so its capacity is freed), is logged with its
+traceback and kept in `error`, and the controller stops; the trainer loop then stops
+the run. `waits` says what the controller has been awaiting and for how long, for the
+trainer loop's deadlines.
 """
 
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Iterator, Optional
+import time
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from async_rl.generation import Request, SamplingParams
 from async_rl.rewards import RewardTask
 from async_rl.rl.episodes import EpisodeRunner
+from async_rl.rl.prompt_source import PromptSource, sample_seed
 from async_rl.tasks.protocol import RewardFnLike
 from async_rl.tasks.workflow import Workflow
 from async_rl.trajectory import Group
@@ -40,32 +48,43 @@ class RolloutController:
     server: the parameter server (or a proxy with the same methods).
     pool: the `GeneratorPool` it feeds and whose weights it keeps current.
     rewards: a `RewardService`.
-    prompts: an iterator of prompts with `id`, `tokens` and a reward reference.
+    prompts: the worker's `PromptSource` (prompts with `id`, `tokens` and a reward
+      reference).
     reference: maps a prompt to what the reward function checks against.
     decode: token ids -> completion text for the reward function.
     reward_fn: the reward function, or its registry name.
-    sampling: sampling parameters (the seed is drawn per request by the pool).
+    sampling: sampling parameters; each request's seed is `sample_seed(seed,
+      worker, position)`.
     group_size: samples per prompt.
     update_mode: how the pool applies new weights: "retract", "keep" or "drain".
     dynamic_filter: drop groups whose rewards are all equal (no learning signal).
+    worker: this rollout worker's index (the server's ledger records it).
+    seed: the run's seed.
     workflow: turns a prompt group into trajectories; None is single-turn.
     vocab_size: the model's vocabulary, which a workflow's tokens must lie in.
   """
 
-  def __init__(self, *, server, pool, rewards, prompts: Iterator, reference: Callable,
+  def __init__(self, *, server, pool, rewards, prompts: PromptSource, reference: Callable,
                decode: Callable, reward_fn: RewardFnLike, sampling: SamplingParams,
                group_size: int, update_mode: str, dynamic_filter: bool = False,
-               poll_s: float = 0.05, workflow: Optional[Workflow] = None,
-               vocab_size: Optional[int] = None):
+               worker: int = 0, seed: int = 0, poll_s: float = 0.05,
+               workflow: Optional[Workflow] = None, vocab_size: Optional[int] = None):
     self.server, self.pool, self.rewards = server, pool, rewards
     self._episodes = EpisodeRunner(pool, workflow, vocab_size=vocab_size)
     self._prompts, self._reference, self._decode = prompts, reference, decode
     self._reward_fn, self._sampling = reward_fn, sampling
     self._group_size, self._update_mode = group_size, update_mode
     self._dynamic_filter, self._poll_s = dynamic_filter, poll_s
+    self._worker, self._seed = worker, seed
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._requested_version = pool.version
+    self._drawn = None
+    # ticket -> (the part it waits on: "generator", "rewards" or "server", since when)
+    self._in_flight: dict[int, tuple[str, float]] = {}
+    # part -> (its progress counter when last read, when it last changed)
+    self._progress = {"generator": (None, 0.0), "rewards": (None, 0.0)}
+    self._activity = None  # (what the loop is doing, since when), outside acquire
     self.stats = RolloutStats()
     self.error: BaseException | None = None
     self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
@@ -84,15 +103,60 @@ class RolloutController:
     with self._lock:
       return dataclasses.asdict(self.stats)
 
+  def waits(self) -> dict[str, float]:
+    """What this controller awaits, and for how many seconds without progress.
+
+    "generator" and "rewards": the oldest group in the pool (in the reward service)
+    since it got there or since the pool's last decode step (the service's last
+    finished call), whichever is later; "server": the oldest offer or reject under
+    way; "controller: <what>": the loop's current step (drawing a prompt, applying
+    weights), except waiting for capacity, which is the trainer's pace.
+    """
+    now = time.monotonic()
+    counters = {"generator": self.pool.metrics()["decode_steps"],
+                "rewards": self.rewards.metrics()["calls"]}
+    with self._lock:
+      for part, count in counters.items():
+        last, changed = self._progress[part]
+        self._progress[part] = (count, changed if last in (None, count) else now)
+      oldest = {}
+      for part, since in self._in_flight.values():
+        oldest[part] = min(oldest.get(part, since), since)
+      waits = {part: now - max(since, self._progress.get(part, (0, since))[1])
+               for part, since in oldest.items()}
+      if self._activity is not None:
+        waits[f"controller: {self._activity[0]}"] = now - self._activity[1]
+      return waits
+
   def _run(self):
     try:
       while not self._stop.is_set():
+        self._doing("fetching and applying weights")
         self._sync_weights()
-        if self.server.acquire(timeout=self._poll_s, generator_version=self.pool.version):
-          self._submit(next(self._prompts))
+        if self._drawn is None:
+          self._doing("drawing a prompt")
+          self._drawn = self._prompts.draw()
+        self._doing(None)
+        prompt, position, next_position = self._drawn
+        ticket = self.server.acquire(timeout=self._poll_s,
+                                     generator_version=self.pool.version, worker=self._worker,
+                                     position=position, next_position=next_position)
+        if ticket is not None:
+          self._drawn = None
+          self._doing("submitting a group")
+          self._submit(ticket, prompt, position)
     except BaseException as e:  # surfaced to the trainer loop, which stops the run
-      logging.exception("rollout controller failed")
-      self.error = e
+      self._fail(e)
+
+  def _doing(self, what):
+    with self._lock:
+      self._activity = None if what is None else (what, time.monotonic())
+
+  def _fail(self, error):
+    logging.error("rollout controller of worker %d failed", self._worker, exc_info=error)
+    if self.error is None:
+      self.error = error
+    self._stop.set()
 
   def _sync_weights(self):
     got = self.server.fetch(self._requested_version)
@@ -101,55 +165,87 @@ class RolloutController:
       self.pool.update_weights(params, version, self._update_mode)
       self._requested_version = version
 
-  def _submit(self, prompt):
-    request = Request(prompt.id, list(prompt.tokens), n=self._group_size,
-                      sampling=self._sampling)
+  def _submit(self, ticket, prompt, position):
+    sampling = dataclasses.replace(self._sampling,
+                                   seed=sample_seed(self._seed, self._worker, position))
+    request = Request(prompt.id, list(prompt.tokens), n=self._group_size, sampling=sampling)
+    self._wait_on(ticket, "generator")
     try:
       future = self._episodes.submit(prompt, request)
     except BaseException:
-      self.server.reject()
+      self._release(ticket)
       raise
     with self._lock:
       self.stats.submitted += 1
-    future.add_done_callback(lambda f: self._on_generated(prompt, f))
+    future.add_done_callback(self._guarded(ticket, self._on_generated, prompt))
 
-  def _on_generated(self, prompt, future):
+  def _wait_on(self, ticket, part):
+    with self._lock:
+      self._in_flight[ticket] = (part, time.monotonic())
+
+  def _guarded(self, ticket, callback, *args):
+    """`callback(ticket, *args, future)` as a future's done-callback; an exception
+    there would otherwise be swallowed and leave the ticket running for ever."""
+    def run(future):
+      try:
+        callback(ticket, *args, future)
+      except BaseException as e:  # noqa: BLE001 - reported, and the run stops.
+        self._fail(e)
+        self._release(ticket)
+    return run
+
+  def _release(self, ticket):
+    """Rejects `ticket` if it is still in flight, so that a failure frees its capacity."""
+    with self._lock:
+      held = self._in_flight.pop(ticket, None) is not None
+      if held:
+        self.stats.failed += 1
+    if held:
+      try:
+        self.server.reject(ticket)
+      except Exception:  # noqa: BLE001 - the first failure is the one reported.
+        logging.exception("could not reject group %d after a failure", ticket)
+
+  def _on_generated(self, ticket, prompt, future):
     # Runs on the workflow's thread: only hands work to the reward service.
     if future.exception() is not None or any(
         s.finish_reason == "aborted" for s in future.result()):
-      self._finish(None, "failed")
+      self._finish(ticket, None, "failed")
       return
     samples = future.result()
     reference = self._reference(prompt)
+    self._wait_on(ticket, "rewards")
     rewards = [self.rewards.submit(RewardTask(self._reward_fn, self._decode(s.completion_C),
                                               reference)) for s in samples]
     remaining = [len(rewards)]
 
-    def scored(_):
+    def scored(ticket, _):
       with self._lock:
         remaining[0] -= 1
         if remaining[0]:
           return
-      self._score(prompt, samples, [r.result() for r in rewards])
+      self._score(ticket, prompt, samples, [r.result() for r in rewards])
 
     for r in rewards:
-      r.add_done_callback(scored)
+      r.add_done_callback(self._guarded(ticket, scored))
 
-  def _score(self, prompt, samples, rewards):
+  def _score(self, ticket, prompt, samples, rewards):
     group = Group(prompt.id, tuple(s.with_reward(r) for s, r in zip(samples, rewards)))
     with self._lock:
       self.stats.generated_tokens += sum(s.num_policy_tokens for s in samples)
     if self._dynamic_filter and np.ptp(rewards) == 0:
-      self._finish(None, "filtered")
+      self._finish(ticket, None, "filtered")
     else:
-      self._finish(group, "offered")
+      self._finish(ticket, group, "offered")
 
-  def _finish(self, group, outcome):
+  def _finish(self, ticket, group, outcome):
+    self._wait_on(ticket, "server")
     if group is None:
-      self.server.reject()
+      self.server.reject(ticket)
     else:
-      admitted = self.server.offer(group)
+      admitted = self.server.offer(ticket, group)
       with self._lock:
         self.stats.admitted += int(admitted)
     with self._lock:
+      del self._in_flight[ticket]
       setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)

@@ -28,7 +28,7 @@ def run_in_process(cfg: ExperimentConfig, workdir: str, *, init_params=None,
                      progress=progress, task=task)
   worker = None
   try:
-    worker = RolloutWorker(cfg, server, stream_state=loop.prompt_state(0), task=task)
+    worker = RolloutWorker(cfg, server, task=task)
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary

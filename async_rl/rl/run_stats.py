@@ -4,6 +4,8 @@ Used by the benchmarks that run the system end to end.
 """
 
 import dataclasses
+import json
+from pathlib import Path
 
 from async_rl import timeline
 from async_rl.config import ExperimentConfig
@@ -15,6 +17,42 @@ def measured_config(cfg: ExperimentConfig, steps: int) -> ExperimentConfig:
   return dataclasses.replace(
       cfg, num_steps=steps, eval=dataclasses.replace(cfg.eval, every_steps=0),
       checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=steps))
+
+
+def step_lines(workdir: str) -> list[dict]:
+  """The step lines of `workdir/metrics.jsonl` that its newest params descend from: for
+  a step logged twice (trained again after a resume), the later line."""
+  path = Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  lines = [json.loads(line) for line in path.read_text().splitlines()]
+  by_step = {line["step"]: line for line in lines if "eval" not in line}
+  return [by_step[step] for step in sorted(by_step)]
+
+
+def prompt_accounting(workdir: str, worker: int = 0) -> dict:
+  """What became of every prompt rollout worker `worker` drew, by the newest checkpoint.
+
+  Each prompt below the stream's cursor should be trained once into the checkpoint's
+  params, rejected (filtered, failed or dropped as stale), or queued to be issued
+  again (lost with a worker or a process, or in flight); `unaccounted` counts the
+  others (skipped, or issued twice), `trained_twice` the prompts trained more than
+  once. Stream positions must be `{"index": i, ...}` (the arithmetic task).
+  """
+  steps = sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir()
+                 if p.name.isdigit())
+  meta = json.loads((Path(workdir) / "checkpoints" / str(steps[-1]) / "meta" / "metadata")
+                    .read_text())
+  server = meta["server"]
+  trained = [p for line in step_lines(workdir) if line["step"] <= meta["version"]
+             for p in line["prompts"]]
+  drawn = server["ledger"]["cursor"][str(worker)]["index"]
+  to_replay = len(server["ledger"]["replay"].get(str(worker), []))
+  rejected = server["gate"]["rejected"]
+  return {"version": meta["version"], "server": server, "drawn": drawn,
+          "trained": len(trained), "trained_twice": len(trained) - len(set(trained)),
+          "rejected": rejected, "to_replay": to_replay,
+          "unaccounted": drawn - len(set(trained)) - rejected - to_replay}
 
 
 def rl_window(spans) -> tuple[float, float]:

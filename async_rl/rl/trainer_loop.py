@@ -4,6 +4,12 @@ It owns the `Trainer`, checkpoints, metrics and held-out evaluation, and reaches
 parameter server and the rollout workers only through their methods, so they may be
 local objects (in process) or proxies to Ray actors. With η = 0 the gate lets one
 batch of groups start per version, so the same loop is the synchronous baseline.
+
+Faults: a damaged latest checkpoint falls back to the previous one
+(`Checkpointer.restore_latest`); a non-finite step is skipped and counted; every
+wait runs under the run's deadlines (`deadlines.Deadlines`), and a stall or a
+failed rollout worker checkpoints the current version and stops the run with an
+error that names it.
 """
 
 import json
@@ -21,9 +27,12 @@ from async_rl import config_dict, sharding
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
 from async_rl.models import hf
+from async_rl.param_server.buffer import length_summary
 from async_rl.rewards import RewardService, RewardTask
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.components import make_engine, reward_fn
+from async_rl.rl.deadlines import Deadlines
+from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError
 from async_rl.rl.evaluate import evaluate
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
@@ -44,7 +53,7 @@ class TrainerLoop:
     init_params: params to start from when not resuming; by default those of
       `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
-    echo: receives the one-line summary of every step.
+    echo: receives the one-line summary of every step, and warnings.
     publish_on_host: publish host (numpy) copies of the params, for a server in
       another process; by default they stay device arrays (`Trainer.device_params`).
     task: the task (`tasks.protocol.Task`) to warm-start on and evaluate; None builds
@@ -59,6 +68,8 @@ class TrainerLoop:
     self.publish_on_host = publish_on_host
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress
+    self.deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
+    self._checkpoint_stalled = False
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(config_dict.to_dict(cfg), f, indent=2)
@@ -70,7 +81,7 @@ class TrainerLoop:
       init_params = _initial_params(cfg, mesh, echo, self.task)
     self.trainer = Trainer(cfg, mesh, params=init_params)
     self.skipped_steps = self.applied_updates = 0
-    self.resume_meta = self._maybe_restore()
+    self.damaged_checkpoints = self._maybe_restore()
     params = self._published_params()
     server.publish(self.trainer.version, params)
     self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
@@ -86,55 +97,87 @@ class TrainerLoop:
       return self.trainer.host_params()
     return self.trainer.device_params()
 
-  def prompt_state(self, worker_index: int) -> Optional[dict]:
-    """The resumed prompt-stream position of a rollout worker (None when fresh)."""
-    states = (self.resume_meta or {}).get("prompts", [])
-    return states[worker_index] if worker_index < len(states) else None
-
-  def _maybe_restore(self):
-    step = self.checkpointer.latest_step()
-    if step is None:
-      return None
+  def _maybe_restore(self) -> int:
+    """Restores the newest checkpoint that reads whole; returns how many were damaged."""
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             jax.eval_shape(lambda: self.trainer.state),
                             self.trainer.state_shardings)
-    state, meta = self.checkpointer.restore(step, abstract)
-    self.trainer.restore(state)
-    self.skipped_steps = int(meta["skipped_steps"])
-    self.applied_updates = int(meta["applied_updates"])
-    self.server.load_state_dict(meta["server"])
-    logging.info("resumed from checkpoint %d in %s", step, self.workdir)
-    return meta
+    restored = self.checkpointer.restore_latest(
+        abstract, accept=lambda state, meta: self.server.load_state_dict(meta["server"]))
+    if restored is None:
+      return 0
+    for step, why, moved in restored.damaged:
+      self.echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
+    self.trainer.restore(restored.state)
+    self.skipped_steps = int(restored.meta["skipped_steps"])
+    self.applied_updates = int(restored.meta["applied_updates"])
+    self.echo(f"resumed from checkpoint {restored.step} in {self.workdir}")
+    return len(restored.damaged)
 
   def evaluate(self) -> dict[str, float]:
     """Held-out metrics of the trainer's current params (greedy, pass@k)."""
     version = self.trainer.version
     if version > self.eval_pool.version:
-      self.eval_pool.update_weights(self.trainer.device_params(), version, "keep").result()
+      self.deadlines.result(
+          self.eval_pool.update_weights(self.trainer.device_params(), version, "keep"),
+          "the held-out generator's weight update")
     fn = reward_fn(self.cfg, self.task)
 
     def score(pairs):
-      return self.eval_rewards.score_batch(
-          [RewardTask(fn, text, self.task.reference(p)) for p, text in pairs])
+      futures = [self.eval_rewards.submit(RewardTask(fn, text, self.task.reference(p)))
+                 for p, text in pairs]
+      return [self.deadlines.result(f, "held-out rewards") for f in futures]
 
     return evaluate(
         self.eval_pool, self.task.heldout(self.cfg.eval.num_prompts), score=score,
         decode=self.task.tokenizer.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
         stop_token_ids=self.task.tokenizer.stop_ids, pass_k=self.cfg.eval.pass_k,
-        seed=self.cfg.seed, workflow=self.task.workflow, vocab_size=self.cfg.model.vocab_size)
+        seed=self.cfg.seed, workflow=self.task.workflow, vocab_size=self.cfg.model.vocab_size,
+        wait=lambda f: self.deadlines.result(f, "held-out generation"))
 
   def run(self, rollouts: Sequence) -> dict[str, Any]:
-    """Starts `rollouts` and trains to `cfg.num_steps` (or until `stop`)."""
+    """Starts `rollouts` and trains to `cfg.num_steps` (or until `stop`).
+
+    Raises:
+      StallError: a wait passed `run.stall_timeout_s`.
+      RolloutWorkerError: a rollout worker's controller failed.
+      NonFiniteError: too many non-finite steps in a row.
+      In the first two cases the current version is checkpointed first.
+    """
     cfg = self.cfg
     start_version = self.trainer.version
-    summary: dict[str, Any] = {"start_version": start_version}
+    summary: dict[str, Any] = {"start_version": start_version,
+                               "damaged_checkpoints": self.damaged_checkpoints}
     if start_version == 0:
       summary["eval_before"] = self._eval_and_log()
     for r in rollouts:
       r.start()
     bar = tqdm(total=cfg.num_steps, initial=start_version, desc="train", unit="step",
                disable=not self.progress, dynamic_ncols=True)
-    last = {"t": time.perf_counter(), "gen_tokens": 0}
+    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0}
+
+    def waits():
+      return {what: s for r in rollouts for what, s in r.waits().items()}
+
+    try:
+      with self.deadlines.watching(waits):
+        self._steps(rollouts, bar, last)
+    except (StallError, RolloutWorkerError) as e:
+      raise type(e)(f"{e}\n{self._checkpoint_before_stopping()}") from e
+    finally:
+      bar.close()
+    self._checkpoint(wait=True)
+    summary["end_version"] = self.trainer.version
+    summary["timeline"] = self.timeline.spans() + [s for r in rollouts for s in r.timeline()]
+    if self.trainer.version >= cfg.num_steps:
+      summary["eval_after"] = self._eval_and_log()
+    summary["server"] = {**self.server.metrics(),
+                         "length_hist": self.server.length_histograms()}
+    summary["longest_unreported_wait_s"] = self.deadlines.longest_unreported_s
+    return summary
+
+  def _steps(self, rollouts, bar, last):
+    cfg = self.cfg
     while self.trainer.version < cfg.num_steps and not self.stop.is_set():
       groups, waited = self._next_batch(rollouts)
       if groups is None:
@@ -147,31 +190,60 @@ class TrainerLoop:
       if cfg.eval.every_steps and version % cfg.eval.every_steps == 0:
         self._eval_and_log()
       if version % cfg.checkpoint.every_steps == 0:
-        self._checkpoint(rollouts)
-    bar.close()
-    self._checkpoint(rollouts, wait=True)
-    summary["end_version"] = self.trainer.version
-    summary["timeline"] = self.timeline.spans() + [s for r in rollouts for s in r.timeline()]
-    if self.trainer.version >= cfg.num_steps:
-      summary["eval_after"] = self._eval_and_log()
-    return summary
+        self._checkpoint()
+
+  def _checkpoint_before_stopping(self) -> str:
+    """Saves the current version on the way out; says what became of it."""
+    if self._checkpoint_stalled:
+      return "no checkpoint was written: the checkpoint itself stalled"
+    try:
+      self._checkpoint(wait=True)
+    except Exception as e:  # noqa: BLE001 - the first error is the one to raise.
+      logging.exception("could not checkpoint before stopping")
+      return f"no checkpoint was written ({type(e).__name__}: {e})"
+    return (f"checkpoint {self.trainer.version} holds the params; rerun the same command "
+            f"to resume")
 
   def _next_batch(self, rollouts):
+    """The next batch, within the deadlines.
+
+    A slow batch is not a stall; no progress is. The wait counts from the last group
+    that finished (admitted, dropped or rejected), and the rollout workers' own waits
+    name the part that holds a group up: past the stall timeout (and `warn_after_s`
+    more, for them to speak first) the batch wait is the stall only if no other wait
+    is past the soft deadline.
+    """
     t0 = time.perf_counter()
-    while not self.stop.is_set():
-      for r in rollouts:
-        if (error := r.error()) is not None:
-          raise RuntimeError(f"rollout worker failed: {error}")
-      groups = self.server.get_batch(timeout=_BATCH_POLL_S)
-      if groups is not None:
-        return groups, time.perf_counter() - t0
+    finished, since = None, time.monotonic()
+    what = "a training batch (no group finished)"
+    with self.deadlines.waiting(what, may_stall=False) as progress:
+      while not self.stop.is_set():
+        self.deadlines.check()
+        waited = time.monotonic() - since
+        run = self.cfg.run
+        if (waited >= run.stall_timeout_s + run.warn_after_s
+            and self.deadlines.longest(besides=what) < run.warn_after_s):
+          raise self.deadlines.stall(what, waited)
+        for r in rollouts:
+          if (error := r.error()) is not None:
+            raise RolloutWorkerError(f"rollout worker failed:\n{error}")
+        groups = self.server.get_batch(timeout=_BATCH_POLL_S)
+        if groups is not None:
+          return groups, time.perf_counter() - t0
+        m = self.server.metrics()
+        if m["admitted"] + m["rejected"] != finished:
+          finished, since = m["admitted"] + m["rejected"], time.monotonic()
+          progress()
     return None, time.perf_counter() - t0
 
   def _train(self, groups, waited, rollouts, last):
-    with self.timeline.span("trainer", "train"):
+    version = self.trainer.version
+    with self.timeline.span("trainer", "train"), self.deadlines.waiting(
+        f"training step {version + 1}", may_stall=False):
       metrics = self.trainer.train(groups)
     t0 = time.perf_counter()
-    with self.timeline.span("trainer", "publish"):
+    with self.timeline.span("trainer", "publish"), self.deadlines.waiting(
+        f"publishing version {version + 1}", may_stall=False):
       self.server.publish(self.trainer.version, self._published_params())
     now, logging_since = time.perf_counter(), time.time()
     self.skipped_steps += metrics["skipped"]
@@ -179,15 +251,23 @@ class TrainerLoop:
     rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
+    server = self.server.metrics()
     metrics.update(
         reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
         skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
-        server={k: v for k, v in self.server.metrics().items() if k != "staleness_hist"},
+        prompts=[str(g.prompt_id) for g in groups],
+        longest_unreported_wait_s=self.deadlines.longest_unreported_s,
+        worker_restarts=sum(w.get("restarts", 0) for w in workers),
+        lengths={k: length_summary(hist) for k, hist in self.server.length_histograms().items()},
+        server={k: v for k, v in server.items() if k != "staleness_hist"},
         **(workers[0] if len(workers) == 1 else {"workers": workers}))
-    last.update(t=now, gen_tokens=gen_tokens)
+    if metrics["worker_restarts"] > last["restarts"]:
+      self.echo(f"WARNING: a rollout worker died and was restarted (worker_restarts="
+                f"{metrics['worker_restarts']}, lost_groups={server['lost_groups']})")
+    last.update(t=now, gen_tokens=gen_tokens, restarts=metrics["worker_restarts"])
     self.log.write(self.trainer.version, metrics)
     self.history.append(metrics)
     self.timeline.record("trainer", "log", logging_since, time.time())
@@ -218,21 +298,30 @@ class TrainerLoop:
     self.echo(f"eval v={version}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
     return metrics
 
-  def _checkpoint(self, rollouts, wait=False):
-    if self.checkpointer.latest_step() == self.trainer.version:
+  def _checkpoint(self, wait=False):
+    """Saves the current version (Orbax's save also waits for the previous one)."""
+    version = self.trainer.version
+    if self.checkpointer.latest_step() == version:
       return
-    meta = {"server": self.server.state_dict(), "version": self.trainer.version,
-            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates,
-            "prompts": [r.prompt_state() for r in rollouts]}
-    self.checkpointer.save(self.trainer.version, self.trainer.state, meta, wait=wait)
+    meta = {"server": self.server.state_dict(), "version": version,
+            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates}
+    try:
+      self.deadlines.call(
+          lambda: self.checkpointer.save(version, self.trainer.state, meta, wait=wait),
+          f"the checkpoint of version {version}")
+    except StallError:
+      self._checkpoint_stalled = True
+      raise
 
   def close(self):
-    for closer in (self.eval_pool.shutdown, self.eval_rewards.close,
-                   self.checkpointer.close, self.log.close):
+    closers = (("eval pool", self.eval_pool.shutdown),
+               ("eval rewards", self.eval_rewards.close),
+               ("checkpointer", self.checkpointer.close), ("metrics log", self.log.close))
+    for name, closer in closers:
       try:
-        closer()
+        self.deadlines.call(closer, f"closing the {name}")
       except Exception:  # keep closing the rest; an earlier error is already raised
-        logging.exception("error while closing")
+        logging.exception("error while closing the %s", name)
 
 
 def _initial_params(cfg: ExperimentConfig, mesh, echo, task):
@@ -243,10 +332,6 @@ def _initial_params(cfg: ExperimentConfig, mesh, echo, task):
   if cfg.sft.steps:
     return warm_start(cfg, mesh, task=task, echo=echo)
   return None
-
-
-class NonFiniteError(RuntimeError):
-  """Too many consecutive training steps had a non-finite loss or gradient."""
 
 
 def _skip_cause(metrics, groups) -> str:

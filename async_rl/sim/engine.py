@@ -96,7 +96,7 @@ class _Simulation:
     self.events: list = []
     self.order = itertools.count()
     self.published = 0  # Trainer version v: training steps completed.
-    self.buffer = AdmissionBuffer(cfg.max_staleness, admit_stale=False)
+    self.buffer = AdmissionBuffer(cfg.max_staleness)
     self.trainer_busy = False
     self.generated = self.trained_samples = self.trained_tokens = 0
     self.step_end_times: list[float] = []
@@ -205,7 +205,7 @@ class _Simulation:
     self._wake(gen, gen.seg_end)
 
   def _offer(self, group, now):
-    if self.buffer.offer(group.scored(), self.published):
+    if self.buffer.offer(group.scored(), self.published, ticket=next(self.order)):
       self.gate.finish_accepted()
     else:
       self.gate.finish_rejected()
@@ -215,7 +215,7 @@ class _Simulation:
     cfg = self.cfg
     if self.trainer_busy or len(self.buffer) < cfg.batch_groups:
       return
-    groups = self.buffer.take(cfg.batch_groups, self.published)
+    groups = [g for _, g in self.buffer.take(cfg.batch_groups, self.published)]
     generated = sum(t.num_policy_tokens for g in groups for t in g.trajectories)
     tokens = generated + cfg.prompt_tokens * cfg.batch_groups * cfg.group_size
     self.trained_tokens += generated
@@ -230,7 +230,7 @@ class _Simulation:
     self.published += 1
     self.step_end_times.append(now)
     self.gate.set_version(self.published)
-    self.gate.drop_accepted(self.buffer.purge(self.published))
+    self.gate.drop_accepted(len(self.buffer.purge(self.published)))
     self._poke_all(now)
     self._try_train(now)
 

@@ -1,0 +1,25 @@
+"""How a run stops on a fault it cannot survive: each error's message names what failed.
+
+A light module (no JAX), so that a binary can catch them before anything is imported
+that would start a JAX backend.
+"""
+
+
+class RunError(RuntimeError):
+  """A run stopped on a fault it could not survive."""
+
+
+class StallError(RunError):
+  """A wait passed `run.stall_timeout_s`; the message names what was awaited."""
+
+
+class RolloutWorkerError(RunError):
+  """A rollout worker's controller failed, or its process died too often."""
+
+
+class NonFiniteError(RunError):
+  """Too many consecutive training steps had a non-finite loss or gradient."""
+
+
+class NoUsableCheckpointError(RunError):
+  """Checkpoints exist, but none of them can be restored."""

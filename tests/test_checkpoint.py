@@ -1,0 +1,102 @@
+"""Checkpoints that survive damage: a truncated file or a missing item in the newest
+step falls back to the previous one; with none left, a clear error."""
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+from async_rl.rl.checkpoint import Checkpointer, NoUsableCheckpointError
+
+
+@struct.dataclass
+class _State:
+  step: jax.Array
+  params: dict
+  opt_state: dict
+
+
+def _state(step):
+  return _State(step=jnp.int32(step), params={"w": jnp.arange(4096.0) * step},
+                opt_state={"m": jnp.full(16, float(step))})
+
+
+def _checkpoints(tmp_path, steps=(1, 2, 3)):
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
+  for step in steps:
+    checkpointer.save(step, _state(step), {"version": step, "step_meta": step}, wait=True)
+  return checkpointer
+
+
+def _abstract():
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      _state(0))
+
+
+def _largest_file(step_dir):
+  files = [p for p in Path(step_dir).rglob("*") if p.is_file()]
+  return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate(path):
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_and_is_moved_aside(tmp_path):
+  checkpointer = _checkpoints(tmp_path)
+  _truncate(_largest_file(tmp_path / "checkpoints" / "3" / "state"))
+  restored = checkpointer.restore_latest(_abstract())
+  assert restored.step == 2 and restored.meta["step_meta"] == 2
+  np.testing.assert_array_equal(restored.state.params["w"], np.arange(4096.0) * 2)
+  ((step, why, moved),) = restored.damaged
+  assert step == 3 and why and Path(moved).name.startswith("3.damaged-")
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[:2] == ["1", "2"]
+  # The run goes on from step 2 and writes step 3 again.
+  assert checkpointer.latest_step() == 2
+  checkpointer.save(3, _state(3), {"version": 3, "step_meta": 3}, wait=True)
+  assert checkpointer.restore_latest(_abstract()).step == 3
+  checkpointer.close()
+
+
+def test_missing_items_and_a_rejected_meta_count_as_damage(tmp_path):
+  checkpointer = _checkpoints(tmp_path)
+  for p in (tmp_path / "checkpoints" / "3" / "meta").iterdir():
+    p.unlink()
+  seen = []
+
+  def accept(state, meta):
+    seen.append(meta["step_meta"])
+    if meta["step_meta"] == 2:
+      raise ValueError("server state is missing ['ledger']")
+
+  restored = checkpointer.restore_latest(_abstract(), accept=accept)
+  assert restored.step == 1 and seen == [2, 1]
+  assert [d[0] for d in restored.damaged] == [3, 2]
+  assert "missing ['ledger']" in restored.damaged[1][1]
+  checkpointer.close()
+
+
+def test_no_usable_checkpoint_is_a_clear_error_and_leaves_them_in_place(tmp_path):
+  checkpointer = _checkpoints(tmp_path, steps=(1, 2))
+  for step in (1, 2):
+    _truncate(_largest_file(tmp_path / "checkpoints" / str(step) / "state"))
+  with pytest.raises(NoUsableCheckpointError, match=r"no checkpoint under .* can be restored "
+                     r"\(step 2: .*; step 1: .*\). They are left in place"):
+    checkpointer.restore_latest(_abstract())
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+  checkpointer.close()
+  assert Checkpointer(str(tmp_path / "empty"), keep=1).restore_latest(_abstract()) is None
+
+
+def test_a_step_whose_contents_disagree_with_its_number_is_damaged(tmp_path):
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
+  checkpointer.save(1, _state(1), {"version": 1}, wait=True)
+  checkpointer.save(2, _state(7), {"version": 2}, wait=True)  # its state says step 7
+  restored = checkpointer.restore_latest(_abstract())
+  assert restored.step == 1 and "train state is at step 7" in restored.damaged[0][1]
+  checkpointer.close()

@@ -14,6 +14,7 @@ import numpy as np
 
 from async_rl import batching, sharding, train_step
 from async_rl.config import ExperimentConfig, OptimizerConfig
+from async_rl.models import flops
 from async_rl.tasks import TrainStream
 
 # The warm start draws from its own stream, so RL does not begin on memorised prompts.
@@ -53,12 +54,13 @@ def warm_start(cfg: ExperimentConfig, mesh, *, echo: Callable[[str], None] = pri
       cfg.task, seed=cfg.task.seed + _SFT_STREAM_SEED_OFFSET))
   budget = cfg.batching.max_tokens_per_mb
   buckets = cfg.batching.row_buckets or batching.default_row_buckets(budget)
-  rows = sharding.num_batch_shards(mesh)
+  shards = sharding.num_batch_shards(mesh)
+  attention_len = flops.attention_break_even_len(cfg.model)
   t0 = time.perf_counter()
   for i in range(1, s.steps + 1):
     seqs = sft_sequences(next(stream) for _ in range(s.batch_size))
-    batch = batching.pack_dynamic(seqs, max_tokens_per_mb=budget, rows_per_mb=rows,
-                                  row_buckets=buckets)
+    batch = batching.pack_dynamic(seqs, max_tokens_per_mb=budget, num_shards=shards,
+                                  row_buckets=buckets, attention_len=attention_len)
     state, metrics = step(state, batch)
     if i % s.log_every == 0 or i == s.steps:  # the only host reads: one every log_every
       echo(f"sft step {i}/{s.steps} nll={float(metrics['nll']):.4f} "

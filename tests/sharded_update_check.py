@@ -23,7 +23,7 @@ CFG = models.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_
 LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2)
 
 
-def _batch(rows_per_mb):
+def _batch(num_shards):
   rng = np.random.default_rng(0)
   seqs = []
   for _ in range(16):
@@ -31,7 +31,7 @@ def _batch(rows_per_mb):
     seqs.append(batching.Sequence(rng.integers(0, 64, p + c), p,
                                   rng.normal(-4.0, 0.3, c).astype(np.float32),
                                   np.zeros(c, np.int32), float(rng.normal())))
-  return batching.pack_dynamic(seqs, max_tokens_per_mb=32, rows_per_mb=rows_per_mb,
+  return batching.pack_dynamic(seqs, max_tokens_per_mb=32, num_shards=num_shards,
                                row_buckets=(32,))
 
 

@@ -39,7 +39,7 @@ def test_warm_start_lowers_the_nll_of_reference_solutions():
   params = sft.warm_start(cfg, mesh, echo=lines.append)
   assert lines and lines[-1].startswith("sft step 30/30")
   seqs = sft.sft_sequences(next(iter(TrainStream(cfg.task))) for _ in range(16))
-  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=64, rows_per_mb=1, row_buckets=(64,))
+  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=64, num_shards=1, row_buckets=(64,))
 
   def nll(p):
     logp = train_step.recompute_logp(jax.tree.map(jnp.asarray, p), batch, model_cfg=cfg.model)

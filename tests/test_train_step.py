@@ -63,7 +63,7 @@ def test_micro_batched_update_equals_full_batch():
 
 def test_non_finite_gradient_skips_update():
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = batching.pack_dynamic(_seqs(6), max_tokens_per_mb=32, rows_per_mb=1,
+  batch = batching.pack_dynamic(_seqs(6), max_tokens_per_mb=32, num_shards=1,
                                 row_buckets=(32,))
   state = _state(mesh, train_step.make_optimizer(OptimizerConfig()))
   batch = _with_prox(batch, state.params)
@@ -91,7 +91,7 @@ def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   state = _state(mesh, tx)
   shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
   step = train_step.jit_train_step(mesh, shardings, model_cfg=CFG, loss_fn=LOSS)
-  kw = dict(max_tokens_per_mb=32, rows_per_mb=1, row_buckets=(16, 32))
+  kw = dict(max_tokens_per_mb=32, num_shards=1, row_buckets=(32,))
   b1 = batching.pack_dynamic(_seqs(5, seed=1), **kw)
   b2 = batching.pack_dynamic(_seqs(5, seed=2), **kw)
   assert b1.tokens.shape == b2.tokens.shape

@@ -16,6 +16,7 @@ import numpy as np
 
 from async_rl import advantages, batching, loss, sharding, train_step
 from async_rl.config import ExperimentConfig
+from async_rl.models import flops
 
 
 def make_advantage_fn(cfg: ExperimentConfig):
@@ -70,7 +71,8 @@ class Trainer:
     self._advantage_fn = make_advantage_fn(cfg)
     b = cfg.batching
     self._row_buckets = b.row_buckets or batching.default_row_buckets(b.max_tokens_per_mb)
-    self._rows_per_mb = sharding.num_batch_shards(mesh)
+    self._num_shards = sharding.num_batch_shards(mesh)
+    self._attention_len = flops.attention_break_even_len(cfg.model)
 
   @property
   def version(self) -> int:
@@ -79,7 +81,8 @@ class Trainer:
   def pack(self, groups) -> batching.PackedBatch:
     seqs = group_sequences(groups, self._advantage_fn, self.cfg.generation.group_size)
     return batching.pack_dynamic(seqs, max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
-                                 rows_per_mb=self._rows_per_mb, row_buckets=self._row_buckets)
+                                 num_shards=self._num_shards, row_buckets=self._row_buckets,
+                                 attention_len=self._attention_len)
 
   def train(self, groups: SequenceOf) -> dict:
     """One update from `groups`; returns host metrics, including staleness and timings."""

@@ -9,8 +9,12 @@ position p of its sequence, a train step needs
 FLOPs: 2 N forward and 4 N backward for the weights, and per layer 2 H E (p + 1)
 each for Q K^T and P V over the p + 1 causal keys, forward, and twice that backward.
 These are model FLOPs: what the math needs, not what an implementation executes
-(padding, masked attention blocks, recomputation under remat).
+(padding, masked attention blocks, recomputation under remat); `executed_matmul_flops`
+reads the latter from a compiled program.
 """
+
+import math
+import re
 
 import numpy as np
 
@@ -39,3 +43,70 @@ def attention_break_even_len(cfg: ModelConfig) -> float:
   length T by 1 + T / this.
   """
   return matmul_params(cfg) / (cfg.n_layers * cfg.n_heads * cfg.head_dim)
+
+
+_ARRAY_SHAPE = re.compile(r"^[a-z]\w*\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{$")
+
+
+def _dims(shape: str):
+  m = _ARRAY_SHAPE.match(shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else None
+
+
+def executed_matmul_flops(hlo_text: str) -> float:
+  """Matmul FLOPs a compiled program executes, from its optimised HLO text.
+
+  XLA's `cost_analysis()` counts the body of a while loop once, so a step that scans
+  over layers and micro-batches reads several times too low. This walk counts each
+  dot as 2 x (output elements) x (contracted size), multiplies a loop body by its
+  `known_trip_count`, descends into fusions and calls, and takes the costliest
+  branch of a conditional (the train step's `lax.cond` skips only empty
+  micro-batches). Elementwise work is not counted, as model FLOPs leave it out.
+
+  Raises:
+    ValueError: if a while loop has no known trip count.
+  """
+  comps, entry, body = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      body = comps.setdefault(header.group(2), [])
+      entry = header.group(2) if header.group(1) else entry
+    elif body is not None and line.startswith("  "):
+      body.append(line.strip())
+  memo = {}
+
+  def cost(name):
+    if name in memo:
+      return memo[name]
+    shapes, total = {}, 0.0
+    for line in comps[name]:
+      m = _INSTRUCTION.match(line)
+      if not m:
+        continue
+      inst, shape, op, rest = m.groups()
+      shapes[inst] = _dims(shape)
+      if op == "dot":
+        lhs = shapes[re.match(r"%([\w.\-]+)", rest).group(1)]
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
+        k = math.prod(lhs[int(d)] for d in contracting.split(",") if d)
+        total += 2.0 * math.prod(_dims(shape)) * k
+      elif op in ("fusion", "call"):
+        callee = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", rest)
+        total += cost(callee.group(1)) if callee else 0.0
+      elif op == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+        if not trips:
+          raise ValueError(f"while loop {inst} has no known trip count")
+        total += int(trips.group(1)) * cost(re.search(r"body=%([\w.\-]+)", rest).group(1))
+      elif op == "conditional":
+        branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        names = (re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else
+                 re.findall(r"(?:true|false)_computation=%([\w.\-]+)", rest))
+        total += max(cost(b) for b in names)
+    memo[name] = total
+    return total
+
+  return cost(entry)

@@ -44,6 +44,7 @@ def chunk_len(B: int, T: int, V: int, max_logits: int = MAX_CHUNK_LOGITS) -> int
 
 def _next_logp_and_entropy(params, cfg, x_BTD, next_BT, temperature, max_logits):
   """Log-prob of `next_BT` and the entropy, predicted at every position of `x_BTD`."""
+  @jax.named_scope("logp")
   def one(x_BCD, next_BC):
     logits_BCV = unembed(params, cfg, x_BCD)
     return token_logp(logits_BCV, next_BC, temperature), entropy(logits_BCV, temperature)

@@ -148,11 +148,16 @@ def _mlp(lp, h_BTD):
 
 def _block(lp, cfg, x_BTD, positions_BT, attend):
   """One layer; `attend(q, k, v) -> (attn_out, aux)` decides where keys come from."""
+  # The scopes name the ops in profiles (benchmarks/profile_step.py).
   h = rms_norm(x_BTD, lp["attn_norm"], cfg.rms_eps)
-  q, k, v = _project_qkv(lp, cfg, h, positions_BT)
-  attn, aux = attend(q, k, v)
-  x_BTD = x_BTD + _linear(attn, lp["o"], n_in=2)
-  x_BTD = x_BTD + _mlp(lp, rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps))
+  with jax.named_scope("qkv"):
+    q, k, v = _project_qkv(lp, cfg, h, positions_BT)
+  with jax.named_scope("attention"):
+    attn, aux = attend(q, k, v)
+  with jax.named_scope("out_proj"):
+    x_BTD = x_BTD + _linear(attn, lp["o"], n_in=2)
+  with jax.named_scope("mlp"):
+    x_BTD = x_BTD + _mlp(lp, rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps))
   return x_BTD, aux
 
 

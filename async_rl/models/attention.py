@@ -9,15 +9,17 @@ and s <= t: causal order within a segment is row order, and positions are not ne
     `jax.experimental.pallas.ops.gpu.attention.mha`, which masks by segment ids and
     skips the key blocks above the diagonal. cuDNN is not used: the public
     `jax.nn.dot_product_attention(implementation="cudnn")` takes a causal flag and
-    per-row lengths, not segment ids, so it could only serve one sequence per row, or
-    a dense [R, T, T] mask that it adds as a bias without skipping blocks.
+    per-row lengths, not segment ids, so it could serve only one sequence per row, or
+    a dense [R, T, T] mask that it adds as a bias without skipping blocks. (cuDNN's
+    packed layout, `q_offsets` / `kv_offsets`, is reachable only through the private
+    `jax._src.cudnn` module, on Hopper and later.)
   * elsewhere (CPU): `blockwise`, plain XLA: the row is cut into at most
     `_MAX_BLOCKS` query blocks and block i scores only the keys of blocks 0..i, so
     about (n + 1) / 2n of the dense T x T work runs. On a 2-core CPU its forward and
-    backward took 0.3x to 0.6x the time of the dense masked einsum at T = 128..1024.
+    backward took 0.25x to 0.6x the time of the dense masked einsum at T = 128..1024.
 
 Work grows with the row length T, not with the micro-batch: the packer chooses T per
-batch (`batching.pack_dynamic`), so a row holds few sequences of comparable length.
+batch (`batching.pack_dynamic`), the shortest bucket that pays.
 """
 
 import jax

@@ -42,7 +42,9 @@ counts executed matmul FLOPs instead, read from the compiled step
 (`models.flops.executed_matmul_flops`: the HLO's dots with loop trip counts) and
 scaled by the share of micro-batches that hold a token (the step skips the others):
 padding slots, the attention blocks `attention.blockwise` computes (the diagonal
-blocks in full) and any recomputation count there.
+blocks in full) and any recomputation count there. The walk counts a conditional as
+its costliest branch, so attention counts with its widest key window: an upper
+bound where a micro-batch holds only short sequences.
 
 Times are medians of calls after a warm-up (compile) call, each call blocked on; the
 calls compared in one part take turns with a 1024^3 matmul, so each call's FLOP rate

@@ -22,6 +22,8 @@ Work grows with the row length T, not with the micro-batch: the packer chooses T
 batch (`batching.pack_dynamic`), the shortest bucket that pays.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,7 +35,7 @@ _MIN_BLOCK = 64
 _GPU_BLOCK, _GPU_BWD_BLOCK = 128, 32
 
 
-def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
+def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
   """Grouped-query attention of packed rows, the implementation chosen by backend.
 
   Args:
@@ -41,6 +43,7 @@ def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
     k_BTKE: keys.
     v_BTKE: values.
     segment_ids_BT: int32, 1, 2, ... per sequence of a row, 0 on padding.
+    positions_BT: int32 position of each token in its sequence (0 on padding).
 
   Returns:
     [B, T, H, E] in the dtype of `v_BTKE`. Rows at padding positions hold values
@@ -48,7 +51,7 @@ def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
   """
   if jax.default_backend() == "gpu":
     return flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
-  return blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+  return blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
 
 
 def num_blocks(T: int) -> int:
@@ -57,28 +60,84 @@ def num_blocks(T: int) -> int:
              default=1)
 
 
-def blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
-  """Query block i attends to the keys of blocks 0..i only; the rest is never computed."""
+def windows(T: int) -> tuple[int, ...]:
+  """Key windows `blockwise` chooses among: T, and those of T/8, T/4, T/2 whose band
+  (n blocks, each over b + 1 blocks of keys) costs less than the causal triangle."""
+  n = num_blocks(T)
+  C = T // n
+  band = lambda w: -(-(w - 1) // C)
+  return tuple(w for w in (T // 8, T // 4, T // 2) if w >= C and T % w == 0
+               and n * (band(w) + 1) < n * (n + 1) // 2) + (T,)
+
+
+def blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
+  """Query block i attends to key blocks i - band .. i only; the rest is never computed.
+
+  No sequence of the micro-batch is longer than its longest, so a query never sees a
+  key more than that many tokens back. Of `windows(T)`, the smallest that holds the
+  longest sequence sets the band (a `lax.switch` between static programs, one per
+  window, so the choice is made on device for each micro-batch). With the whole row
+  as window, block i sees blocks 0..i (`_causal_blocks`); with a shorter one every
+  block sees the same number of blocks before it (`_band`).
+  """
+  T = positions_BT.shape[1]
+  options = windows(T)
+  longest = jnp.max(positions_BT) + 1
+  index = jnp.minimum(jnp.searchsorted(jnp.array(options), longest), len(options) - 1)
+  branches = [_causal_blocks if w == T else functools.partial(_band, window=w)
+              for w in options]
+  return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+
+
+def _scores_to_out(q, k, v, mask, spec_qk, spec_pv):
+  E = q.shape[-1]
+  scores = jnp.einsum(spec_qk, q, k, preferred_element_type=jnp.float32) * (E ** -0.5)
+  scores = jnp.where(mask, scores, _NEG_INF)
+  return jnp.einsum(spec_pv, jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+
+
+def _causal_blocks(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
   B, T, H, E = q_BTHE.shape
   K = k_BTKE.shape[2]
   n = num_blocks(T)
   C = T // n
   q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
   out = []
-  # A static loop: block i has its own key length (i + 1) * C, and n <= 16 keeps the
+  # A static loop: block i has its own key length (i + 1) C, and n <= 16 keeps the
   # program small.
   for i in range(n):
-    q, rows = q_BTKGE[:, i * C:(i + 1) * C], slice(0, (i + 1) * C)
-    k, v, seg_k = k_BTKE[:, rows], v_BTKE[:, rows], segment_ids_BT[:, rows]
-    seg_q = segment_ids_BT[:, i * C:(i + 1) * C]
+    keys = slice(0, (i + 1) * C)
+    seg_q, seg_k = segment_ids_BT[:, i * C:(i + 1) * C], segment_ids_BT[:, keys]
     causal_CS = i * C + jnp.arange(C)[:, None] >= jnp.arange((i + 1) * C)[None, :]
     mask_BCS = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] > 0) & causal_CS
-    scores = jnp.einsum("bckge,bske->bkgcs", q, k,
-                        preferred_element_type=jnp.float32) * (E ** -0.5)
-    scores = jnp.where(mask_BCS[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out.append(jnp.einsum("bkgcs,bske->bckge", probs, v))
+    out.append(_scores_to_out(q_BTKGE[:, i * C:(i + 1) * C], k_BTKE[:, keys],
+                              v_BTKE[:, keys], mask_BCS[:, None, None],
+                              "bckge,bske->bkgcs", "bkgcs,bske->bckge"))
   return jnp.concatenate(out, axis=1).reshape(B, T, H, E)
+
+
+def _band(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, window):
+  """All query blocks at once, each over its own b + 1 key blocks (b = blocks back)."""
+  B, T, H, E = q_BTHE.shape
+  K = k_BTKE.shape[2]
+  n = num_blocks(T)
+  C = T // n
+  b = -(-(window - 1) // C)  # blocks back
+  # Front padding is segment 0, which no query sees; slot s of block i's window is
+  # key i C - b C + s.
+  def windows_of(x):
+    x = jnp.pad(x, ((0, 0), (b * C, 0)) + ((0, 0),) * (x.ndim - 2))
+    return jnp.concatenate([x[:, j * C:(j + n) * C].reshape(B, n, C, *x.shape[2:])
+                            for j in range(b + 1)], axis=2)
+  k_BnSKE, v_BnSKE, seg_BnS = (windows_of(x) for x in (k_BTKE, v_BTKE, segment_ids_BT))
+  seg_BnC = segment_ids_BT.reshape(B, n, C)
+  causal_CS = jnp.arange(C)[:, None] + b * C >= jnp.arange((b + 1) * C)[None, :]
+  mask_BnCS = ((seg_BnC[..., :, None] == seg_BnS[..., None, :]) & (seg_BnS[..., None, :] > 0)
+               & causal_CS)
+  out = _scores_to_out(q_BTHE.reshape(B, n, C, K, H // K, E), k_BnSKE, v_BnSKE,
+                       mask_BnCS[:, :, None, None], "bnckge,bnske->bnkgcs",
+                       "bnkgcs,bnske->bnckge")
+  return out.reshape(B, T, H, E)
 
 
 def flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, interpret: bool = False):

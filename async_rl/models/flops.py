@@ -63,7 +63,9 @@ def executed_matmul_flops(hlo_text: str) -> float:
   dot as 2 x (output elements) x (contracted size), multiplies a loop body by its
   `known_trip_count`, descends into fusions and calls, and takes the costliest
   branch of a conditional (the train step's `lax.cond` skips only empty
-  micro-batches). Elementwise work is not counted, as model FLOPs leave it out.
+  micro-batches; `attention.blockwise` switches to a narrower key window when the
+  sequences allow, so this is an upper bound there). Elementwise work is not
+  counted, as model FLOPs leave it out.
 
   Raises:
     ValueError: if a while loop has no known trip count.

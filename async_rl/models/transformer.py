@@ -185,7 +185,7 @@ def hidden(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_id
   """
   def layer(x, lp):
     x, _ = _block(lp, cfg, x, positions_BT,
-                  lambda q, k, v: (attention(q, k, v, segment_ids_BT), None))
+                  lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), None))
     return x, None
 
   # Without remat a scan would stack every intermediate of every layer into [L, ...]

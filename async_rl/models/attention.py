@@ -15,8 +15,10 @@ and s <= t: causal order within a segment is row order, and positions are not ne
     `jax._src.cudnn` module, on Hopper and later.)
   * elsewhere (CPU): `blockwise`, plain XLA: the row is cut into at most
     `_MAX_BLOCKS` query blocks and block i scores only the keys of blocks 0..i, so
-    about (n + 1) / 2n of the dense T x T work runs. On a 2-core CPU its forward and
-    backward took 0.25x to 0.6x the time of the dense masked einsum at T = 128..1024.
+    about (n + 1) / 2n of the dense T x T work runs (on a 2-core CPU its forward and
+    backward took 0.25x to 0.6x the time of the dense masked einsum at T = 128..1024);
+    and when the micro-batch's longest sequence is short, only a band of key blocks
+    that holds it (`windows`).
 
 Work grows with the row length T, not with the micro-batch: the packer chooses T per
 batch (`batching.pack_dynamic`), the shortest bucket that pays.

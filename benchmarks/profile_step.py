@@ -48,27 +48,50 @@ _NOT_OPS = ("ThunkExecutor", "SlinkyThreadPool", "while", "cond", "call")
 
 
 def hlo_ops(hlo_text: str) -> dict[str, tuple[str, bool]]:
-  """HLO instruction name -> (its op_name metadata, whether it is or fuses a dot)."""
-  fused_dot, current = set(), None
+  """HLO instruction name -> (its op_name metadata, whether it is or fuses a dot).
+
+  An op whose own metadata names no part (XLA:CPU's dot fusions often have none)
+  takes the first op_name inside its computation that names one, else that of its
+  first operand that names one.
+  """
+  fused_dot, inner, current = set(), collections.defaultdict(list), None
   for line in hlo_text.splitlines():
     header = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
     if header:
       current = header.group(1)
-    elif " dot(" in line and current:
+      continue
+    if " dot(" in line and current:
       fused_dot.add(current)
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    if op_name and current:
+      inner[current].append(op_name.group(1))
+  def named(comp):
+    names = inner.get(comp, [])
+    return next((n for n in names if _part(n) != "other"), names[0] if names else "")
   out = {}
   for line in hlo_text.splitlines():
     m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
     if m:
       op_name = re.search(r'op_name="([^"]*)"', m.group(2))
       calls = re.search(r"calls=%([\w.\-]+)", m.group(2))
-      out[m.group(1)] = (op_name.group(1) if op_name else "",
-                         " dot(" in m.group(2) or bool(calls and calls.group(1) in fused_dot))
+      callee = calls.group(1) if calls else None
+      own = op_name.group(1) if op_name else ""
+      if _part(own) == "other" and callee:
+        own = named(callee) or own
+      if _part(own) == "other":  # an op XLA made up: its operands' part
+        operands = re.findall(r"%([\w.\-]+)", m.group(2).split("),")[0])
+        own = next((out[o][0] for o in operands if o in out and _part(out[o][0]) != "other"),
+                   own)
+      out[m.group(1)] = (own, " dot(" in m.group(2) or callee in fused_dot)
   return out
 
 
+def _part(op_name: str) -> str:
+  return next((p for p in PARTS if re.search(rf"\b{p}\b", op_name)), "other")
+
+
 def classify(name: str, op_name: str, has_dot: bool) -> tuple[str, str]:
-  part = next((p for p in PARTS if re.search(rf"\b{p}\b", op_name)), "other")
+  part = _part(op_name)
   last = op_name.rsplit("/", 1)[-1]
   if has_dot:
     kind = "matmul"

@@ -20,7 +20,7 @@ model, before sharding; activations not counted):
 
 The compiled train step needs more than `trainer` (`python -m benchmarks.memory`:
 XLA's memory analysis of the step compiled on the CPU for one device, remat on):
-8.63 GiB of arguments (params and AdamW moments) and 15.6 / 16.9 / 20.6 GiB of
+8.63 GiB of arguments (params and AdamW moments) and 15.6 / 16.9 / 20.7 GiB of
 temporaries for micro-batches of 4096 / 8192 / 16384 tokens (rows of 1024). About
 14.4 GiB of that does not grow with the micro-batch: gradient buffers (the float32
 accumulator, one micro-batch's gradients, the cast of their sum for the optimizer). So one

@@ -22,7 +22,7 @@ That is 106.3 GiB for the trainer state and two engines, but the compiled train 
 needs more (`python -m benchmarks.memory --config=configs/qwen2_5_7b.py
 --tokens=2048,4096,8192`: XLA's memory analysis of the step compiled on the CPU for
 one device, remat on): 42.6 GiB of arguments (params and AdamW moments) and 62.6 /
-63.4 / 66.9 GiB of temporaries for micro-batches of 2048 / 4096 / 8192 tokens, most
+63.4 / 67.0 GiB of temporaries for micro-batches of 2048 / 4096 / 8192 tokens, most
 of it gradient buffers (a float32 accumulator, one micro-batch's gradients, their
 cast). With both engines that is 145 GiB: more than one H200 (141 GB) holds. On
 eight GPUs (fsdp=8) the params, moments and gradient buffers shard eight ways and

@@ -94,7 +94,9 @@ def blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
 def _scores_to_out(q, k, v, mask, spec_qk, spec_pv):
   E = q.shape[-1]
   scores = jnp.einsum(spec_qk, q, k, preferred_element_type=jnp.float32) * (E ** -0.5)
-  scores = jnp.where(mask, scores, _NEG_INF)
+  # An additive bias rather than `where`: the backward pass then keeps no mask
+  # broadcast to every head (XLA:CPU materialised one the size of the scores).
+  scores = scores + jnp.where(mask, 0.0, _NEG_INF)
   return jnp.einsum(spec_pv, jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
 
 

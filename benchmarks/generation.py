@@ -95,7 +95,7 @@ def _run_pool(engine, params, requests, mode=None, new_params=None):
     for u in updates:
       u.result()
     metrics = pool.metrics()
-  return sum(len(s.tokens_T) for s in samples), seconds, metrics
+  return sum(len(s.completion_C) for s in samples), seconds, metrics
 
 
 def _run_static(engine, params, requests):

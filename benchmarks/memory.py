@@ -1,14 +1,16 @@
 """Memory and FLOPs of the train step, read from the compiler for the real shapes.
 
   python -m benchmarks.memory          # configs/qwen2_5_1_5b.py; about 4 minutes on CPU
-  python -m benchmarks.memory --config=configs/micro.py --tokens=64,128   # seconds
+  python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # seconds
 
 Compiles `train_step.jit_train_step` of --config from abstract shapes on the CPU
 (nothing is allocated): one micro-batch ([1, R, T]) of R rows of T tokens, T the
 config's longest sequence (`generation.max_prompt_len + max_new_tokens`, the row
 length `batching.pack_dynamic` picks for full-length sequences) and R = tokens / T,
 for each micro-batch size in --tokens. Each row holds one sequence filling it. The
-model is the config's (dtype, remat); the mesh is one device.
+model is the config's (dtype, remat) and so is the loss with its proximal log-probs
+(`ppo.prox_logp`); one micro-batch is one PPO update, whatever `ppo.num_minibatches`
+says. The mesh is one device.
 
 Printed per size: XLA's `memory_analysis()` (arguments, outputs, aliased, temporaries,
 in GiB), model FLOPs (`models.flops.train_flops`), executed matmul FLOPs and their
@@ -52,7 +54,7 @@ from async_rl import loss, sharding, train_step
 from async_rl.batching import PackedBatch
 from async_rl.config import MeshConfig
 from async_rl.config_dict import from_config_dict
-from async_rl.models import attention, flops, init_params
+from async_rl.models import attention, flops
 from async_rl.models.memory import GIB
 from async_rl.policy import chunk_len
 
@@ -62,20 +64,21 @@ _TOKENS = flags.DEFINE_list("tokens", ["4096", "8192", "16384"],
                             "Tokens per micro-batch (multiples of the row length).")
 
 
-def abstract_state(model_cfg, tx):
-  def init(key):
-    params = init_params(model_cfg, key)
-    return train_step.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                 opt_state=tx.init(params), tx=tx)
-  return jax.eval_shape(init, jax.random.key(0))
+def abstract_state(model_cfg, tx, mesh):
+  """The train state's shapes, as `train_step.create_train_state` builds it (nothing allocated)."""
+  return jax.eval_shape(lambda key: train_step.create_train_state(model_cfg, tx, mesh, key),
+                        jax.random.key(0))
 
 
-def abstract_batch(rows, row_len):
+def abstract_batch(rows, row_len, prox_mode):
+  """One micro-batch and its proximal log-probs, as the trainer passes them in `prox_mode`."""
   shape = (1, rows, row_len)
   i32, f32 = (lambda: jax.ShapeDtypeStruct(shape, jnp.int32),
               lambda: jax.ShapeDtypeStruct(shape, jnp.float32))
-  return PackedBatch(tokens=i32(), positions=i32(), segment_ids=i32(), loss_mask=f32(),
-                     behav_logp=f32(), prox_logp=f32(), advantages=f32(), versions=i32())
+  loglinear = prox_mode == "loglinear"  # estimated inside the step from the versions
+  batch = PackedBatch(tokens=i32(), positions=i32(), segment_ids=i32(), loss_mask=f32(),
+                      behav_logp=f32(), advantages=f32(), versions=i32() if loglinear else None)
+  return batch, None if loglinear else f32()
 
 
 def implementation_flops(model_cfg, rows, row_len) -> dict:
@@ -100,14 +103,11 @@ def measure(cfg, tokens):
   rows = tokens // row_len
   mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
   tx = train_step.make_optimizer(cfg.optimizer)
-  state = abstract_state(model_cfg, tx)
-  ppo = cfg.ppo
-  loss_fn = loss.make_loss(ppo.loss, eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
-                           c_clip=ppo.c_clip, behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+  state = abstract_state(model_cfg, tx, mesh)
   step = train_step.jit_train_step(mesh, train_step.train_state_shardings(state, mesh),
-                                   model_cfg=model_cfg, loss_fn=loss_fn,
+                                   model_cfg=model_cfg, loss_fn=loss.from_config(cfg.ppo),
                                    temperature=cfg.generation.logp_temperature)
-  compiled = step.lower(state, abstract_batch(rows, row_len)).compile()
+  compiled = step.lower(state, *abstract_batch(rows, row_len, cfg.ppo.prox_logp)).compile()
   mem = compiled.memory_analysis()
   executed = flops.executed_matmul_flops(compiled.as_text())
   expected = implementation_flops(model_cfg, rows, row_len)

@@ -127,15 +127,15 @@ def summarize(trace_dir: str, hlo_text: str, steps: int, wall_s: float) -> dict:
 
 def profile(model: str, steps: int, trace_dir: str, seed: int) -> dict:
   rng = np.random.default_rng(seed)
-  if model == "workload":
-    cfg, seqs, loss_name = bench.WORKLOAD_MODEL, bench.workload_sequences(rng), "naive_ppo"
+  if model == "workload":  # naive PPO: the behaviour log-probs stand in for the proximal
+    cfg, seqs, recompute = bench.WORKLOAD_MODEL, bench.workload_sequences(rng), False
   else:
     cfg = models.preset(model, vocab_size=bench.VOCAB, max_seq_len=bench.MAX_SEQ_LEN)
-    seqs, loss_name = bench.sequences_of(rng, bench.FULL["tokens"][model]), "decoupled_ppo"
-  b = bench.Bench(cfg, seed, loss_name=loss_name)
-  batch = b.prepare(bench.pack(cfg, seqs), recompute=loss_name == "decoupled_ppo")
+    seqs, recompute = bench.sequences_of(rng, bench.FULL["tokens"][model]), True
+  b = bench.Bench(cfg, seed)
+  batch = b.prepare(bench.pack(cfg, *seqs), recompute=recompute)
   jax.block_until_ready(b.train(batch))
-  hlo = b.step.lower(b.state, batch).compile().as_text()
+  hlo = b.step.lower(b.state, *batch).compile().as_text()
   jax.profiler.start_trace(trace_dir)
   start = time.perf_counter()
   for _ in range(steps):
@@ -143,7 +143,7 @@ def profile(model: str, steps: int, trace_dir: str, seed: int) -> dict:
   wall = time.perf_counter() - start
   jax.profiler.stop_trace()
   return dict(summarize(trace_dir, hlo, steps, wall),
-              shape="x".join(map(str, batch.tokens.shape)))
+              shape="x".join(map(str, batch[0].tokens.shape)))
 
 
 def main(argv):

@@ -64,6 +64,7 @@ from absl import app, flags
 from async_rl import batching, loss, models, sharding, train_step
 from async_rl.config import MeshConfig, OptimizerConfig
 from async_rl.models import flops
+from async_rl.trajectory import Trajectory
 
 _QUICK = flags.DEFINE_bool("quick", False, "Reduced run (about 2 minutes on a 2-core CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths, tokens and params.")
@@ -90,15 +91,17 @@ def lognormal_lengths(rng, n):
 
 
 def make_sequences(rng, lengths, prompt_lens=None):
-  seqs = []
+  """Random single-turn trajectories of `lengths` tokens and their advantages."""
+  trajs, adv_N = [], []
   for i, n in enumerate(lengths):
     prompt_len = int(min(rng.integers(8, 65), n // 2)) if prompt_lens is None else prompt_lens[i]
+    tokens = rng.integers(3, VOCAB, n)
     c = n - prompt_len
-    seqs.append(batching.Sequence(
-        tokens=rng.integers(3, VOCAB, n), prompt_len=prompt_len,
-        behav_logp=rng.normal(-3.0, 0.3, c).astype(np.float32),
-        versions=np.zeros(c, np.int32), advantage=float(rng.normal())))
-  return seqs
+    trajs.append(Trajectory.from_completion(
+        tokens[:prompt_len], tokens[prompt_len:], rng.normal(-3.0, 0.3, c),
+        np.zeros(c, np.int32), "stop"))
+    adv_N.append(rng.normal())
+  return trajs, np.array(adv_N)
 
 
 def sequences_of(rng, tokens):
@@ -114,29 +117,29 @@ def workload_sequences(rng):
   return make_sequences(rng, [n] * WORKLOAD_SEQS, [WORKLOAD_PROMPT] * WORKLOAD_SEQS)
 
 
-def pack(cfg, seqs, mb_tokens=MB_TOKENS):
+def pack(cfg, trajs, adv_N, mb_tokens=MB_TOKENS):
   """As the trainer packs on one device."""
-  return batching.pack_dynamic(seqs, max_tokens_per_mb=mb_tokens, num_shards=1,
+  return batching.pack_dynamic(trajs, adv_N, max_tokens_per_mb=mb_tokens, num_shards=1,
                                row_buckets=batching.default_row_buckets(mb_tokens),
                                attention_len=flops.attention_break_even_len(cfg))
 
 
-def matmul_round(reps=3):
-  """Best float32 FLOP/s of a jitted [MATMUL]^2 @ [MATMUL]^2 over `reps` calls."""
-  a = jax.random.normal(jax.random.key(0), (MATMUL, MATMUL), jnp.float32)
-  f = _matmul()
+def matmul_peak(size=MATMUL, reps=10):
+  """Best float32 FLOP/s of a jitted [size, size] @ [size, size] over `reps` calls."""
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+  f = _matmul(size)
   best = float("inf")
   for _ in range(reps):
     start = time.perf_counter()
     jax.block_until_ready(f(a, a))
     best = min(best, time.perf_counter() - start)
-  return 2 * MATMUL**3 / best
+  return 2 * size**3 / best
 
 
 @functools.cache
-def _matmul():
+def _matmul(size):
   f = jax.jit(jnp.matmul)
-  a = jnp.ones((MATMUL, MATMUL), jnp.float32)
+  a = jnp.ones((size, size), jnp.float32)
   jax.block_until_ready(f(a, a))
   return f
 
@@ -151,7 +154,7 @@ def timed_rounds(fns, steps):
     jax.block_until_ready(fn())
   times, peaks = [[] for _ in fns], []
   for _ in range(steps):
-    peaks.append(matmul_round())
+    peaks.append(matmul_peak(reps=3))
     for fn, ts in zip(fns, times):
       start = time.perf_counter()
       jax.block_until_ready(fn())
@@ -162,7 +165,7 @@ def timed_rounds(fns, steps):
 class Bench:
   """A 1-device train state and the jitted step and recompute for one model."""
 
-  def __init__(self, cfg: models.ModelConfig, seed: int, loss_name="decoupled_ppo"):
+  def __init__(self, cfg: models.ModelConfig, seed: int):
     self.cfg = cfg
     self.mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
     tx = train_step.make_optimizer(OptimizerConfig())
@@ -170,30 +173,29 @@ class Bench:
     shardings = train_step.train_state_shardings(jax.eval_shape(lambda: self.state),
                                                  self.mesh)
     self.step = train_step.jit_train_step(
-        self.mesh, shardings, model_cfg=cfg, loss_fn=loss.make_loss(loss_name, eps_clip=0.2))
+        self.mesh, shardings, model_cfg=cfg, loss_fn=loss.make_loss("decoupled_ppo", eps_clip=0.2))
     self.recompute = train_step.jit_recompute_logp(self.mesh, shardings.params,
                                                    model_cfg=cfg)
     self.batch_sh = train_step.batch_shardings(self.mesh)
 
-  def prepare(self, batch: batching.PackedBatch, recompute=True) -> batching.PackedBatch:
-    """`batch` on the device with its proximal log-probs filled in (or the behaviour's)."""
+  def prepare(self, batch: batching.PackedBatch, recompute=True):
+    """`batch` on the device and its proximal log-probs (the behaviour's: naive PPO)."""
     batch = jax.device_put(batch, self.batch_sh)
-    prox = self.recompute(self.state.params, batch) if recompute else batch.behav_logp
-    return batch.replace(prox_logp=prox)
+    return batch, (self.recompute(self.state.params, batch) if recompute else batch.behav_logp)
 
-  def train(self, batch):
-    self.state, metrics = self.step(self.state, batch)
-    return self.state, metrics
+  def train(self, batch_and_prox):
+    self.state, self.metrics = self.step(self.state, *batch_and_prox)
+    return self.state, self.metrics
 
-  def executed_flops(self, batch) -> float:
-    """Executed matmul FLOPs of one step on `batch` (module docstring)."""
-    hlo = self.step.lower(self.state, batch).compile().as_text()
-    real = np.asarray(batch.loss_mask).sum(axis=(1, 2)) > 0
+  def executed_flops(self, batch_and_prox) -> float:
+    """Executed matmul FLOPs of one step on `batch_and_prox` (module docstring)."""
+    hlo = self.step.lower(self.state, *batch_and_prox).compile().as_text()
+    real = np.asarray(batch_and_prox[0].loss_mask).sum(axis=(1, 2)) > 0
     return flops.executed_matmul_flops(hlo) * real.mean()
 
   def check_trained(self):
-    if int(self.state.step) == 0:
-      raise RuntimeError("every train step was skipped as non-finite")
+    if int(self.metrics["skipped"]):
+      raise RuntimeError("the last train step was skipped as non-finite")
 
 
 def counts(cfg, batch):
@@ -210,11 +212,12 @@ def counts(cfg, batch):
 def bench_preset(name, tokens, steps, rng, seed):
   cfg = models.preset(name, vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
   bench = Bench(cfg, seed)
-  host = pack(cfg, sequences_of(rng, tokens))
+  host = pack(cfg, *sequences_of(rng, tokens))
   batch = bench.prepare(host)
   c = counts(cfg, host)
   (recompute_t, step_t), peaks = timed_rounds(
-      [lambda: bench.recompute(bench.state.params, batch), lambda: bench.train(batch)], steps)
+      [lambda: bench.recompute(bench.state.params, batch[0]), lambda: bench.train(batch)],
+      steps)
   bench.check_trained()
   executed = bench.executed_flops(batch)
   step_s, recompute_s = float(np.median(step_t)), float(np.median(recompute_t))
@@ -230,11 +233,11 @@ def bench_ffd(n, rows, steps, rng, seed):
   if n % rows:
     raise ValueError(f"ffd sequence count {n} must be a multiple of rows per mb {rows}")
   cfg = models.preset("tiny", vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
-  seqs = make_sequences(rng, lognormal_lengths(rng, n))
+  seqs, adv_N = make_sequences(rng, lognormal_lengths(rng, n))
   longest = max(len(s) for s in seqs)
   batches = {
-      "dynamic": pack(cfg, seqs, mb_tokens=rows * (-(-longest // 8) * 8)),
-      "fixed": batching.pack(seqs, [[i] for i in range(n)], rows_per_mb=rows,
+      "dynamic": pack(cfg, seqs, adv_N, mb_tokens=rows * (-(-longest // 8) * 8)),
+      "fixed": batching.pack(seqs, adv_N, [[i] for i in range(n)], rows_per_mb=rows,
                              row_len=longest),
   }
   bench = Bench(cfg, seed)
@@ -254,8 +257,8 @@ def bench_ffd(n, rows, steps, rng, seed):
 
 def bench_workload(steps, seed):
   rng = np.random.default_rng(seed)
-  bench = Bench(WORKLOAD_MODEL, seed, loss_name="naive_ppo")
-  host = pack(WORKLOAD_MODEL, workload_sequences(rng))
+  bench = Bench(WORKLOAD_MODEL, seed)
+  host = pack(WORKLOAD_MODEL, *workload_sequences(rng))
   batch = bench.prepare(host, recompute=False)
   c = counts(WORKLOAD_MODEL, host)
   (step_t,), peaks = timed_rounds([lambda: bench.train(batch)], steps)

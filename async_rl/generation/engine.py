@@ -24,7 +24,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from async_rl import models
+from async_rl import models, sharding
 from async_rl.generation import sampling as sampling_lib
 from async_rl.generation.sampling import SlotSampling
 
@@ -189,9 +189,11 @@ class Engine:
   def load_params(self, params):
     """A copy of `params` on this engine's devices and sharding.
 
-    Never aliases the input, so the caller may donate or delete its buffers.
+    Never aliases the input, so the caller may donate or delete its buffers. Device
+    arrays from other devices (a trainer's) move device to device
+    (`sharding.reshard`).
     """
-    return jax.device_put(params, self._param_sharding, may_alias=False)
+    return sharding.reshard(params, self._param_sharding)
 
   def init_decode_state(self) -> DecodeState:
     return self._init_fn()

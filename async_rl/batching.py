@@ -2,10 +2,11 @@
 
 Host-side numpy. `ffd_allocate` groups sequences under a token budget (AReaL
 Algorithm 1); `pack` lays an allocation out as packed rows with segment ids and
-positions; `pack_dynamic` does both and pads to a small fixed set of shapes so the
-jitted train step compiles a bounded number of times.
+positions; `pack_dynamic` chooses a row length per batch, does both and pads to a
+small fixed set of shapes so the jitted train step compiles a bounded number of times.
 """
 
+import math
 from collections.abc import Sequence as SequenceOf
 from typing import Optional
 
@@ -160,58 +161,90 @@ def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[Sequenc
       versions=to_mrt(versions) if with_versions else None)
 
 
-def default_row_buckets(max_tokens_per_mb: int, num: int = 4) -> tuple[int, ...]:
-  """Row lengths max/2^(num-1), ..., max/2, max, each rounded up to a multiple of 8.
+def default_row_buckets(max_tokens_per_mb: int, smallest: int = 64) -> tuple[int, ...]:
+  """Row lengths max, max/2, max/4, ... down to `smallest`, each rounded up to a multiple of 8.
 
-  Halving keeps the padding waste of a row under half its length while allowing
-  only `num` row lengths; multiples of 8 keep the shapes friendly to the
-  accelerator's tiling. Duplicates (for a small max) are dropped.
+  Halving keeps a row's padding under half its length once a row holds its longest
+  sequence; rows as short as the sequences keep attention (which grows with the row
+  length) cheap. Multiples of 8 keep the shapes friendly to the accelerator's tiling.
+  Only the lengths a run meets are compiled. Duplicates (for a small max) are dropped.
   """
-  if max_tokens_per_mb < 1 or num < 1:
-    raise ValueError(
-        f"max_tokens_per_mb and num must be >= 1, got {max_tokens_per_mb} and {num}")
+  if max_tokens_per_mb < 1 or smallest < 1:
+    raise ValueError(f"max_tokens_per_mb and smallest must be >= 1, got "
+                     f"{max_tokens_per_mb} and {smallest}")
   round8 = lambda n: -(-n // 8) * 8
-  return tuple(sorted({round8(-(-max_tokens_per_mb // 2**k)) for k in range(num)}))
+  buckets, k = {round8(max_tokens_per_mb)}, 1
+  while -(-max_tokens_per_mb // 2**k) >= smallest:
+    buckets.add(round8(-(-max_tokens_per_mb // 2**k)))
+    k += 1
+  return tuple(sorted(buckets))
+
+
+def rows_per_mb(row_len: int, *, max_tokens_per_mb: int, num_shards: int) -> int:
+  """R for rows of `row_len`: `max_tokens_per_mb // row_len` rows (at least 1) per shard."""
+  return num_shards * max(1, max_tokens_per_mb // row_len)
 
 
 def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_mb: int,
-                 rows_per_mb: int, row_buckets: SequenceOf[int],
-                 with_versions: bool = False) -> PackedBatch:
-  """Allocates with `ffd_allocate` and packs into one of a bounded set of shapes.
+                 num_shards: int, row_buckets: SequenceOf[int],
+                 attention_len: float = math.inf, with_versions: bool = False
+                 ) -> PackedBatch:
+  """Packs into [M, R, T] with T one of `row_buckets`, chosen per batch.
 
-  Each allocated group (at most `max_tokens_per_mb` tokens, at least `rows_per_mb`
-  groups) becomes a row; T is the smallest of `row_buckets` that holds the longest
-  row, R is `rows_per_mb`, and M is rounded up to a power of two. Rows are dealt to
-  the micro-batches longest first in snake order, so real micro-batches differ in
-  token count by at most the longest row; all-empty padding micro-batches come last.
+  For each bucket T that holds the longest sequence, `ffd_allocate` fills rows of T
+  tokens (at least `num_shards` rows); a micro-batch is R = `rows_per_mb(T)` rows, so
+  each of the `num_shards` batch shards (data x fsdp) holds at most
+  `max_tokens_per_mb` tokens of it (or one row, if T is longer); and M is rounded up
+  to a power of two, so the train step sees O(#buckets x log M) shapes. The chosen T
+  has the least estimated cost: executed slots (real micro-batches x R x T) times
+  `1 + T / attention_len`, the share causal attention adds to a row of length T
+  (`models.flops.attention_break_even_len`; the default counts slots only); ties go
+  to the shorter rows.
+
+  Rows are dealt to the micro-batches longest first in snake order, so real
+  micro-batches differ in token count by at most the longest row; all-empty padding
+  micro-batches come last (the train step skips them, and its strided minibatches
+  share them out; `pad_micro_batches` makes M a multiple of their count). Advantages
+  and `with_versions` are as in `pack`.
 
   Raises:
-    ValueError: if a sequence exceeds `max_tokens_per_mb` or no bucket holds the
-      longest row.
+    ValueError: if no bucket holds the longest sequence, or on invalid arguments.
   """
-  if rows_per_mb < 1:
-    raise ValueError(f"rows_per_mb must be >= 1, got {rows_per_mb}")
+  if num_shards < 1 or max_tokens_per_mb < 1:
+    raise ValueError(f"num_shards and max_tokens_per_mb must be >= 1, got {num_shards} "
+                     f"and {max_tokens_per_mb}")
   lengths = [len(t) for t in trajs]
-  groups = ffd_allocate(lengths, max_tokens_per_mb, min_groups=rows_per_mb)
-  totals = [sum(lengths[i] for i in g) for g in groups]
-  longest = max(totals)
-  fitting = [b for b in sorted(row_buckets) if b >= longest]
+  longest = max(lengths, default=0)
+  fitting = [b for b in sorted(set(row_buckets)) if b >= longest]
   if not fitting:
-    raise ValueError(f"no row bucket in {tuple(sorted(row_buckets))} holds a row of "
+    raise ValueError(f"no row bucket in {tuple(sorted(row_buckets))} holds a sequence of "
                      f"{longest} tokens")
-  num_mb = -(-len(groups) // rows_per_mb)
+  best = None
+  for row_len in fitting:
+    groups = ffd_allocate(lengths, row_len, min_groups=num_shards)
+    R = rows_per_mb(row_len, max_tokens_per_mb=max_tokens_per_mb, num_shards=num_shards)
+    num_mb = -(-len(groups) // R)
+    cost = num_mb * R * row_len * (1 + row_len / attention_len)
+    if best is None or cost < best[0]:
+      best = cost, row_len, R, groups
+  _, row_len, R, groups = best
+  return pack(trajs, advantages_N,
+              _deal(groups, [sum(lengths[i] for i in g) for g in groups], R),
+              rows_per_mb=R, row_len=row_len, with_versions=with_versions)
+
+
+def _deal(groups, totals, R):
+  """Rows in micro-batch order: snake-dealt longest first, then M padded to a power of 2."""
+  num_mb = -(-len(groups) // R)
   rows_of_mb = [[] for _ in range(num_mb)]
   for k, g in enumerate(sorted(range(len(groups)), key=lambda g: (-totals[g], g))):
     lap, j = divmod(k, num_mb)
     rows_of_mb[j if lap % 2 == 0 else num_mb - 1 - j].append(groups[g])
-  # M is a power of two so the train step sees O(log) shapes; it skips all-empty
-  # micro-batches with lax.cond, so the padding costs almost nothing.
   padded_mb = 1 << (num_mb - 1).bit_length()
   rows = []
   for mb_rows in rows_of_mb + [[]] * (padded_mb - num_mb):
-    rows += mb_rows + [[]] * (rows_per_mb - len(mb_rows))
-  return pack(trajs, advantages_N, rows, rows_per_mb=rows_per_mb, row_len=fitting[0],
-              with_versions=with_versions)
+    rows += mb_rows + [[]] * (R - len(mb_rows))
+  return rows
 
 
 def pad_micro_batches(batch: PackedBatch, multiple: int) -> PackedBatch:

@@ -15,6 +15,7 @@ import numpy as np
 
 from async_rl import batching, sharding, train_step
 from async_rl.config import ExperimentConfig, OptimizerConfig
+from async_rl.models import flops
 from async_rl.tasks.registry import make_task
 
 
@@ -49,12 +50,14 @@ def warm_start(cfg: ExperimentConfig, mesh, *, task=None,
   step = train_step.jit_train_step(mesh, shardings, model_cfg=cfg.model, loss_fn=sft_loss)
   budget = cfg.batching.max_tokens_per_mb
   buckets = cfg.batching.row_buckets or batching.default_row_buckets(budget)
-  rows = sharding.num_batch_shards(mesh)
+  shards = sharding.num_batch_shards(mesh)
+  attention_len = flops.attention_break_even_len(cfg.model)
   t0 = time.perf_counter()
   for i in range(1, s.steps + 1):
     seqs = [next(examples) for _ in range(s.batch_size)]
     batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=budget,
-                                  rows_per_mb=rows, row_buckets=buckets)
+                                  num_shards=shards, row_buckets=buckets,
+                                  attention_len=attention_len)
     state, metrics = step(state, batch, batch.behav_logp)
     if i % s.log_every == 0 or i == s.steps:  # the only host reads: one every log_every
       echo(f"sft step {i}/{s.steps} nll={float(metrics['nll']):.4f} "

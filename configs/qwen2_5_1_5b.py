@@ -18,8 +18,16 @@ model, before sharding; activations not counted):
   trainer: 14.38 GiB      (/ fsdp per device)
   generator: 6.38 GiB     (per engine, all on the first device)
 
-So one 80 GB GPU holds the trainer and both engines (27.1 GiB) with room for
-activations of 16384-token micro-batches under remat.
+The compiled train step needs more than `trainer` (`python -m benchmarks.memory`:
+XLA's memory analysis of the step compiled on the CPU for one device, remat on):
+8.63 GiB of arguments (params and AdamW moments) and 15.6 / 16.9 / 20.7 GiB of
+temporaries for micro-batches of 4096 / 8192 / 16384 tokens (rows of 1024). About
+14.4 GiB of that does not grow with the micro-batch: gradient buffers (the float32
+accumulator, one micro-batch's gradients, the cast of their sum for the optimizer). So one
+80 GB GPU holds the trainer at 16384 tokens and both engines (42 GiB in all).
+XLA:CPU keeps some bf16 buffers in float32, so a GPU compile should need no more.
+Executed matmul FLOPs are 1.25x the model FLOPs (remat recomputation 0.20x, the
+chunked LM head's recomputation 0.05x; attention runs 1.06x its causal FLOPs).
 
 What runs today: as it stands, this config trains the 1.5B-shaped model from random
 weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` times

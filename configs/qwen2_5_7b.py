@@ -18,9 +18,17 @@ model, before sharding; activations not counted):
   trainer: 70.93 GiB      (/ fsdp per device)
   generator: 17.69 GiB    (per engine, all on the first device)
 
-One GPU needs 106.3 GiB before activations (trainer + two engines): an H200 (141 GB)
-holds it, an 80 GB GPU does not. On eight GPUs (fsdp=8) each holds 8.87 GiB of
-trainer state and the first also both engines (44.2 GiB in all there).
+That is 106.3 GiB for the trainer state and two engines, but the compiled train step
+needs more (`python -m benchmarks.memory --config=configs/qwen2_5_7b.py
+--tokens=2048,4096,8192`: XLA's memory analysis of the step compiled on the CPU for
+one device, remat on): 42.6 GiB of arguments (params and AdamW moments) and 62.6 /
+63.4 / 67.0 GiB of temporaries for micro-batches of 2048 / 4096 / 8192 tokens, most
+of it gradient buffers (a float32 accumulator, one micro-batch's gradients, their
+cast). With both engines that is 145 GiB: more than one H200 (141 GB) holds. On
+eight GPUs (fsdp=8) the params, moments and gradient buffers shard eight ways and
+the rows of a micro-batch one per device, while the engines stay on the first device
+(35.4 GiB). Executed matmul FLOPs are 1.25x the model FLOPs (remat 0.22x, chunked
+LM head 0.03x).
 
 What runs today: as it stands, this config trains the 7B-shaped model from random
 weights on the arithmetic task (character tokenizer). From a local checkpoint on

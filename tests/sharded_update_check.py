@@ -24,7 +24,7 @@ CFG = models.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_
 LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2)
 
 
-def _batch(rows_per_mb):
+def _batch(num_shards):
   rng = np.random.default_rng(0)
   seqs = []
   for _ in range(16):
@@ -33,7 +33,7 @@ def _batch(rows_per_mb):
     seqs.append(Trajectory.from_completion(tokens[:p], tokens[p:], rng.normal(-4.0, 0.3, c),
                                            np.zeros(c, np.int32), "stop"))
   return batching.pack_dynamic(seqs, rng.normal(size=len(seqs)), max_tokens_per_mb=32,
-                               rows_per_mb=rows_per_mb, row_buckets=(32,))
+                               num_shards=num_shards, row_buckets=(32,))
 
 
 def _update(mesh_cfg, devices):

@@ -244,19 +244,28 @@ def test_pack_round_trip(seed, n, rows_per_mb, budget):
 # pack_dynamic and bucketed shapes.
 
 def test_default_row_buckets():
-  assert batching.default_row_buckets(64) == (8, 16, 32, 64)
-  assert batching.default_row_buckets(100) == (16, 32, 56, 104)
+  assert batching.default_row_buckets(1024) == (64, 128, 256, 512, 1024)
+  assert batching.default_row_buckets(100) == (104,)  # 50 is under the smallest
+  assert batching.default_row_buckets(100, smallest=16) == (32, 56, 104)  # 13 < 16
   assert batching.default_row_buckets(8) == (8,)
-  assert batching.default_row_buckets(1024, num=2) == (512, 1024)
+  assert batching.default_row_buckets(16384, smallest=4096) == (4096, 8192, 16384)
+
+
+def test_rows_per_mb():
+  # Each of the shards holds max_tokens_per_mb // T rows, at least one.
+  assert batching.rows_per_mb(256, max_tokens_per_mb=1024, num_shards=1) == 4
+  assert batching.rows_per_mb(256, max_tokens_per_mb=1024, num_shards=2) == 8
+  assert batching.rows_per_mb(104, max_tokens_per_mb=100, num_shards=8) == 8
 
 
 def test_pack_dynamic_hand_case():
   seqs = [_seq([1] * 2, [2] * n) for n in (8, 7, 6, 3, 2)]  # lengths 10, 9, 8, 5, 4
-  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=16, rows_per_mb=2,
+  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=16, num_shards=2,
                                 row_buckets=(8, 16))
-  # FFD under 16: 10, 9, 8 open three groups; 5 joins the first (all hold one,
-  # earliest wins); 4 fits only the second and third and joins the second. Rows of
-  # 15, 13 and 8 tokens make two micro-batches, dealt longest first in snake order.
+  # Only rows of 16 hold the 10-token sequence. FFD under 16: 10, 9, 8 open three
+  # groups; 5 joins the first (all hold one, earliest wins); 4 fits only the second
+  # and third and joins the second. R = 2 shards x 1 row; rows of 15, 13 and 8 tokens
+  # make two micro-batches, dealt longest first in snake order.
   assert batching.ffd_allocate([len(s) for s in seqs], 16) == [[0, 3], [1, 4], [2]]
   assert batch.tokens.shape == (2, 2, 16)
   tokens_MR = (batch.segment_ids > 0).sum(-1)
@@ -264,9 +273,30 @@ def test_pack_dynamic_hand_case():
   np.testing.assert_array_equal(batch.segment_ids[1, 0, 13:], [0, 0, 0])
 
 
+def test_pack_dynamic_prefers_short_rows_at_equal_slots():
+  seqs = [_seq([1] * 2, [2] * 6) for _ in range(4)]  # four of 8 tokens
+  # Rows of 8, 16 or 32 all run one micro-batch of 32 slots; the shortest rows win.
+  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=32, num_shards=1,
+                                row_buckets=(8, 16, 32))
+  assert batch.tokens.shape == (1, 4, 8)
+
+
+def test_pack_dynamic_weighs_attention_against_slots():
+  seqs = [_seq([1] * 2, [2] * 7) for _ in range(6)]  # six of 9 tokens, budget 32
+  kw = dict(max_tokens_per_mb=32, num_shards=1, row_buckets=(16, 32))
+  # Rows of 16 hold one each: 6 rows, R = 2, 3 micro-batches, 96 slots. Rows of 32
+  # hold three: 2 rows, R = 1, 2 micro-batches (padded to 2), 64 slots.
+  shape = lambda **extra: batching.pack_dynamic(seqs, _adv(seqs), **kw, **extra).tokens.shape
+  assert shape() == (2, 1, 32)
+  # With attention_len 8 the costs are 96 (1 + 16/8) = 288 and 64 (1 + 32/8) = 320.
+  assert shape(attention_len=8) == (4, 2, 16)
+  # At 16 they tie (192 each) and the shorter rows win.
+  assert shape(attention_len=16) == (4, 2, 16)
+
+
 def test_pack_dynamic_pads_micro_batches_to_power_of_two():
   seqs = [_seq([1] * 4, [2] * 4) for _ in range(5)]  # 5 rows of 8 under budget 8
-  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=8, rows_per_mb=1,
+  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=8, num_shards=1,
                                 row_buckets=(8,))
   assert batch.tokens.shape == (8, 1, 8)
   assert batch.segment_ids[:5].all() and not batch.segment_ids[5:].any()
@@ -275,29 +305,41 @@ def test_pack_dynamic_pads_micro_batches_to_power_of_two():
 
 def test_pack_dynamic_errors():
   seqs = [_seq([1] * 10, [2] * 20)]
-  with pytest.raises(ValueError, match="no row bucket in \\(8, 16\\) holds a row of 30"):
-    batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=64, rows_per_mb=1,
+  with pytest.raises(ValueError, match="no row bucket in \\(8, 16\\) holds a sequence of 30"):
+    batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=64, num_shards=1,
                           row_buckets=(16, 8))
-  with pytest.raises(ValueError, match="sequence 0 has length 30"):
-    batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=16, rows_per_mb=1,
-                          row_buckets=(16,))
+  with pytest.raises(ValueError, match="num_shards"):
+    batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=64, num_shards=0,
+                          row_buckets=(32,))
+
+
+def _cost(seqs, row_len, budget, shards, attention_len):
+  groups = batching.ffd_allocate([len(s) for s in seqs], row_len, min_groups=shards)
+  R = batching.rows_per_mb(row_len, max_tokens_per_mb=budget, num_shards=shards)
+  return -(-len(groups) // R) * R * row_len * (1 + row_len / attention_len)
 
 
 @_SETTINGS
-@given(seed=st.integers(0, 2**31), n=st.integers(0, 24), rows_per_mb=st.integers(1, 4))
-def test_pack_dynamic_round_trip_and_layout(seed, n, rows_per_mb):
+@given(seed=st.integers(0, 2**31), n=st.integers(0, 24), shards=st.integers(1, 4),
+       attention_len=st.sampled_from([4.0, 40.0, float("inf")]))
+def test_pack_dynamic_round_trip_and_layout(seed, n, shards, attention_len):
   budget, buckets = 32, (8, 16, 32)
   seqs = _random_seqs(seed, n, max_prompt=8, max_completion=24)
   batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=budget,
-                                rows_per_mb=rows_per_mb, row_buckets=buckets)
+                                num_shards=shards, row_buckets=buckets,
+                                attention_len=attention_len)
   M, R, T = batch.tokens.shape
-  groups = batching.ffd_allocate([len(s) for s in seqs], budget, min_groups=rows_per_mb)
-  real_mb = -(-len(groups) // rows_per_mb)
-  assert R == rows_per_mb and M & (M - 1) == 0 and real_mb <= M < 2 * real_mb
+  longest = max((len(s) for s in seqs), default=0)
+  # T is the cheapest bucket that holds the longest sequence (ties: the shortest).
+  fitting = [b for b in buckets if b >= longest]
+  costs = {b: _cost(seqs, b, budget, shards, attention_len) for b in fitting}
+  assert T == min(fitting, key=lambda b: (costs[b], b))
+  assert R == batching.rows_per_mb(T, max_tokens_per_mb=budget, num_shards=shards)
+  groups = batching.ffd_allocate([len(s) for s in seqs], T, min_groups=shards)
+  real_mb = -(-len(groups) // R)
+  assert M & (M - 1) == 0 and real_mb <= M < 2 * real_mb
   row_tokens_MR = (batch.segment_ids > 0).sum(-1)
-  longest = max(sum(len(seqs[i]) for i in g) for g in groups)
-  assert row_tokens_MR.max() == longest
-  assert T == min(b for b in buckets if b >= longest)
+  assert row_tokens_MR.max() <= T
   rows = _unpack_rows(batch)
   key = lambda d: repr(sorted(d.items()))
   assert sorted(map(key, (d for row in rows for d in row))) == sorted(
@@ -309,15 +351,16 @@ def test_pack_dynamic_round_trip_and_layout(seed, n, rows_per_mb):
   assert not mb_tokens_M[real_mb:].any()
   if n >= real_mb:
     assert mb_tokens_M[:real_mb].all()
-  assert mb_tokens_M[:real_mb].max() - mb_tokens_M[:real_mb].min() <= longest
+  assert mb_tokens_M[:real_mb].max() - mb_tokens_M[:real_mb].min() <= row_tokens_MR.max()
 
 
 def test_pack_dynamic_shapes_stay_in_bucket_set():
   rng = np.random.default_rng(0)
-  budget, rows_per_mb, max_n = 64, 2, 40
-  buckets = batching.default_row_buckets(budget)
-  max_m = 1 << (-(-max_n // rows_per_mb) - 1).bit_length()
-  allowed = {(1 << k, rows_per_mb, t) for k in range(max_m.bit_length()) for t in buckets}
+  budget, shards, max_n = 64, 2, 40
+  buckets = batching.default_row_buckets(budget, smallest=8)
+  max_m = 1 << (-(-max_n // shards) - 1).bit_length()
+  allowed = {(1 << k, batching.rows_per_mb(t, max_tokens_per_mb=budget, num_shards=shards), t)
+             for k in range(max_m.bit_length()) for t in buckets}
   shapes = set()
   for _ in range(300):
     n = int(rng.integers(1, max_n + 1))
@@ -326,11 +369,11 @@ def test_pack_dynamic_shapes_stay_in_bucket_set():
     prompts = [int(rng.integers(1, t + 1)) for t in totals]
     seqs = [_seq([1] * p, [2] * (t - p)) for t, p in zip(totals, prompts)]
     batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=budget,
-                                  rows_per_mb=rows_per_mb, row_buckets=buckets)
+                                  num_shards=shards, row_buckets=buckets, attention_len=100.0)
     shapes.add(batch.tokens.shape)
     assert len({x.shape for x in jax.tree.leaves(batch)}) == 1
   assert shapes <= allowed
-  assert len(shapes) > 1
+  assert len({t for _, _, t in shapes}) > 1
 
 
 def test_versions_are_packed_only_when_asked_and_padding_keeps_them():
@@ -346,3 +389,23 @@ def test_versions_are_packed_only_when_asked_and_padding_keeps_them():
   assert not padded.loss_mask[2].any() and not padded.segment_ids[2].any()
   assert batching.pad_micro_batches(plain, 2) is plain
   assert batching.pad_micro_batches(plain, 4).versions is None
+
+
+def test_pack_dynamic_carries_versions_at_the_row_length_it_picks():
+  # Trajectory i's completion tokens all carry version i, so a packed version names
+  # the trajectory its token came from.
+  seqs = [_seq([1] * 2, [2] * 7, versions=[i] * 7) for i in range(6)]  # six of 9 tokens
+  kw = dict(max_tokens_per_mb=32, num_shards=1, row_buckets=(16, 32), attention_len=8)
+  plain = batching.pack_dynamic(seqs, _adv(seqs), **kw)
+  batch = batching.pack_dynamic(seqs, _adv(seqs), **kw, with_versions=True)
+  assert batch.tokens.shape == (4, 2, 16) and plain.versions is None  # rows of 16 won
+  for name in ("tokens", "positions", "segment_ids", "loss_mask", "behav_logp", "advantages"):
+    np.testing.assert_array_equal(getattr(batch, name), getattr(plain, name), err_msg=name)
+  on = batch.loss_mask > 0
+  assert (batch.versions[~on] == -1).all()
+  np.testing.assert_array_equal(np.bincount(batch.versions[on]), [7] * 6)
+  # A row of 16 holds one trajectory, so each row's tokens carry one version.
+  rows_RT, on_RT = batch.versions.reshape(-1, 16), on.reshape(-1, 16)
+  assert all(len(set(v[m])) <= 1 for v, m in zip(rows_RT, on_RT))
+  padded = batching.pad_micro_batches(batch, 3)
+  assert padded.versions.shape == (6, 2, 16) and (padded.versions[4:] == -1).all()

@@ -59,6 +59,17 @@ def test_staleness_ablation_runs_the_grid_and_resumes(tmp_path):
   assert "[1/" not in stdout
 
 
+def test_memory_reads_the_compiler_and_its_flop_count_checks_out():
+  # Remat on, so the recomputation term of the closed form is exercised too.
+  stdout, summary = _run("benchmarks.memory", "--tokens=80,160", "--config.model.remat=True")
+  assert set(summary["temp_gib"]) == {"80", "160"}
+  assert summary["count_check"] < 1e-3
+  breakdown = summary["flops_breakdown"]
+  assert breakdown["remat"] > 0 and breakdown["head_recompute"] == 0
+  assert abs(sum(breakdown.values()) - summary["flops_ratio"]) < 1e-3
+  assert "walk/closed form" in stdout  # the table
+
+
 def test_tool_use_scores_each_chain_length_through_the_workflow():
   stdout, summary = _run("benchmarks.tool_use", "--config.task_kind=arithmetic_tool",
                          "--config.sft.steps=2", "--config.num_steps=2", "--per_length=2")

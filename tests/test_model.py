@@ -1,4 +1,5 @@
-"""The transformer: packing isolation, KV-cached decode == full forward, presets."""
+"""The transformer: packing isolation, KV-cached decode == full forward, presets, the
+weight matmul's backward pass."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from async_rl import models
+from async_rl.models import transformer
 
 
 def _cfg(**kw):
@@ -86,3 +88,19 @@ def test_bad_model_config_names_field():
     models.ModelConfig(n_heads=4, n_kv_heads=3)
   with pytest.raises(ValueError, match="unknown model preset"):
     models.preset("huge")
+
+
+@pytest.mark.parametrize("spec, shape_x, shape_w, n_in", [
+    ("btd,dhe->bthe", (3, 5, 16), (16, 4, 8), 1),   # q projection: x narrower than y
+    ("btf,fd->btd", (3, 5, 48), (48, 16), 1),       # MLP down: x wider than y
+    ("bthe,hed->btd", (3, 5, 4, 8), (4, 8, 16), 2),  # o projection over heads
+])
+def test_linear_backward_equals_einsum_autodiff(spec, shape_x, shape_w, n_in):
+  kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+  x, w = jax.random.normal(kx, shape_x), jax.random.normal(kw, shape_w)
+  y, vjp = jax.vjp(lambda x, w: transformer._linear(x, w, n_in), x, w)
+  y_ref, vjp_ref = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  g = jax.random.normal(kg, y.shape)
+  for a, b in zip(vjp(g), vjp_ref(g)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -44,7 +44,7 @@ def test_warm_start_lowers_the_nll_of_reference_solutions():
   params = sft.warm_start(cfg, mesh, echo=lines.append)
   assert lines and lines[-1].startswith("sft step 30/30")
   seqs = [supervised(p.tokens, p.target) for p in itertools.islice(TrainStream(cfg.task), 16)]
-  batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=64, rows_per_mb=1,
+  batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=64, num_shards=1,
                                 row_buckets=(64,))
 
   def nll(p):

@@ -73,7 +73,7 @@ def test_micro_batched_update_equals_full_batch():
 @pytest.mark.parametrize("poison", ["advantages", "behav_logp", "prox"])
 def test_non_finite_step_changes_nothing_but_the_step_count(poison):
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = _pack_dynamic(6, max_tokens_per_mb=32, rows_per_mb=1, row_buckets=(32,))
+  batch = _pack_dynamic(6, max_tokens_per_mb=32, num_shards=1, row_buckets=(32,))
   state = _state(mesh, train_step.make_optimizer(OptimizerConfig()))
   # Without the behaviour-weight cap: the cap masks a token whose weight is NaN.
   step = functools.partial(train_step.train_step, model_cfg=CFG,
@@ -107,7 +107,7 @@ def test_non_finite_steps_are_skipped_however_many_in_a_row():
   # apply_if_finite would apply a non-finite update after max_consecutive_errors
   # skips; the train step never lets it (the loop stops the run instead).
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = _pack_dynamic(3, max_tokens_per_mb=32, rows_per_mb=1, row_buckets=(32,))
+  batch = _pack_dynamic(3, max_tokens_per_mb=32, num_shards=1, row_buckets=(32,))
   state = _state(mesh, optax.sgd(1.0))
   bad = batch.replace(advantages=np.full_like(batch.advantages, np.inf))
   step = jax.jit(functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS))
@@ -133,7 +133,7 @@ def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   state = _state(mesh, tx)
   shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
   step = train_step.jit_train_step(mesh, shardings, model_cfg=CFG, loss_fn=LOSS)
-  kw = dict(max_tokens_per_mb=32, rows_per_mb=1, row_buckets=(16, 32))
+  kw = dict(max_tokens_per_mb=32, num_shards=1, row_buckets=(32,))
   b1 = _pack_dynamic(5, seed=1, **kw)
   b2 = _pack_dynamic(5, seed=2, **kw)
   assert b1.tokens.shape == b2.tokens.shape
@@ -143,13 +143,13 @@ def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   assert int(state.step) == 2
 
 
-def _versioned_batch(n_seqs, rows_per_mb, budget, seed=3):
+def _versioned_batch(n_seqs, num_shards, budget, seed=3):
   """A batch whose tokens have versions 0..2 (the step runs at version 2)."""
   trajs, adv = _seqs(n_seqs, seed)
   rng = np.random.default_rng(seed)
   trajs = [dataclasses.replace(t, versions_T=np.where(
       t.versions_T >= 0, rng.integers(0, 3, len(t)), -1).astype(np.int32)) for t in trajs]
-  return batching.pack_dynamic(trajs, adv, max_tokens_per_mb=budget, rows_per_mb=rows_per_mb,
+  return batching.pack_dynamic(trajs, adv, max_tokens_per_mb=budget, num_shards=num_shards,
                                row_buckets=(budget,), with_versions=True)
 
 
@@ -159,7 +159,7 @@ def _at_version(state, v):
 
 def test_minibatches_are_sequential_updates_on_strided_micro_batches():
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = _versioned_batch(12, rows_per_mb=1, budget=24)
+  batch = _versioned_batch(12, num_shards=1, budget=24)
   M = batch.tokens.shape[0]
   assert M % 2 == 0 and M >= 4
   state = _state(mesh, optax.sgd(1.0))
@@ -185,7 +185,7 @@ def test_minibatches_are_sequential_updates_on_strided_micro_batches():
 
 def test_loglinear_with_one_minibatch_equals_recompute():
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = _versioned_batch(8, rows_per_mb=2, budget=32)
+  batch = _versioned_batch(8, num_shards=2, budget=32)
   state = _at_version(_state(mesh, optax.sgd(1.0)), 2)
   step = functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS)
   exact = train_step.recompute_logp(state.params, batch, model_cfg=CFG)
@@ -200,7 +200,7 @@ def test_loglinear_second_minibatch_interpolates_from_the_moved_params():
   # Reference: update 1 with the exact π_prox, then update 2 with log π_behav +
   # α (log π_θ1 - log π_behav), α = lag / (lag + 1/2), log π_θ1 recomputed.
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  batch = _versioned_batch(12, rows_per_mb=1, budget=24)
+  batch = _versioned_batch(12, num_shards=1, budget=24)
   state = _at_version(_state(mesh, optax.sgd(1.0)), 2)
   step = functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS)
   got, _ = step(state, batch, None, num_minibatches=2)

@@ -1,4 +1,5 @@
 """Decoder-only transformers as pure functions of a params pytree."""
 
 from async_rl.models.config import ModelConfig, PRESETS, preset
-from async_rl.models.transformer import decode, forward, init_cache, init_params, prefill
+from async_rl.models.transformer import (decode, forward, hidden, init_cache, init_params,
+                                         prefill, unembed)

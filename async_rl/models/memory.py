@@ -10,10 +10,15 @@ Counts what lives for a whole run, in bytes, for the model as a whole (not per d
                 S = `generation.num_slots`, T = `generation.max_prompt_len +
                 generation.max_new_tokens`.
 
-Activations are left out: they scale with `batching.max_tokens_per_mb` and, with
-`model.remat`, are small next to these. `trainer` = params + optimizer + gradients,
-sharded over the mesh by `sharding.PARAM_RULES`; `generator` = params + kv_cache, one
-full copy per engine (the in-process placement runs two: rollout and evaluation).
+`trainer` = params + optimizer + gradients, sharded over the mesh by
+`sharding.PARAM_RULES`; `generator` = params + kv_cache, one full copy per engine
+(the in-process placement runs two: rollout and evaluation).
+
+This is what lives between steps. During a step the compiled train step holds more:
+besides the float32 accumulator counted here, one micro-batch's gradients and their
+cast to the params' dtype, and the activations of a micro-batch (they scale with
+`batching.max_tokens_per_mb`; under `model.remat` mostly the layer inputs).
+`benchmarks/memory.py` reads those figures from XLA for a config's real shapes.
 """
 
 import jax.numpy as jnp

@@ -2,19 +2,24 @@
 
 RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, optional q/k/v bias,
 optional q/k RMSNorm (Qwen3) and optional tied embeddings. Layers are stacked on a
-leading L axis and applied with `lax.scan`, so compile time does not grow with depth.
+leading L axis and applied with `lax.scan` (unrolled for training without remat, see
+`hidden`). Weight matmuls go through `_matmul`, whose backward pass orders the
+weight-gradient operands for XLA:CPU.
 
 Two entry points share one layer body:
-  * `forward`: packed training rows with segment ids and positions; attention never
-    crosses a segment and padding (segment 0) attends nowhere useful.
+  * `forward` (`hidden`, then `unembed`): packed training rows with segment ids and
+    positions; attention (`models/attention.py`) never crosses a segment, and its cost
+    grows with the row length, not with the square of the micro-batch.
   * `prefill` / `decode`: a KV cache for generation, one slot per row.
 """
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from async_rl.models.attention import attention
 from async_rl.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -91,10 +96,41 @@ def _attention(q_BTHE, k_BSKE, v_BSKE, mask_BTS):
   return out.reshape(B, T, H, E)
 
 
+@jax.custom_vjp
+def _matmul(x_NI, w_IO):
+  return x_NI @ w_IO
+
+
+def _matmul_fwd(x_NI, w_IO):
+  return x_NI @ w_IO, (x_NI, w_IO)
+
+
+def _matmul_bwd(res, g_NO):
+  x_NI, w_IO = res
+  # The weight gradient contracts over the N tokens. XLA:CPU copies the operand it
+  # puts first into a transposed layout, fusing that operand's producer (e.g. the
+  # SwiGLU backward) into the copy; strided reads made such copies cost more than
+  # the matmuls. So the narrower of x and g goes first.
+  if x_NI.shape[1] <= g_NO.shape[1]:
+    dw_IO = jnp.einsum("ni,no->io", x_NI, g_NO)
+  else:
+    dw_IO = jnp.einsum("no,ni->oi", g_NO, x_NI).T
+  return jnp.einsum("no,io->ni", g_NO, w_IO), dw_IO
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _linear(x, w, n_in=1):
+  """Contracts the last `n_in` dims of x with the first `n_in` of w (cast to x's dtype)."""
+  lead, out = x.shape[:x.ndim - n_in], w.shape[n_in:]
+  size_in = math.prod(w.shape[:n_in])
+  y = _matmul(x.reshape(-1, size_in), w.astype(x.dtype).reshape(size_in, -1))
+  return y.reshape(*lead, *out)
+
+
 def _project_qkv(lp, cfg, h_BTD, positions_BT):
-  q = jnp.einsum("btd,dhe->bthe", h_BTD, lp["q"].astype(h_BTD.dtype))
-  k = jnp.einsum("btd,dke->btke", h_BTD, lp["k"].astype(h_BTD.dtype))
-  v = jnp.einsum("btd,dke->btke", h_BTD, lp["v"].astype(h_BTD.dtype))
+  q, k, v = (_linear(h_BTD, lp[name]) for name in ("q", "k", "v"))
   if cfg.qkv_bias:
     q = q + lp["q_bias"].astype(q.dtype)
     k = k + lp["k_bias"].astype(k.dtype)
@@ -106,18 +142,22 @@ def _project_qkv(lp, cfg, h_BTD, positions_BT):
 
 
 def _mlp(lp, h_BTD):
-  gate = jnp.einsum("btd,df->btf", h_BTD, lp["gate"].astype(h_BTD.dtype))
-  up = jnp.einsum("btd,df->btf", h_BTD, lp["up"].astype(h_BTD.dtype))
-  return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"].astype(h_BTD.dtype))
+  gate, up = _linear(h_BTD, lp["gate"]), _linear(h_BTD, lp["up"])
+  return _linear(jax.nn.silu(gate) * up, lp["down"])
 
 
 def _block(lp, cfg, x_BTD, positions_BT, attend):
   """One layer; `attend(q, k, v) -> (attn_out, aux)` decides where keys come from."""
+  # The scopes name the ops in profiles (benchmarks/profile_step.py).
   h = rms_norm(x_BTD, lp["attn_norm"], cfg.rms_eps)
-  q, k, v = _project_qkv(lp, cfg, h, positions_BT)
-  attn, aux = attend(q, k, v)
-  x_BTD = x_BTD + jnp.einsum("bthe,hed->btd", attn, lp["o"].astype(attn.dtype))
-  x_BTD = x_BTD + _mlp(lp, rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps))
+  with jax.named_scope("qkv"):
+    q, k, v = _project_qkv(lp, cfg, h, positions_BT)
+  with jax.named_scope("attention"):
+    attn, aux = attend(q, k, v)
+  with jax.named_scope("out_proj"):
+    x_BTD = x_BTD + _linear(attn, lp["o"], n_in=2)
+  with jax.named_scope("mlp"):
+    x_BTD = x_BTD + _mlp(lp, rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps))
   return x_BTD, aux
 
 
@@ -125,31 +165,41 @@ def _embed(params, cfg, tokens_BT):
   return params["embed"][tokens_BT].astype(cfg.dtype)
 
 
-def _logits(params, cfg, x_BTD):
+def unembed(params: Params, cfg: ModelConfig, x_BTD):
+  """Final RMSNorm and LM head: float32 logits [B, T, V] of hidden states [B, T, D]."""
   x = rms_norm(x_BTD, params["final_norm"], cfg.rms_eps)
   head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
   return jnp.einsum("btd,dv->btv", x, head_DV.astype(x.dtype),
                     preferred_element_type=jnp.float32)
 
 
-def forward(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_ids_BT):
-  """Logits [B, T, V] (float32) for packed rows.
+# `prefill` and `decode` call it by its earlier private name.
+_logits = unembed
 
-  Query t sees key s iff both are in the same non-padding segment and s <= t.
+
+def hidden(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_ids_BT):
+  """Hidden states [B, T, D] of packed rows after the last layer, before `unembed`.
+
+  Query t sees key s iff both are in the same non-padding segment and s <= t
+  (`attention.attention`, which picks the kernel by backend).
   """
-  T = tokens_BT.shape[1]
-  causal_TS = jnp.tril(jnp.ones((T, T), bool))
-  same_BTS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (
-      segment_ids_BT[:, None, :] > 0)
-  mask_BTS = same_BTS & causal_TS
-
   def layer(x, lp):
     x, _ = _block(lp, cfg, x, positions_BT,
-                  lambda q, k, v: (_attention(q, k, v, mask_BTS), None))
+                  lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), None))
     return x, None
 
-  x, _ = jax.lax.scan(_remat(layer, cfg), _embed(params, cfg, tokens_BT), params["layers"])
-  return _logits(params, cfg, x)
+  # Without remat a scan would stack every intermediate of every layer into [L, ...]
+  # buffers and slice them back in the backward pass: copies that took a fifth of the
+  # CPU train step. Unrolled, they stay where they are. Under remat only the layer
+  # inputs are kept, and the scan keeps compile time flat in depth.
+  x, _ = jax.lax.scan(_remat(layer, cfg), _embed(params, cfg, tokens_BT), params["layers"],
+                      unroll=not cfg.remat)
+  return x
+
+
+def forward(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_ids_BT):
+  """Logits [B, T, V] (float32) for packed rows: `unembed` of `hidden`."""
+  return unembed(params, cfg, hidden(params, cfg, tokens_BT, positions_BT, segment_ids_BT))
 
 
 def _remat(fn, cfg):

@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 from async_rl import advantages, batching, loss, sharding, train_step
 from async_rl.config import ExperimentConfig
+from async_rl.models import flops
 from async_rl.tasks.workflow import split_turns
 from async_rl.trajectory import staleness_counts
 
@@ -60,7 +61,8 @@ class Trainer:
     self._advantage_fn = advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
     b = cfg.batching
     self._row_buckets = b.row_buckets or batching.default_row_buckets(b.max_tokens_per_mb)
-    self._rows_per_mb = sharding.num_batch_shards(mesh)
+    self._num_shards = sharding.num_batch_shards(mesh)
+    self._attention_len = flops.attention_break_even_len(cfg.model)
 
   def restore(self, state) -> None:
     """Takes a restored train state (and its version, the one device read)."""
@@ -74,7 +76,8 @@ class Trainer:
       trajs, adv_N = [s for ts in turns for s in ts], np.repeat(adv_N, [len(ts) for ts in turns])
     batch = batching.pack_dynamic(trajs, adv_N,
                                   max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
-                                  rows_per_mb=self._rows_per_mb, row_buckets=self._row_buckets,
+                                  num_shards=self._num_shards, row_buckets=self._row_buckets,
+                                  attention_len=self._attention_len,
                                   with_versions=self.cfg.ppo.prox_logp == "loglinear")
     return batching.pad_micro_batches(batch, self.cfg.ppo.num_minibatches)
 

@@ -1,0 +1,169 @@
+"""Causal attention within the segments of packed rows; one entry point for every backend.
+
+A packed row holds whole sequences back to back (segment ids 1, 2, ... in row order,
+then 0 on padding), so query t sees key s iff both carry the same nonzero segment id
+and s <= t: causal order within a segment is row order, and positions are not needed.
+
+`attention` picks the implementation by backend:
+  * GPU: `flash_gpu`, the Pallas (Triton) flash-attention kernel of
+    `jax.experimental.pallas.ops.gpu.attention.mha`, which masks by segment ids and
+    skips the key blocks above the diagonal. cuDNN is not used: the public
+    `jax.nn.dot_product_attention(implementation="cudnn")` takes a causal flag and
+    per-row lengths, not segment ids, so it could serve only one sequence per row, or
+    a dense [R, T, T] mask that it adds as a bias without skipping blocks. (cuDNN's
+    packed layout, `q_offsets` / `kv_offsets`, is reachable only through the private
+    `jax._src.cudnn` module, on Hopper and later.)
+  * elsewhere (CPU): `blockwise`, plain XLA: the row is cut into at most
+    `_MAX_BLOCKS` query blocks and block i scores only the keys of blocks 0..i, so
+    about (n + 1) / 2n of the dense T x T work runs (on a 2-core CPU its forward and
+    backward took 0.25x to 0.6x the time of the dense masked einsum at T = 128..1024);
+    and when the micro-batch's longest sequence is short, only a band of key blocks
+    that holds it (`windows`).
+
+Work grows with the row length T, not with the micro-batch: the packer chooses T per
+batch (`batching.pack_dynamic`), the shortest bucket that pays.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30
+_MAX_BLOCKS = 16
+_MIN_BLOCK = 64
+# Triton tiles: a power of two up to 128 along the sequence for the forward kernel,
+# up to 32 for the backward kernels (the kernel's defaults).
+_GPU_BLOCK, _GPU_BWD_BLOCK = 128, 32
+
+
+def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
+  """Grouped-query attention of packed rows, the implementation chosen by backend.
+
+  Args:
+    q_BTHE: queries; H must be a multiple of K.
+    k_BTKE: keys.
+    v_BTKE: values.
+    segment_ids_BT: int32, 1, 2, ... per sequence of a row, 0 on padding.
+    positions_BT: int32 position of each token in its sequence (0 on padding).
+
+  Returns:
+    [B, T, H, E] in the dtype of `v_BTKE`. Rows at padding positions hold values
+    that depend on the implementation; nothing valid reads them.
+  """
+  if jax.default_backend() == "gpu":
+    return flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+  return blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
+
+
+def num_blocks(T: int) -> int:
+  """Query blocks of `blockwise`: the most, up to 16, that divide T into >= 64 tokens."""
+  return max((n for n in range(1, _MAX_BLOCKS + 1) if T % n == 0 and T // n >= _MIN_BLOCK),
+             default=1)
+
+
+def windows(T: int) -> tuple[int, ...]:
+  """Key windows `blockwise` chooses among: T, and those of T/8, T/4, T/2 whose band
+  (n blocks, each over b + 1 blocks of keys) costs less than the causal triangle."""
+  n = num_blocks(T)
+  C = T // n
+  band = lambda w: -(-(w - 1) // C)
+  return tuple(w for w in (T // 8, T // 4, T // 2) if w >= C and T % w == 0
+               and n * (band(w) + 1) < n * (n + 1) // 2) + (T,)
+
+
+def blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
+  """Query block i attends to key blocks i - band .. i only; the rest is never computed.
+
+  No sequence of the micro-batch is longer than its longest, so a query never sees a
+  key more than that many tokens back. Of `windows(T)`, the smallest that holds the
+  longest sequence sets the band (a `lax.switch` between static programs, one per
+  window, so the choice is made on device for each micro-batch). With the whole row
+  as window, block i sees blocks 0..i (`_causal_blocks`); with a shorter one every
+  block sees the same number of blocks before it (`_band`).
+  """
+  T = positions_BT.shape[1]
+  options = windows(T)
+  longest = jnp.max(positions_BT) + 1
+  index = jnp.minimum(jnp.searchsorted(jnp.array(options), longest), len(options) - 1)
+  branches = [_causal_blocks if w == T else functools.partial(_band, window=w)
+              for w in options]
+  return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+
+
+def _scores_to_out(q, k, v, mask, spec_qk, spec_pv):
+  E = q.shape[-1]
+  scores = jnp.einsum(spec_qk, q, k, preferred_element_type=jnp.float32) * (E ** -0.5)
+  # An additive bias rather than `where`: the backward pass then keeps no mask
+  # broadcast to every head (XLA:CPU materialised one the size of the scores).
+  scores = scores + jnp.where(mask, 0.0, _NEG_INF)
+  return jnp.einsum(spec_pv, jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+
+
+def _causal_blocks(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
+  B, T, H, E = q_BTHE.shape
+  K = k_BTKE.shape[2]
+  n = num_blocks(T)
+  C = T // n
+  q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
+  out = []
+  # A static loop: block i has its own key length (i + 1) C, and n <= 16 keeps the
+  # program small.
+  for i in range(n):
+    keys = slice(0, (i + 1) * C)
+    seg_q, seg_k = segment_ids_BT[:, i * C:(i + 1) * C], segment_ids_BT[:, keys]
+    causal_CS = i * C + jnp.arange(C)[:, None] >= jnp.arange((i + 1) * C)[None, :]
+    mask_BCS = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] > 0) & causal_CS
+    out.append(_scores_to_out(q_BTKGE[:, i * C:(i + 1) * C], k_BTKE[:, keys],
+                              v_BTKE[:, keys], mask_BCS[:, None, None],
+                              "bckge,bske->bkgcs", "bkgcs,bske->bckge"))
+  return jnp.concatenate(out, axis=1).reshape(B, T, H, E)
+
+
+def _band(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, window):
+  """All query blocks at once, each over its own b + 1 key blocks (b = blocks back)."""
+  B, T, H, E = q_BTHE.shape
+  K = k_BTKE.shape[2]
+  n = num_blocks(T)
+  C = T // n
+  b = -(-(window - 1) // C)  # blocks back
+  # Front padding is segment 0, which no query sees; slot s of block i's window is
+  # key i C - b C + s.
+  def windows_of(x):
+    x = jnp.pad(x, ((0, 0), (b * C, 0)) + ((0, 0),) * (x.ndim - 2))
+    return jnp.concatenate([x[:, j * C:(j + n) * C].reshape(B, n, C, *x.shape[2:])
+                            for j in range(b + 1)], axis=2)
+  k_BnSKE, v_BnSKE, seg_BnS = (windows_of(x) for x in (k_BTKE, v_BTKE, segment_ids_BT))
+  seg_BnC = segment_ids_BT.reshape(B, n, C)
+  causal_CS = jnp.arange(C)[:, None] + b * C >= jnp.arange((b + 1) * C)[None, :]
+  mask_BnCS = ((seg_BnC[..., :, None] == seg_BnS[..., None, :]) & (seg_BnS[..., None, :] > 0)
+               & causal_CS)
+  out = _scores_to_out(q_BTHE.reshape(B, n, C, K, H // K, E), k_BnSKE, v_BnSKE,
+                       mask_BnCS[:, :, None, None], "bnckge,bnske->bnkgcs",
+                       "bnkgcs,bnske->bnckge")
+  return out.reshape(B, T, H, E)
+
+
+def flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, interpret: bool = False):
+  """The Pallas Triton flash kernel with segment ids; `interpret` runs it on any backend.
+
+  The kernel wants as many key heads as query heads, so K/V heads are repeated, and
+  a row length that its tiles divide, so rows are padded with segment 0 (which no
+  real query sees) and the padding is cut off again.
+  """
+  # Imported here: the Pallas GPU modules add half a second to every CPU process.
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  B, T, H, E = q_BTHE.shape
+  G = H // k_BTKE.shape[2]
+  block = min(_GPU_BLOCK, 1 << max(T - 1, 15).bit_length())
+  pad = -T % block
+  k_BTHE, v_BTHE = (jnp.repeat(x, G, axis=2) for x in (k_BTKE, v_BTKE))
+  padded = [jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q_BTHE, k_BTHE, v_BTHE)]
+  bwd = min(block, _GPU_BWD_BLOCK)
+  sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=bwd,
+                                      block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
+  out = pallas_attention.mha(*padded, jnp.pad(segment_ids_BT, ((0, 0), (0, pad))),
+                             sm_scale=E ** -0.5, causal=True, block_sizes=sizes,
+                             interpret=interpret)
+  return out[:, :T]
+

@@ -23,7 +23,8 @@ def params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-  engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
+  engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T,
+                  steps_per_call=8)
   engine.warmup(params)
   return engine
 
@@ -112,7 +113,8 @@ def test_sample_truncation_and_greedy():
 
   def draw(temperature, top_k, top_p):
     sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    sampling_S = jax.tree.map(lambda x: np.full(S, x), SlotSampling.create(sp, seed=7, index=0))
+    sampling_S = jax.tree.map(lambda x: np.broadcast_to(x, (S,) + x.shape),
+                              SlotSampling.create(sp, seed=7, index=0))
     tokens_S, logp_S = sample(np.broadcast_to(logits_V, (S, 4)), sampling_S, positions_S)
     return np.asarray(tokens_S), np.asarray(logp_S)
 
@@ -143,6 +145,28 @@ def test_fixed_seed_reproduces_samples_whatever_the_batching(engine, params):
   assert not np.array_equal(alone[0].tokens_T, alone[1].tokens_T)
 
 
+def test_samples_do_not_depend_on_steps_per_call(engine, params):
+  # Stops, length limits, top-k/top-p and greedy, with more samples than slots, so
+  # samples start and end at every offset within a chunk.
+  rng = np.random.default_rng(8)
+  requests = [Request(i, p, n=2, sampling=SamplingParams(
+      temperature=float(rng.choice([0.0, 0.8, 1.0])), top_k=int(rng.choice([0, 4])),
+      top_p=float(rng.choice([0.7, 1.0])), max_new_tokens=int(rng.integers(1, 24)),
+      stop_token_ids=[int(rng.integers(CFG.vocab_size))], seed=i))
+              for i, p in enumerate(_prompts(9, 6))]
+  chunked = _run(engine, params, requests)
+  for steps in (1, 3):
+    other = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T,
+                   steps_per_call=steps)
+    for a_samples, b_samples in zip(chunked, _run(other, params, requests)):
+      for a, b in zip(a_samples, b_samples):
+        assert a.finish_reason == b.finish_reason
+        np.testing.assert_array_equal(a.tokens_T, b.tokens_T)
+        np.testing.assert_allclose(a.logp_T, b.logp_T, atol=1e-5)
+  reasons = {s.finish_reason for samples in chunked for s in samples}
+  assert reasons == {"stop", "length"}
+
+
 @contextlib.contextmanager
 def _count_compilations():
   names = []
@@ -163,8 +187,9 @@ def test_no_recompilation_after_warmup(params):
   engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
-  # prefill and insert per bucket; resample, generate and init_decode_state once.
-  assert len(warmup_compiles) <= 2 * len(engine.prefill_buckets) + 3
+  # prefill and insert per bucket; resample, generate, generate_chunk and
+  # init_decode_state once.
+  assert len(warmup_compiles) <= 2 * len(engine.prefill_buckets) + 4
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

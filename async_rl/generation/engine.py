@@ -5,15 +5,25 @@ The method and argument names follow `jetstream.engine.engine_api.Engine`
 slot)`, `generate(params, decode_state)`, `init_decode_state`, `load_params`,
 `max_concurrent_decodes`, `max_prefill_length`, `samples_per_slot`, `mesh`), so an
 adapter can present it as a real JetStream engine. Differences are deliberate:
-sampling parameters, seed included, travel with each request (`prefill(...,
-sampling=)`) and live in the decode state as per-slot arrays, instead of a `sampler`
-callable and an `rng` argument; results carry log-probs (`ResultTokens` here is
-ours, not JetStream's packed array); `resample` draws another sample of a prefilled
-prompt without recomputing it. `existing_prefix` (prefix caching) is not supported.
+sampling parameters, seed, stop ids and token budget included, travel with each
+request (`prefill(..., sampling=)`) and live in the decode state as per-slot arrays,
+instead of a `sampler` callable and an `rng` argument; results carry log-probs
+(`ResultTokens` here is ours, not JetStream's packed array); `resample` draws another
+sample of a prefilled prompt without recomputing it. `existing_prefix` (prefix
+caching) is not supported.
+
+`generate` is JetStream's one decode step, for JetStream's orchestrator, which ends
+requests on the host. `generate_chunk`, which the generator pool uses, runs
+`steps_per_call` steps in one jitted loop, so the host is visited once per chunk: a
+slot stops inside the loop when it emits a stop id or reaches its token budget or the
+cache end, and the loop exits early once no slot is live. Sampling keys depend only
+on (seed, sample index, position), so a chunk draws exactly the tokens that as many
+single steps would.
 
 Compilation is bounded: prefill and insert compile once per length bucket (powers
-of two from 16, then `max_target_length`), generate and resample once. The slot
-index of `insert` is traced, so filling different slots never recompiles.
+of two from 16, then `max_target_length`), generate, generate_chunk and resample
+once. The slot index of `insert` is traced, so filling different slots never
+recompiles.
 """
 
 import functools
@@ -38,11 +48,14 @@ class Prefix:
   `cache` holds k and v of shape [L, 1, P, K, E] for the padded prompt; `logits_V`
   are the logits after the last real token (kept so more samples of the same
   prompt can be drawn with `resample` without recomputing the prompt); `token` and
-  `logp` are the first generated token, which sits at position `length`.
+  `logp` are the first generated token, which sits at position `length`. `start` is
+  the position of the sample's first generated token, its prompt length: `length`
+  less the tokens of a re-prefilled sample that were generated before.
   """
   cache: dict
   logits_V: jax.Array
   length: jax.Array
+  start: jax.Array
   token: jax.Array
   logp: jax.Array
   sampling: SlotSampling
@@ -55,11 +68,15 @@ class DecodeState:
   `tokens_S` is each slot's last generated token, not yet fed to the model;
   `positions_S` its sequence position. The cache holds k and v of shape
   [L, S, T, K, E]. An idle slot sits at position T, where decoding writes nothing.
+  `end_S` is one past the position of a slot's last allowed token (prompt length
+  plus `max_new_tokens`, capped by T); `generate_chunk` advances only live slots
+  (see `_live`).
   """
   cache: dict
   tokens_S: jax.Array
   positions_S: jax.Array
   sampling_S: SlotSampling
+  end_S: jax.Array
 
 
 @struct.dataclass
@@ -71,6 +88,20 @@ class ResultTokens:
   positions_S: jax.Array
 
 
+@struct.dataclass
+class ChunkTokens:
+  """Tokens emitted by one `generate_chunk` call, T = `steps_per_call` per slot.
+
+  Slot s emitted `tokens_ST[s, :count_S[s]]` (a slot stops for good within a chunk,
+  so what it emits is a prefix of the steps); `steps` is how many steps the loop
+  ran, at most T.
+  """
+  tokens_ST: jax.Array
+  logp_ST: jax.Array
+  count_S: jax.Array
+  steps: jax.Array
+
+
 def _first_token(logits_V, length, sampling):
   """Draws the token at position `length`; returns the Prefix fields it sets and the
   result. `sampling` is passed through so the Prefix holds device arrays either way."""
@@ -80,11 +111,13 @@ def _first_token(logits_V, length, sampling):
   return fields, ResultTokens(tokens_1, logp_1, length[None])
 
 
-def _prefill(params, tokens_P, length, sampling, *, cfg):
+def _prefill(params, tokens_P, length, generated, sampling, *, cfg):
   logits_1PV, cache = models.prefill(params, cfg, tokens_P[None], length[None])
   logits_V = jax.lax.dynamic_index_in_dim(logits_1PV[0], length - 1, keepdims=False)
   fields, result = _first_token(logits_V, length, sampling)
-  return Prefix(cache=cache, logits_V=logits_V, length=length, **fields), result
+  prefix = Prefix(cache=cache, logits_V=logits_V, length=length, start=length - generated,
+                  **fields)
+  return prefix, result
 
 
 def _insert(prefix, state, slot):
@@ -92,9 +125,17 @@ def _insert(prefix, state, slot):
       lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, slot, 0, 0, 0)),
       state.cache, prefix.cache)
   sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, prefix.sampling)
+  end = jnp.minimum(prefix.start + prefix.sampling.max_new_tokens, state.cache["k"].shape[2])
   return DecodeState(cache=cache, tokens_S=state.tokens_S.at[slot].set(prefix.token),
                      positions_S=state.positions_S.at[slot].set(prefix.length),
-                     sampling_S=sampling_S)
+                     sampling_S=sampling_S, end_S=state.end_S.at[slot].set(end))
+
+
+def _live(state: DecodeState) -> jax.Array:
+  """Bool [S]: the slots whose sample goes on, i.e. whose last token is not a stop id
+  and is not at the last allowed position. Idle slots (position T) are not live."""
+  stopped_S = jnp.any(state.tokens_S[:, None] == state.sampling_S.stop_ids, axis=1)
+  return (state.positions_S + 1 < state.end_S) & ~stopped_S
 
 
 def _generate(params, state, *, cfg):
@@ -102,16 +143,43 @@ def _generate(params, state, *, cfg):
   # Idle slots stay parked at position T (past the cache end) instead of counting up.
   positions_S = jnp.minimum(state.positions_S + 1, state.cache["k"].shape[2])
   tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
-  new_state = DecodeState(cache=cache, tokens_S=tokens_S, positions_S=positions_S,
-                          sampling_S=state.sampling_S)
+  new_state = state.replace(cache=cache, tokens_S=tokens_S, positions_S=positions_S)
   return new_state, ResultTokens(tokens_S, logp_S, positions_S)
+
+
+def _generate_chunk(params, state, *, cfg, steps):
+  S, T = state.tokens_S.shape[0], state.cache["k"].shape[2]
+
+  def cond(carry):
+    step, state, _ = carry
+    return (step < steps) & jnp.any(_live(state))
+
+  def body(carry):
+    step, state, (tokens_TS, logp_TS) = carry
+    live_S = _live(state)
+    # A stopped slot writes nowhere and keeps its token and position, so it stays
+    # stopped until `insert` gives the slot a new sample.
+    write_S = jnp.where(live_S, state.positions_S, T)
+    logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, write_S)
+    positions_S = jnp.where(live_S, state.positions_S + 1, state.positions_S)
+    tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
+    state = state.replace(cache=cache, tokens_S=jnp.where(live_S, tokens_S, state.tokens_S),
+                          positions_S=positions_S)
+    return step + 1, state, (tokens_TS.at[step].set(tokens_S), logp_TS.at[step].set(logp_S))
+
+  start_S = state.positions_S
+  out = (jnp.zeros((steps, S), jnp.int32), jnp.zeros((steps, S), jnp.float32))
+  ran, state, (tokens_TS, logp_TS) = jax.lax.while_loop(cond, body, (0, state, out))
+  return state, ChunkTokens(tokens_ST=tokens_TS.T, logp_ST=logp_TS.T,
+                            count_S=state.positions_S - start_S, steps=ran)
 
 
 def _init_decode_state(*, cfg, num_slots, max_len):
   return DecodeState(cache=models.init_cache(cfg, num_slots, max_len),
                      tokens_S=jnp.zeros(num_slots, jnp.int32),
                      positions_S=jnp.full(num_slots, max_len, jnp.int32),
-                     sampling_S=jax.tree.map(jnp.asarray, SlotSampling.zeros(num_slots)))
+                     sampling_S=jax.tree.map(jnp.asarray, SlotSampling.zeros(num_slots)),
+                     end_S=jnp.zeros(num_slots, jnp.int32))
 
 
 def prefill_buckets(max_length: int) -> tuple[int, ...]:
@@ -132,16 +200,19 @@ class Engine:
     max_prefill_length: longest prompt accepted from users.
     max_target_length: T, the cache length: prompt plus completion never exceed it.
       Re-prefilling a sequence (retract) may use prefill lengths up to T.
+    steps_per_call: decode steps per `generate_chunk` call.
     mesh: devices of this engine; defaults to the first local device.
     param_sharding: a sharding (or pytree prefix of shardings) for the params on
       `mesh`; defaults to fully replicated.
   """
 
   def __init__(self, cfg: models.ModelConfig, *, max_concurrent_decodes: int,
-               max_prefill_length: int, max_target_length: int, mesh: Mesh | None = None,
-               param_sharding=None):
+               max_prefill_length: int, max_target_length: int, steps_per_call: int = 8,
+               mesh: Mesh | None = None, param_sharding=None):
     if max_concurrent_decodes < 1:
       raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
+    if steps_per_call < 1:
+      raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     if not 1 <= max_prefill_length < max_target_length:
       raise ValueError(f"need 1 <= max_prefill_length ({max_prefill_length}) < "
                        f"max_target_length ({max_target_length})")
@@ -149,6 +220,7 @@ class Engine:
     self._num_slots = max_concurrent_decodes
     self._max_prefill_length = max_prefill_length
     self._max_target_length = max_target_length
+    self.steps_per_call = steps_per_call
     self.prefill_buckets = prefill_buckets(max_target_length)
     if mesh is None:
       mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
@@ -161,6 +233,9 @@ class Engine:
     self._insert_fn = jax.jit(_insert, donate_argnums=(1,), out_shardings=replicated)
     self._generate_fn = jax.jit(functools.partial(_generate, cfg=cfg), donate_argnums=(1,),
                                 out_shardings=replicated)
+    self._generate_chunk_fn = jax.jit(
+        functools.partial(_generate_chunk, cfg=cfg, steps=steps_per_call), donate_argnums=(1,),
+        out_shardings=replicated)
     self._init_fn = jax.jit(functools.partial(_init_decode_state, cfg=cfg,
                                               num_slots=max_concurrent_decodes,
                                               max_len=max_target_length),
@@ -206,10 +281,15 @@ class Engine:
     padded[:n] = tokens
     return padded, n
 
-  def prefill(self, *, params, padded_tokens, true_length: int,
-              sampling: SlotSampling) -> tuple[Prefix, ResultTokens]:
-    """Runs a padded prompt and draws its first generated token with `sampling`."""
-    return self._prefill_fn(params, padded_tokens, np.int32(true_length), sampling)
+  def prefill(self, *, params, padded_tokens, true_length: int, sampling: SlotSampling,
+              generated: int = 0) -> tuple[Prefix, ResultTokens]:
+    """Runs a padded prompt and draws its first generated token with `sampling`.
+
+    `generated` is how many of the `true_length` tokens a re-prefilled sample
+    generated before; they count against `sampling.max_new_tokens`.
+    """
+    return self._prefill_fn(params, padded_tokens, np.int32(true_length), np.int32(generated),
+                            sampling)
 
   def resample(self, prefix: Prefix, sampling: SlotSampling) -> tuple[Prefix, ResultTokens]:
     """The same prefix with its first token redrawn under `sampling` (another sample)."""
@@ -224,8 +304,15 @@ class Engine:
     """One decode step over all slots; the old `decode_state` is donated."""
     return self._generate_fn(params, decode_state)
 
+  def generate_chunk(self, params,
+                     decode_state: DecodeState) -> tuple[DecodeState, ChunkTokens]:
+    """Up to `steps_per_call` decode steps of the live slots in one device call;
+    the old `decode_state` is donated."""
+    return self._generate_chunk_fn(params, decode_state)
+
   def warmup(self, params) -> None:
-    """Compiles prefill and insert for every bucket, resample and generate.
+    """Compiles prefill and insert for every bucket, resample, generate and
+    generate_chunk.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -241,4 +328,5 @@ class Engine:
       prefix, _ = self.resample(prefix, sampling)
       state = self.insert(prefix, state, 0)
     state, result = self.generate(params, state)
-    jax.block_until_ready(result)
+    state, chunk = self.generate_chunk(params, state)
+    jax.block_until_ready((result, chunk))

@@ -13,7 +13,8 @@ def make_engine(cfg: ExperimentConfig) -> Engine:
   g = cfg.generation
   return Engine(cfg.model, max_concurrent_decodes=g.num_slots,
                 max_prefill_length=g.max_prompt_len,
-                max_target_length=g.max_prompt_len + g.max_new_tokens)
+                max_target_length=g.max_prompt_len + g.max_new_tokens,
+                steps_per_call=g.steps_per_call)
 
 
 @dataclasses.dataclass

@@ -70,6 +70,26 @@ def test_prefill_buckets_are_powers_of_two_capped():
   assert prefill_buckets(10) == (10,)
 
 
+def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params):
+  engine = Engine(CFG, max_concurrent_decodes=8, max_prefill_length=16, max_target_length=T)
+  padded, length = engine.pad_tokens(_prompts(10, 1)[0])
+  sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=4)
+  samplings = [SlotSampling.create(sp, 4, i) for i in range(3)]
+  draws = [engine.prefill(params=params, padded_tokens=padded, true_length=length,
+                          sampling=s)[1] for s in samplings]
+  prefix = engine.prefill(params=params, padded_tokens=padded, true_length=length,
+                          sampling=samplings[0])[0]
+  state, first = engine.insert_samples(prefix, engine.init_decode_state(), [5, 1, 6], samplings)
+  for row, (slot, draw) in enumerate(zip([5, 1, 6], draws)):
+    assert first.tokens_S[row] == draw.tokens_S[0] == state.tokens_S[slot]
+    np.testing.assert_allclose(first.logp_S[row], draw.logp_S[0], atol=1e-6)
+    np.testing.assert_array_equal(state.cache["k"][:, slot, :len(padded)], prefix.cache["k"][:, 0])
+  assert list(state.positions_S) == [T, length, T, T, T, length, length, T]
+  assert list(state.end_S) == [0, length + 5, 0, 0, 0, length + 5, length + 5, 0]
+  others = [0, 2, 3, 4, 7]
+  assert not np.any(np.asarray(state.cache["k"])[:, others])
+
+
 def test_greedy_pool_equals_argmax_of_full_reforward(engine, params):
   prompts = _prompts(1, 5)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -187,9 +207,9 @@ def test_no_recompilation_after_warmup(params):
   engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
-  # prefill and insert per bucket; resample, generate, generate_chunk and
-  # init_decode_state once.
-  assert len(warmup_compiles) <= 2 * len(engine.prefill_buckets) + 4
+  # prefill, insert and insert_samples per bucket; the draw of insert_samples,
+  # generate, generate_chunk and init_decode_state once.
+  assert len(warmup_compiles) <= 3 * len(engine.prefill_buckets) + 4
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

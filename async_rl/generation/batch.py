@@ -61,7 +61,8 @@ class HostBatch:
     self.slots: list[_Occupant | None] = [None] * num_slots
     self._max_len = max_target_length
     self._on_done = on_done
-    self._first: list[tuple[int, _Occupant, ResultTokens, int]] = []
+    # (first tokens, the (slot, occupant) of each row, version), per device result.
+    self._first: list[tuple[ResultTokens, list[tuple[int, _Occupant]], int]] = []
     self._chunk: tuple[ChunkTokens, list, int] | None = None
     self.calls = self.steps = self.step_tokens = self.wasted_slot_steps = 0
     self.generated_tokens = 0
@@ -75,16 +76,17 @@ class HostBatch:
   def occupied(self) -> list[tuple[int, _Occupant]]:
     return [(i, s) for i, s in enumerate(self.slots) if s is not None]
 
-  def occupy(self, slot: int, job: Job, index: int, sampling: SlotSampling,
-             first: ResultTokens, version: int) -> None:
-    """Records that `slot` now holds sample `index` of `job`, whose first token is
-    in `first` (produced by params `version`)."""
-    self.slots[slot] = _Occupant(job, index, sampling)
-    self._first.append((slot, self.slots[slot], first, version))
+  def occupy(self, slots: list[int], job: Job, indices: list[int],
+             samplings: list[SlotSampling], first: ResultTokens, version: int) -> None:
+    """Records that `slots[i]` now holds sample `indices[i]` of `job`, whose first
+    token is row i of `first` (produced by params `version`)."""
+    for slot, index, sampling in zip(slots, indices, samplings):
+      self.slots[slot] = _Occupant(job, index, sampling)
+    self._first.append((first, [(slot, self.slots[slot]) for slot in slots], version))
 
   def restart(self, slot: int, first: ResultTokens, version: int) -> None:
     """Records the next token of a re-prefilled slot (retract)."""
-    self._first.append((slot, self.slots[slot], first, version))
+    self._first.append((first, [(slot, self.slots[slot])], version))
 
   def add_chunk(self, result: ChunkTokens, version: int) -> None:
     """Registers a dispatched decode chunk (produced by params `version`); `flush`
@@ -99,12 +101,14 @@ class HostBatch:
     chunk, self._chunk = self._chunk, None
     if not first and chunk is None:
       return
-    first_host, chunk_host = jax.device_get(([r for _, _, r, _ in first],
+    first_host, chunk_host = jax.device_get(([r for r, _, _ in first],
                                              chunk[0] if chunk else None))
     # First tokens go first: a slot admitted before the pending chunk is in both.
-    for (slot, owner, _, version), r in zip(first, first_host):
-      if self.slots[slot] is owner:
-        self._emit(slot, r.tokens_S.tolist(), r.logp_S.tolist(), version)
+    for (_, owners, version), r in zip(first, first_host):
+      for row, (slot, owner) in enumerate(owners):
+        if self.slots[slot] is owner:
+          self._emit(slot, r.tokens_S[row:row + 1].tolist(), r.logp_S[row:row + 1].tolist(),
+                     version)
     if chunk is not None:
       self._read_chunk(chunk_host, *chunk[1:])
 

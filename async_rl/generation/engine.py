@@ -8,9 +8,10 @@ adapter can present it as a real JetStream engine. Differences are deliberate:
 sampling parameters, seed, stop ids and token budget included, travel with each
 request (`prefill(..., sampling=)`) and live in the decode state as per-slot arrays,
 instead of a `sampler` callable and an `rng` argument; results carry log-probs
-(`ResultTokens` here is ours, not JetStream's packed array); `resample` draws another
-sample of a prefilled prompt without recomputing it. `existing_prefix` (prefix
-caching) is not supported.
+(`ResultTokens` here is ours, not JetStream's packed array); `insert_samples` puts
+several samples of one prefilled prompt into slots in one call, each drawing its own
+first token, so a prompt is prefilled once for all its samples. `existing_prefix`
+(prefix caching) is not supported.
 
 `generate` is JetStream's one decode step, for JetStream's orchestrator, which ends
 requests on the host. `generate_chunk`, which the generator pool uses, runs
@@ -20,13 +21,14 @@ cache end, and the loop exits early once no slot is live. Sampling keys depend o
 on (seed, sample index, position), so a chunk draws exactly the tokens that as many
 single steps would.
 
-Compilation is bounded: prefill and insert compile once per length bucket (powers
-of two from 16, then `max_target_length`), generate, generate_chunk and resample
-once. The slot index of `insert` is traced, so filling different slots never
-recompiles.
+Compilation is bounded: prefill, insert and insert_samples compile once per length
+bucket (powers of two from 16, then `max_target_length`), generate, generate_chunk
+and the first-token draw of insert_samples once. Slot indices and sample counts are
+traced, so filling different slots never recompiles.
 """
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +49,7 @@ class Prefix:
 
   `cache` holds k and v of shape [L, 1, P, K, E] for the padded prompt; `logits_V`
   are the logits after the last real token (kept so more samples of the same
-  prompt can be drawn with `resample` without recomputing the prompt); `token` and
+  prompt can be drawn by `insert_samples` without recomputing the prompt); `token` and
   `logp` are the first generated token, which sits at position `length`. `start` is
   the position of the sample's first generated token, its prompt length: `length`
   less the tokens of a re-prefilled sample that were generated before.
@@ -81,8 +83,8 @@ class DecodeState:
 
 @struct.dataclass
 class ResultTokens:
-  """Tokens emitted by one prefill (S = 1) or one decode step, with their log-probs
-  and the sequence positions they occupy."""
+  """Tokens emitted by one prefill (S = 1), one `insert_samples` (row i for its sample
+  i) or one decode step, with their log-probs and the sequence positions they occupy."""
   tokens_S: jax.Array
   logp_S: jax.Array
   positions_S: jax.Array
@@ -102,13 +104,21 @@ class ChunkTokens:
   steps: jax.Array
 
 
+def _draw(logits_V, length, sampling_N):
+  """Draws N tokens at position `length` from the same logits, one per sampling row."""
+  N, V = sampling_N.seed.shape[0], logits_V.shape[0]
+  positions_N = jnp.full(N, length)
+  tokens_N, logp_N = sampling_lib.sample(jnp.broadcast_to(logits_V, (N, V)), sampling_N,
+                                         positions_N)
+  return ResultTokens(tokens_N, logp_N, positions_N)
+
+
 def _first_token(logits_V, length, sampling):
   """Draws the token at position `length`; returns the Prefix fields it sets and the
   result. `sampling` is passed through so the Prefix holds device arrays either way."""
-  sampling_1 = jax.tree.map(lambda x: x[None], sampling)
-  tokens_1, logp_1 = sampling_lib.sample(logits_V[None], sampling_1, length[None])
-  fields = dict(token=tokens_1[0], logp=logp_1[0], sampling=sampling)
-  return fields, ResultTokens(tokens_1, logp_1, length[None])
+  result = _draw(logits_V, length, jax.tree.map(lambda x: x[None], sampling))
+  fields = dict(token=result.tokens_S[0], logp=result.logp_S[0], sampling=sampling)
+  return fields, result
 
 
 def _prefill(params, tokens_P, length, generated, sampling, *, cfg):
@@ -129,6 +139,18 @@ def _insert(prefix, state, slot):
   return DecodeState(cache=cache, tokens_S=state.tokens_S.at[slot].set(prefix.token),
                      positions_S=state.positions_S.at[slot].set(prefix.length),
                      sampling_S=sampling_S, end_S=state.end_S.at[slot].set(end))
+
+
+def _insert_samples(prefix, state, slots_S, tokens_S, sampling_S, count):
+  """`_insert` of the first `count` rows: sample i, with first token `tokens_S[i]`
+  drawn under `sampling_S[i]`, goes to slot `slots_S[i]`. Only `count` copies of the
+  prompt's cache are written, however many slots there are."""
+
+  def insert_one(i, state):
+    sample = prefix.replace(token=tokens_S[i], sampling=jax.tree.map(lambda x: x[i], sampling_S))
+    return _insert(sample, state, slots_S[i])
+
+  return jax.lax.fori_loop(0, count, insert_one, state)
 
 
 def _live(state: DecodeState) -> jax.Array:
@@ -228,9 +250,11 @@ class Engine:
     replicated = NamedSharding(mesh, PartitionSpec())
     self._param_sharding = replicated if param_sharding is None else param_sharding
     self._prefill_fn = jax.jit(functools.partial(_prefill, cfg=cfg), out_shardings=replicated)
-    self._resample_fn = jax.jit(_first_token, out_shardings=replicated)
     # Donating the decode state lets XLA update the KV cache in place.
     self._insert_fn = jax.jit(_insert, donate_argnums=(1,), out_shardings=replicated)
+    self._insert_samples_fn = jax.jit(_insert_samples, donate_argnums=(1,),
+                                      out_shardings=replicated)
+    self._draw_fn = jax.jit(_draw, out_shardings=replicated)
     self._generate_fn = jax.jit(functools.partial(_generate, cfg=cfg), donate_argnums=(1,),
                                 out_shardings=replicated)
     self._generate_chunk_fn = jax.jit(
@@ -291,14 +315,28 @@ class Engine:
     return self._prefill_fn(params, padded_tokens, np.int32(true_length), np.int32(generated),
                             sampling)
 
-  def resample(self, prefix: Prefix, sampling: SlotSampling) -> tuple[Prefix, ResultTokens]:
-    """The same prefix with its first token redrawn under `sampling` (another sample)."""
-    fields, result = self._resample_fn(prefix.logits_V, prefix.length, sampling)
-    return prefix.replace(**fields), result
-
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Puts `prefix` into `slot`; the old `decode_state` is donated (unusable after)."""
     return self._insert_fn(prefix, decode_state, np.int32(slot))
+
+  def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int],
+                     samplings: Sequence[SlotSampling]) -> tuple[DecodeState, ResultTokens]:
+    """Puts samples of `prefix` into `slots`, sample i drawing its first token with
+    `samplings[i]` (the draw `prefill` would make with it); returns the new state (the
+    old one is donated) and the first tokens, row i for sample i.
+
+    Two device calls whatever the number of samples; the arrays are padded to S rows
+    so that neither recompiles for another count."""
+    n, S = len(slots), self._num_slots
+    if not 1 <= n <= S:
+      raise ValueError(f"insert_samples takes 1 to {S} slots, got {n}")
+    slots_S = np.zeros(S, np.int32)
+    slots_S[:n] = slots
+    sampling_S = jax.tree.map(lambda *x: np.stack(x), *samplings, *[samplings[0]] * (S - n))
+    first = self._draw_fn(prefix.logits_V, prefix.length, sampling_S)
+    state = self._insert_samples_fn(prefix, decode_state, slots_S, first.tokens_S, sampling_S,
+                                    np.int32(n))
+    return state, first
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step over all slots; the old `decode_state` is donated."""
@@ -311,8 +349,8 @@ class Engine:
     return self._generate_chunk_fn(params, decode_state)
 
   def warmup(self, params) -> None:
-    """Compiles prefill and insert for every bucket, resample, generate and
-    generate_chunk.
+    """Compiles prefill, insert and insert_samples for every bucket, the draw of
+    insert_samples, generate and generate_chunk.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -325,8 +363,7 @@ class Engine:
       prefix, _ = self.prefill(params=params, padded_tokens=np.zeros(bucket, np.int32),
                                true_length=1, sampling=sampling)
       state = self.insert(prefix, state, 0)
-      prefix, _ = self.resample(prefix, sampling)
-      state = self.insert(prefix, state, 0)
+      state, _ = self.insert_samples(prefix, state, [0], [sampling])
     state, result = self.generate(params, state)
     state, chunk = self.generate_chunk(params, state)
     jax.block_until_ready((result, chunk))

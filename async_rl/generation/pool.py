@@ -311,27 +311,31 @@ class GeneratorPool:
     return True
 
   def _admit(self):
-    for slot in self._batch.free_slots():
+    free = self._batch.free_slots()
+    while free:
       with self._cv:
         if not self._queue:
           return
-        job, index = self._queue.popleft()
-      self._start(job, index, slot)
+        # A request's samples are queued together, so they start together: one
+        # insert_samples call puts them all into their slots.
+        job, indices = self._queue[0][0], []
+        while self._queue and self._queue[0][0] is job and len(indices) < len(free):
+          indices.append(self._queue.popleft()[1])
+      self._start(job, indices, free[:len(indices)])
+      free = free[len(indices):]
 
-  def _start(self, job: Job, index: int, slot: int):
-    sampling = SlotSampling.create(job.request.sampling, job.seed, index)
+  def _start(self, job: Job, indices: list[int], slots: list[int]):
+    samplings = [SlotSampling.create(job.request.sampling, job.seed, i) for i in indices]
     if job.prefix is None or job.prefix_version != self._version:
       padded_P, length = self.engine.pad_tokens(job.prompt_P)
-      prefix, result = self.engine.prefill(params=self._params, padded_tokens=padded_P,
-                                           true_length=length, sampling=sampling)
-      job.prefix, job.prefix_version = prefix, self._version
-    else:
-      prefix, result = self.engine.resample(job.prefix, sampling)
-    job.unstarted -= 1
+      job.prefix, _ = self.engine.prefill(params=self._params, padded_tokens=padded_P,
+                                          true_length=length, sampling=samplings[0])
+      job.prefix_version = self._version
+    self._state, first = self.engine.insert_samples(job.prefix, self._state, slots, samplings)
+    job.unstarted -= len(indices)
     if not job.unstarted:
       job.prefix = None
-    self._state = self.engine.insert(prefix, self._state, slot)
-    self._batch.occupy(slot, job, index, sampling, result, self._version)
+    self._batch.occupy(slots, job, indices, samplings, first, self._version)
 
   def _complete(self, job: Job):
     job.done, job.prefix = True, None

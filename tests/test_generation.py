@@ -70,6 +70,20 @@ def test_prefill_buckets_are_powers_of_two_capped():
   assert prefill_buckets(10) == (10,)
 
 
+def test_prefill_many_equals_prefill_one_by_one(engine, params):
+  # Eleven prompts of one bucket: a batched call for eight, then three one by one.
+  prompts = _prompts(11, 11)
+  samplings = [SlotSampling.create(SamplingParams(temperature=0.9), 5, i) for i in range(11)]
+  many = engine.prefill_many(params=params, prompts=prompts, samplings=samplings)
+  for prompt, sampling, got in zip(prompts, samplings, many):
+    padded, length = engine.pad_tokens(prompt)
+    want, _ = engine.prefill(params=params, padded_tokens=padded, true_length=length,
+                             sampling=sampling)
+    assert int(got.length) == int(got.start) == length and int(got.token) == int(want.token)
+    np.testing.assert_allclose(got.logits_V, want.logits_V, atol=1e-5)
+    np.testing.assert_allclose(got.cache["k"], want.cache["k"], atol=1e-5)
+
+
 def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params):
   engine = Engine(CFG, max_concurrent_decodes=8, max_prefill_length=16, max_target_length=T)
   padded, length = engine.pad_tokens(_prompts(10, 1)[0])
@@ -207,9 +221,11 @@ def test_no_recompilation_after_warmup(params):
   engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
-  # prefill, insert and insert_samples per bucket; the draw of insert_samples,
-  # generate, generate_chunk and init_decode_state once.
-  assert len(warmup_compiles) <= 3 * len(engine.prefill_buckets) + 4
+  # prefill, insert and insert_samples per bucket, prefill_many's batch per prompt
+  # bucket; the draw of insert_samples, generate, generate_chunk and
+  # init_decode_state once.
+  buckets = 3 * len(engine.prefill_buckets) + len(engine.prompt_buckets)
+  assert len(warmup_compiles) <= buckets + 4
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

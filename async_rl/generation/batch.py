@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
-from async_rl.generation.engine import ChunkTokens, Prefix, ResultTokens
+from async_rl.generation.decode_state import ChunkTokens, Prefix, ResultTokens
 from async_rl.generation.request import Request, Sample
 from async_rl.generation.sampling import SlotSampling
 

@@ -13,195 +13,38 @@ several samples of one prefilled prompt into slots in one call, each drawing its
 first token, so a prompt is prefilled once for all its samples. `existing_prefix`
 (prefix caching) is not supported.
 
-`generate` is JetStream's one decode step, for JetStream's orchestrator, which ends
-requests on the host. `generate_chunk`, which the generator pool uses, runs
-`steps_per_call` steps in one jitted loop, so the host is visited once per chunk: a
-slot stops inside the loop when it emits a stop id or reaches its token budget or the
-cache end, and the loop exits early once no slot is live. Sampling keys depend only
-on (seed, sample index, position), so a chunk draws exactly the tokens that as many
-single steps would.
+`generate` is JetStream's one decode step (its orchestrator ends requests on the
+host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
+loop, and a slot stops inside it at a stop id, its token budget or the cache end. The
+keys of a draw depend only on (seed, sample index, position), so a chunk draws the
+tokens that as many single steps would.
 
 Compilation is bounded: prefill, insert and insert_samples compile once per length
-bucket (powers of two from 16, then `max_target_length`), generate, generate_chunk
-and the first-token draw of insert_samples once. Slot indices and sample counts are
-traced, so filling different slots never recompiles.
+bucket (powers of two from 16, then `max_target_length`), the batched prefill of
+prefill_many once per bucket a prompt can take, generate, generate_chunk and the
+first-token draw of insert_samples once. Slot indices and sample counts are traced,
+so filling different slots never recompiles.
 """
 
 import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from async_rl import models
+from async_rl.generation import decode_state as ds
 from async_rl.generation import sampling as sampling_lib
+from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
 from async_rl.generation.sampling import SlotSampling
 
 _MIN_BUCKET = 16
+PREFILL_ROWS = 8  # Prompts per batched prefill call (`Engine.prefill_many`).
 
 
-@struct.dataclass
-class Prefix:
-  """A prefilled prompt, ready to be inserted into a slot.
-
-  `cache` holds k and v of shape [L, 1, P, K, E] for the padded prompt; `logits_V`
-  are the logits after the last real token (kept so more samples of the same
-  prompt can be drawn by `insert_samples` without recomputing the prompt); `token` and
-  `logp` are the first generated token, which sits at position `length`. `start` is
-  the position of the sample's first generated token, its prompt length: `length`
-  less the tokens of a re-prefilled sample that were generated before.
-  """
-  cache: dict
-  logits_V: jax.Array
-  length: jax.Array
-  start: jax.Array
-  token: jax.Array
-  logp: jax.Array
-  sampling: SlotSampling
-
-
-@struct.dataclass
-class DecodeState:
-  """Everything one decode step transforms, for all S slots.
-
-  `tokens_S` is each slot's last generated token, not yet fed to the model;
-  `positions_S` its sequence position. The cache holds k and v of shape
-  [L, S, T, K, E]. An idle slot sits at position T, where decoding writes nothing.
-  `end_S` is one past the position of a slot's last allowed token (prompt length
-  plus `max_new_tokens`, capped by T); `generate_chunk` advances only live slots
-  (see `_live`).
-  """
-  cache: dict
-  tokens_S: jax.Array
-  positions_S: jax.Array
-  sampling_S: SlotSampling
-  end_S: jax.Array
-
-
-@struct.dataclass
-class ResultTokens:
-  """Tokens emitted by one prefill (S = 1), one `insert_samples` (row i for its sample
-  i) or one decode step, with their log-probs and the sequence positions they occupy."""
-  tokens_S: jax.Array
-  logp_S: jax.Array
-  positions_S: jax.Array
-
-
-@struct.dataclass
-class ChunkTokens:
-  """Tokens emitted by one `generate_chunk` call, T = `steps_per_call` per slot.
-
-  Slot s emitted `tokens_ST[s, :count_S[s]]` (a slot stops for good within a chunk,
-  so what it emits is a prefix of the steps); `steps` is how many steps the loop
-  ran, at most T.
-  """
-  tokens_ST: jax.Array
-  logp_ST: jax.Array
-  count_S: jax.Array
-  steps: jax.Array
-
-
-def _draw(logits_V, length, sampling_N):
-  """Draws N tokens at position `length` from the same logits, one per sampling row."""
-  N, V = sampling_N.seed.shape[0], logits_V.shape[0]
-  positions_N = jnp.full(N, length)
-  tokens_N, logp_N = sampling_lib.sample(jnp.broadcast_to(logits_V, (N, V)), sampling_N,
-                                         positions_N)
-  return ResultTokens(tokens_N, logp_N, positions_N)
-
-
-def _first_token(logits_V, length, sampling):
-  """Draws the token at position `length`; returns the Prefix fields it sets and the
-  result. `sampling` is passed through so the Prefix holds device arrays either way."""
-  result = _draw(logits_V, length, jax.tree.map(lambda x: x[None], sampling))
-  fields = dict(token=result.tokens_S[0], logp=result.logp_S[0], sampling=sampling)
-  return fields, result
-
-
-def _prefill(params, tokens_P, length, generated, sampling, *, cfg):
-  logits_1PV, cache = models.prefill(params, cfg, tokens_P[None], length[None])
-  logits_V = jax.lax.dynamic_index_in_dim(logits_1PV[0], length - 1, keepdims=False)
-  fields, result = _first_token(logits_V, length, sampling)
-  prefix = Prefix(cache=cache, logits_V=logits_V, length=length, start=length - generated,
-                  **fields)
-  return prefix, result
-
-
-def _insert(prefix, state, slot):
-  cache = jax.tree.map(
-      lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, slot, 0, 0, 0)),
-      state.cache, prefix.cache)
-  sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, prefix.sampling)
-  end = jnp.minimum(prefix.start + prefix.sampling.max_new_tokens, state.cache["k"].shape[2])
-  return DecodeState(cache=cache, tokens_S=state.tokens_S.at[slot].set(prefix.token),
-                     positions_S=state.positions_S.at[slot].set(prefix.length),
-                     sampling_S=sampling_S, end_S=state.end_S.at[slot].set(end))
-
-
-def _insert_samples(prefix, state, slots_S, tokens_S, sampling_S, count):
-  """`_insert` of the first `count` rows: sample i, with first token `tokens_S[i]`
-  drawn under `sampling_S[i]`, goes to slot `slots_S[i]`. Only `count` copies of the
-  prompt's cache are written, however many slots there are."""
-
-  def insert_one(i, state):
-    sample = prefix.replace(token=tokens_S[i], sampling=jax.tree.map(lambda x: x[i], sampling_S))
-    return _insert(sample, state, slots_S[i])
-
-  return jax.lax.fori_loop(0, count, insert_one, state)
-
-
-def _live(state: DecodeState) -> jax.Array:
-  """Bool [S]: the slots whose sample goes on, i.e. whose last token is not a stop id
-  and is not at the last allowed position. Idle slots (position T) are not live."""
-  stopped_S = jnp.any(state.tokens_S[:, None] == state.sampling_S.stop_ids, axis=1)
-  return (state.positions_S + 1 < state.end_S) & ~stopped_S
-
-
-def _generate(params, state, *, cfg):
-  logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, state.positions_S)
-  # Idle slots stay parked at position T (past the cache end) instead of counting up.
-  positions_S = jnp.minimum(state.positions_S + 1, state.cache["k"].shape[2])
-  tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
-  new_state = state.replace(cache=cache, tokens_S=tokens_S, positions_S=positions_S)
-  return new_state, ResultTokens(tokens_S, logp_S, positions_S)
-
-
-def _generate_chunk(params, state, *, cfg, steps):
-  S, T = state.tokens_S.shape[0], state.cache["k"].shape[2]
-
-  def cond(carry):
-    step, state, _ = carry
-    return (step < steps) & jnp.any(_live(state))
-
-  def body(carry):
-    step, state, (tokens_TS, logp_TS) = carry
-    live_S = _live(state)
-    # A stopped slot writes nowhere and keeps its token and position, so it stays
-    # stopped until `insert` gives the slot a new sample.
-    write_S = jnp.where(live_S, state.positions_S, T)
-    logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, write_S)
-    positions_S = jnp.where(live_S, state.positions_S + 1, state.positions_S)
-    tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
-    state = state.replace(cache=cache, tokens_S=jnp.where(live_S, tokens_S, state.tokens_S),
-                          positions_S=positions_S)
-    return step + 1, state, (tokens_TS.at[step].set(tokens_S), logp_TS.at[step].set(logp_S))
-
-  start_S = state.positions_S
-  out = (jnp.zeros((steps, S), jnp.int32), jnp.zeros((steps, S), jnp.float32))
-  ran, state, (tokens_TS, logp_TS) = jax.lax.while_loop(cond, body, (0, state, out))
-  return state, ChunkTokens(tokens_ST=tokens_TS.T, logp_ST=logp_TS.T,
-                            count_S=state.positions_S - start_S, steps=ran)
-
-
-def _init_decode_state(*, cfg, num_slots, max_len):
-  return DecodeState(cache=models.init_cache(cfg, num_slots, max_len),
-                     tokens_S=jnp.zeros(num_slots, jnp.int32),
-                     positions_S=jnp.full(num_slots, max_len, jnp.int32),
-                     sampling_S=jax.tree.map(jnp.asarray, SlotSampling.zeros(num_slots)),
-                     end_S=jnp.zeros(num_slots, jnp.int32))
+def _stack(samplings):
+  return jax.tree.map(lambda *x: np.stack(x), *samplings)
 
 
 def prefill_buckets(max_length: int) -> tuple[int, ...]:
@@ -244,23 +87,28 @@ class Engine:
     self._max_target_length = max_target_length
     self.steps_per_call = steps_per_call
     self.prefill_buckets = prefill_buckets(max_target_length)
+    # The buckets a prompt of at most max_prefill_length tokens can take.
+    self.prompt_buckets = tuple(b for b in self.prefill_buckets if b < max_prefill_length) + (
+        next(b for b in self.prefill_buckets if b >= max_prefill_length),)
     if mesh is None:
       mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self._mesh = mesh
     replicated = NamedSharding(mesh, PartitionSpec())
     self._param_sharding = replicated if param_sharding is None else param_sharding
-    self._prefill_fn = jax.jit(functools.partial(_prefill, cfg=cfg), out_shardings=replicated)
+    self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg), out_shardings=replicated)
+    self._prefill_rows_fn = jax.jit(functools.partial(ds.prefill_rows, cfg=cfg),
+                                    out_shardings=replicated)
     # Donating the decode state lets XLA update the KV cache in place.
-    self._insert_fn = jax.jit(_insert, donate_argnums=(1,), out_shardings=replicated)
-    self._insert_samples_fn = jax.jit(_insert_samples, donate_argnums=(1,),
+    self._insert_fn = jax.jit(ds.insert, donate_argnums=(1,), out_shardings=replicated)
+    self._insert_samples_fn = jax.jit(ds.insert_samples, donate_argnums=(1,),
                                       out_shardings=replicated)
-    self._draw_fn = jax.jit(_draw, out_shardings=replicated)
-    self._generate_fn = jax.jit(functools.partial(_generate, cfg=cfg), donate_argnums=(1,),
+    self._draw_fn = jax.jit(ds.draw, out_shardings=replicated)
+    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg), donate_argnums=(1,),
                                 out_shardings=replicated)
     self._generate_chunk_fn = jax.jit(
-        functools.partial(_generate_chunk, cfg=cfg, steps=steps_per_call), donate_argnums=(1,),
+        functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call), donate_argnums=(1,),
         out_shardings=replicated)
-    self._init_fn = jax.jit(functools.partial(_init_decode_state, cfg=cfg,
+    self._init_fn = jax.jit(functools.partial(ds.init_decode_state, cfg=cfg,
                                               num_slots=max_concurrent_decodes,
                                               max_len=max_target_length),
                             out_shardings=replicated)
@@ -315,6 +163,32 @@ class Engine:
     return self._prefill_fn(params, padded_tokens, np.int32(true_length), np.int32(generated),
                             sampling)
 
+  def prefill_many(self, *, params, prompts: Sequence, samplings: Sequence[SlotSampling]
+                   ) -> list[Prefix]:
+    """The prefixes of several prompts of at most `max_prefill_length` tokens, prompt
+    i drawing its first token with `samplings[i]`, as `prefill` would make them.
+
+    Prompts of one length bucket are prefilled together, `PREFILL_ROWS` per call
+    (fewer rows than half that go one by one, as padding rows cost compute).
+    """
+    padded = [self.pad_tokens(p) for p in prompts]
+    prefixes = [None] * len(prompts)
+    for bucket in {len(tokens) for tokens, _ in padded}:
+      rows = [i for i, (tokens, _) in enumerate(padded) if len(tokens) == bucket]
+      while 2 * len(rows) >= PREFILL_ROWS:
+        group, rows = rows[:PREFILL_ROWS], rows[PREFILL_ROWS:]
+        full = group + group[:1] * (PREFILL_ROWS - len(group))
+        out, _ = self._prefill_rows_fn(
+            params, np.stack([padded[i][0] for i in full]),
+            np.array([padded[i][1] for i in full], np.int32), np.zeros(len(full), np.int32),
+            _stack([samplings[i] for i in full]))
+        for i, prefix in zip(group, out):
+          prefixes[i] = prefix
+      for i in rows:
+        prefixes[i], _ = self.prefill(params=params, padded_tokens=padded[i][0],
+                                      true_length=padded[i][1], sampling=samplings[i])
+    return prefixes
+
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Puts `prefix` into `slot`; the old `decode_state` is donated (unusable after)."""
     return self._insert_fn(prefix, decode_state, np.int32(slot))
@@ -332,7 +206,7 @@ class Engine:
       raise ValueError(f"insert_samples takes 1 to {S} slots, got {n}")
     slots_S = np.zeros(S, np.int32)
     slots_S[:n] = slots
-    sampling_S = jax.tree.map(lambda *x: np.stack(x), *samplings, *[samplings[0]] * (S - n))
+    sampling_S = _stack([*samplings, *[samplings[0]] * (S - n)])
     first = self._draw_fn(prefix.logits_V, prefix.length, sampling_S)
     state = self._insert_samples_fn(prefix, decode_state, slots_S, first.tokens_S, sampling_S,
                                     np.int32(n))
@@ -362,6 +236,9 @@ class Engine:
     for bucket in self.prefill_buckets:
       prefix, _ = self.prefill(params=params, padded_tokens=np.zeros(bucket, np.int32),
                                true_length=1, sampling=sampling)
+      if bucket in self.prompt_buckets:
+        self.prefill_many(params=params, prompts=[np.zeros(bucket, np.int32)] * PREFILL_ROWS,
+                          samplings=[sampling] * PREFILL_ROWS)
       state = self.insert(prefix, state, 0)
       state, _ = self.insert_samples(prefix, state, [0], [sampling])
     state, result = self.generate(params, state)

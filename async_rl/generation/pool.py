@@ -311,31 +311,31 @@ class GeneratorPool:
     return True
 
   def _admit(self):
-    free = self._batch.free_slots()
-    while free:
-      with self._cv:
-        if not self._queue:
-          return
-        # A request's samples are queued together, so they start together: one
-        # insert_samples call puts them all into their slots.
+    free, groups = self._batch.free_slots(), []
+    with self._cv:
+      while free and self._queue:
+        # A request's samples are queued together, so they start together.
         job, indices = self._queue[0][0], []
         while self._queue and self._queue[0][0] is job and len(indices) < len(free):
           indices.append(self._queue.popleft()[1])
-      self._start(job, indices, free[:len(indices)])
-      free = free[len(indices):]
-
-  def _start(self, job: Job, indices: list[int], slots: list[int]):
-    samplings = [SlotSampling.create(job.request.sampling, job.seed, i) for i in indices]
-    if job.prefix is None or job.prefix_version != self._version:
-      padded_P, length = self.engine.pad_tokens(job.prompt_P)
-      job.prefix, _ = self.engine.prefill(params=self._params, padded_tokens=padded_P,
-                                          true_length=length, sampling=samplings[0])
-      job.prefix_version = self._version
-    self._state, first = self.engine.insert_samples(job.prefix, self._state, slots, samplings)
-    job.unstarted -= len(indices)
-    if not job.unstarted:
-      job.prefix = None
-    self._batch.occupy(slots, job, indices, samplings, first, self._version)
+        groups.append((job, indices, free[:len(indices)]))
+        free = free[len(indices):]
+    samplings = [[SlotSampling.create(job.request.sampling, job.seed, i) for i in indices]
+                 for job, indices, _ in groups]
+    stale = [(job, s[0]) for (job, _, _), s in zip(groups, samplings)
+             if job.prefix is None or job.prefix_version != self._version]
+    if stale:
+      prefixes = self.engine.prefill_many(params=self._params,
+                                          prompts=[job.prompt_P for job, _ in stale],
+                                          samplings=[s for _, s in stale])
+      for (job, _), prefix in zip(stale, prefixes):
+        job.prefix, job.prefix_version = prefix, self._version
+    for (job, indices, slots), s in zip(groups, samplings):
+      self._state, first = self.engine.insert_samples(job.prefix, self._state, slots, s)
+      job.unstarted -= len(indices)
+      if not job.unstarted:
+        job.prefix = None
+      self._batch.occupy(slots, job, indices, s, first, self._version)
 
   def _complete(self, job: Job):
     job.done, job.prefix = True, None

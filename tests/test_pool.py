@@ -266,6 +266,7 @@ def test_bad_request_is_rejected_without_disturbing_others(engine, params, reque
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(seed=-1), "seed"),
+    (dict(stop_token_ids=range(33)), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kw, match):
   with pytest.raises(ValueError, match=match):

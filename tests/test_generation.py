@@ -70,37 +70,47 @@ def test_prefill_buckets_are_powers_of_two_capped():
   assert prefill_buckets(10) == (10,)
 
 
+def _prefill_one(engine, params, prompt, sampling):
+  padded, length = engine.pad_tokens(prompt)
+  return engine.prefill(params=params, padded_tokens=padded, true_length=length,
+                        sampling=sampling)
+
+
 def test_prefill_many_equals_prefill_one_by_one(engine, params):
   # Eleven prompts of one bucket: a batched call for eight, then three one by one.
   prompts = _prompts(11, 11)
   samplings = [SlotSampling.create(SamplingParams(temperature=0.9), 5, i) for i in range(11)]
-  many = engine.prefill_many(params=params, prompts=prompts, samplings=samplings)
-  for prompt, sampling, got in zip(prompts, samplings, many):
-    padded, length = engine.pad_tokens(prompt)
-    want, _ = engine.prefill(params=params, padded_tokens=padded, true_length=length,
-                             sampling=sampling)
-    assert int(got.length) == int(got.start) == length and int(got.token) == int(want.token)
-    np.testing.assert_allclose(got.logits_V, want.logits_V, atol=1e-5)
-    np.testing.assert_allclose(got.cache["k"], want.cache["k"], atol=1e-5)
+  refs = engine.prefill_many(params=params, prompts=prompts, samplings=samplings)
+  assert len({id(prefix) for prefix, _ in refs}) == 4
+  assert [row for _, row in refs] == list(range(8)) + [0, 0, 0]
+  for prompt, sampling, (got, row) in zip(prompts, samplings, refs):
+    want, _ = _prefill_one(engine, params, prompt, sampling)
+    assert int(got.lengths_B[row]) == int(got.starts_B[row]) == len(prompt)
+    assert int(got.tokens_B[row]) == int(want.tokens_B[0])
+    np.testing.assert_allclose(got.logits_BV[row], want.logits_BV[0], atol=1e-5)
+    np.testing.assert_allclose(got.cache["k"][:, row], want.cache["k"][:, 0], atol=1e-5)
 
 
 def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params):
   engine = Engine(CFG, max_concurrent_decodes=8, max_prefill_length=16, max_target_length=T)
-  padded, length = engine.pad_tokens(_prompts(10, 1)[0])
+  prompts = _prompts(10, 4)
   sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=4)
   samplings = [SlotSampling.create(sp, 4, i) for i in range(3)]
-  draws = [engine.prefill(params=params, padded_tokens=padded, true_length=length,
-                          sampling=s)[1] for s in samplings]
-  prefix = engine.prefill(params=params, padded_tokens=padded, true_length=length,
-                          sampling=samplings[0])[0]
-  state, first = engine.insert_samples(prefix, engine.init_decode_state(), [5, 1, 6], samplings)
-  for row, (slot, draw) in enumerate(zip([5, 1, 6], draws)):
-    assert first.tokens_S[row] == draw.tokens_S[0] == state.tokens_S[slot]
-    np.testing.assert_allclose(first.logp_S[row], draw.logp_S[0], atol=1e-6)
-    np.testing.assert_array_equal(state.cache["k"][:, slot, :len(padded)], prefix.cache["k"][:, 0])
-  assert list(state.positions_S) == [T, length, T, T, T, length, length, T]
-  assert list(state.end_S) == [0, length + 5, 0, 0, 0, length + 5, length + 5, 0]
+  ((prefix, _), *_) = engine.prefill_many(params=params, prompts=prompts,
+                                         samplings=samplings + samplings[:1])
+  rows, slots = [2, 0, 2], [5, 1, 6]
+  state, first = engine.insert_samples(prefix, engine.init_decode_state(), rows, slots,
+                                       samplings)
+  for i, (row, slot, sampling) in enumerate(zip(rows, slots, samplings)):
+    alone, draw = _prefill_one(engine, params, prompts[row], sampling)
+    assert first.tokens_S[i] == draw.tokens_S[0] == state.tokens_S[slot]
+    np.testing.assert_allclose(first.logp_S[i], draw.logp_S[0], atol=1e-5)
+    np.testing.assert_allclose(state.cache["k"][:, slot, :16], alone.cache["k"][:, 0],
+                               atol=1e-5)
+    assert state.positions_S[slot] == len(prompts[row])
+    assert state.end_S[slot] == len(prompts[row]) + 5
   others = [0, 2, 3, 4, 7]
+  assert all(state.positions_S[s] == T and state.end_S[s] == 0 for s in others)
   assert not np.any(np.asarray(state.cache["k"])[:, others])
 
 
@@ -221,11 +231,11 @@ def test_no_recompilation_after_warmup(params):
   engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
-  # prefill, insert and insert_samples per bucket, prefill_many's batch per prompt
-  # bucket; the draw of insert_samples, generate, generate_chunk and
-  # init_decode_state once.
-  buckets = 3 * len(engine.prefill_buckets) + len(engine.prompt_buckets)
-  assert len(warmup_compiles) <= buckets + 4
+  # prefill and insert per bucket; prefill_many's batch and insert_samples (for one
+  # and for a batch of prompts) per prompt bucket; the draws of insert_samples (one,
+  # a batch), generate, generate_chunk and init_decode_state once.
+  buckets = 2 * len(engine.prefill_buckets) + 3 * len(engine.prompt_buckets)
+  assert len(warmup_compiles) <= buckets + 5
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

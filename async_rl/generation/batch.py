@@ -31,7 +31,7 @@ class Job:
   future: Future
   samples: list
   unstarted: int
-  prefix: Prefix | None = None
+  prefix: tuple[Prefix, int] | None = None  # A Prefix and the row of this prompt.
   prefix_version: int = -1
   aborted: bool = False
   done: bool = False
@@ -76,13 +76,16 @@ class HostBatch:
   def occupied(self) -> list[tuple[int, _Occupant]]:
     return [(i, s) for i, s in enumerate(self.slots) if s is not None]
 
-  def occupy(self, slots: list[int], job: Job, indices: list[int],
-             samplings: list[SlotSampling], first: ResultTokens, version: int) -> None:
-    """Records that `slots[i]` now holds sample `indices[i]` of `job`, whose first
-    token is row i of `first` (produced by params `version`)."""
-    for slot, index, sampling in zip(slots, indices, samplings):
+  def occupy(self, entries: list[tuple[int, Job, int, SlotSampling]], first: ResultTokens,
+             version: int) -> None:
+    """Records, for each (slot, job, index, sampling) of `entries`, that the slot now
+    holds sample `index` of `job`; entry i's first token is row i of `first`
+    (produced by params `version`)."""
+    owners = []
+    for slot, job, index, sampling in entries:
       self.slots[slot] = _Occupant(job, index, sampling)
-    self._first.append((first, [(slot, self.slots[slot]) for slot in slots], version))
+      owners.append((slot, self.slots[slot]))
+    self._first.append((first, owners, version))
 
   def restart(self, slot: int, first: ResultTokens, version: int) -> None:
     """Records the next token of a re-prefilled slot (retract)."""

@@ -2,7 +2,7 @@
 
 This is the functional core of `engine.Engine`, which jits these functions with its
 shardings and donates the decode state. Shapes: S slots, T the cache length, P a
-padded prompt length, B prompts prefilled together, N samples of one prompt.
+padded prompt length, B prompts prefilled together.
 """
 
 import jax
@@ -16,22 +16,23 @@ from async_rl.generation.sampling import SlotSampling
 
 @struct.dataclass
 class Prefix:
-  """A prefilled prompt, ready to be inserted into a slot.
+  """B prefilled prompts, ready to be inserted into slots.
 
-  `cache` holds k and v of shape [L, 1, P, K, E] for the padded prompt; `logits_V`
-  are the logits after the last real token (kept so more samples of the same
-  prompt can be drawn by `insert_samples` without recomputing the prompt); `token` and
-  `logp` are the first generated token, which sits at position `length`. `start` is
-  the position of the sample's first generated token, its prompt length: `length`
-  less the tokens of a re-prefilled sample that were generated before.
+  `cache` holds k and v of shape [L, B, P, K, E] for the padded prompts; `logits_BV`
+  are the logits after each prompt's last real token (kept so more samples of a
+  prompt can be drawn by `insert_samples` without recomputing it); `tokens_B` and
+  `logp_B` are each prompt's first generated token, drawn with `sampling_B`, which
+  sits at position `lengths_B`. `starts_B` is the position of a sample's first
+  generated token, its prompt length: the length less the tokens that a re-prefilled
+  sample generated before.
   """
   cache: dict
-  logits_V: jax.Array
-  length: jax.Array
-  start: jax.Array
-  token: jax.Array
-  logp: jax.Array
-  sampling: SlotSampling
+  logits_BV: jax.Array
+  lengths_B: jax.Array
+  starts_B: jax.Array
+  tokens_B: jax.Array
+  logp_B: jax.Array
+  sampling_B: SlotSampling
 
 
 @struct.dataclass
@@ -75,55 +76,55 @@ class ChunkTokens:
   steps: jax.Array
 
 
-def draw(logits_V, length, sampling_N):
-  """Draws N tokens at position `length` from the same logits, one per sampling row."""
-  N, V = sampling_N.seed.shape[0], logits_V.shape[0]
-  positions_N = jnp.full(N, length)
-  tokens_N, logp_N = sampling_lib.sample(jnp.broadcast_to(logits_V, (N, V)), sampling_N,
-                                         positions_N)
-  return ResultTokens(tokens_N, logp_N, positions_N)
-
-
-def prefill_rows(params, tokens_BP, lengths_B, generated_B, sampling_B, *, cfg):
-  """Prefills B prompts in one forward; returns their B Prefixes and first tokens."""
+def prefill(params, tokens_BP, lengths_B, generated_B, sampling_B, *, cfg):
+  """Prefills B prompts in one forward; returns their Prefix and first tokens."""
   B = tokens_BP.shape[0]
   logits_BPV, cache = models.prefill(params, cfg, tokens_BP, lengths_B)
   logits_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
   tokens_B, logp_B = sampling_lib.sample(logits_BV, sampling_B, lengths_B)
-  prefixes = [Prefix(cache=jax.tree.map(lambda c: c[:, b:b + 1], cache), logits_V=logits_BV[b],
-                     length=lengths_B[b], start=lengths_B[b] - generated_B[b], token=tokens_B[b],
-                     logp=logp_B[b], sampling=jax.tree.map(lambda x: x[b], sampling_B))
-              for b in range(B)]
-  return prefixes, ResultTokens(tokens_B, logp_B, lengths_B)
+  prefix = Prefix(cache=cache, logits_BV=logits_BV, lengths_B=lengths_B,
+                  starts_B=lengths_B - generated_B, tokens_B=tokens_B, logp_B=logp_B,
+                  sampling_B=sampling_B)
+  return prefix, ResultTokens(tokens_B, logp_B, lengths_B)
 
 
-def prefill(params, tokens_P, length, generated, sampling, *, cfg):
-  """`prefill_rows` of one prompt; returns its Prefix and first token."""
-  (prefix,), result = prefill_rows(params, tokens_P[None], length[None], generated[None],
-                                   jax.tree.map(lambda x: x[None], sampling), cfg=cfg)
-  return prefix, result
+def _insert_row(prefix, row, token, sampling, state, slot):
+  """Puts prompt `row` of `prefix` into `slot`, with first token `token`."""
+  def put(c, p):
+    p_row = jax.lax.dynamic_slice_in_dim(p, row, 1, axis=1)
+    return jax.lax.dynamic_update_slice(c, p_row.astype(c.dtype), (0, slot, 0, 0, 0))
 
-
-def insert(prefix, state, slot):
-  """Puts `prefix`, its first token and its sampling into `slot`."""
-  cache = jax.tree.map(
-      lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, slot, 0, 0, 0)),
-      state.cache, prefix.cache)
-  sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, prefix.sampling)
-  end = jnp.minimum(prefix.start + prefix.sampling.max_new_tokens, state.cache["k"].shape[2])
-  return DecodeState(cache=cache, tokens_S=state.tokens_S.at[slot].set(prefix.token),
-                     positions_S=state.positions_S.at[slot].set(prefix.length),
+  T = state.cache["k"].shape[2]
+  end = jnp.minimum(prefix.starts_B[row] + sampling.max_new_tokens, T)
+  sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, sampling)
+  return DecodeState(cache=jax.tree.map(put, state.cache, prefix.cache),
+                     tokens_S=state.tokens_S.at[slot].set(token),
+                     positions_S=state.positions_S.at[slot].set(prefix.lengths_B[row]),
                      sampling_S=sampling_S, end_S=state.end_S.at[slot].set(end))
 
 
-def insert_samples(prefix, state, slots_S, tokens_S, sampling_S, count):
-  """`insert` of the first `count` rows: sample i, with first token `tokens_S[i]`
-  drawn under `sampling_S[i]`, goes to slot `slots_S[i]`. Only `count` copies of the
-  prompt's cache are written, however many slots there are."""
+def insert(prefix, state, slot):
+  """Puts the first prompt of `prefix`, with its own first token, into `slot`."""
+  return _insert_row(prefix, 0, prefix.tokens_B[0],
+                     jax.tree.map(lambda x: x[0], prefix.sampling_B), state, slot)
+
+
+def draw(logits_BV, lengths_B, rows_S, sampling_S):
+  """First tokens of new samples: row i is drawn from prompt `rows_S[i]`'s logits with
+  `sampling_S[i]`, at the position after that prompt."""
+  positions_S = lengths_B[rows_S]
+  tokens_S, logp_S = sampling_lib.sample(logits_BV[rows_S], sampling_S, positions_S)
+  return ResultTokens(tokens_S, logp_S, positions_S)
+
+
+def insert_samples(prefix, state, rows_S, slots_S, tokens_S, sampling_S, count):
+  """Inserts `count` samples: sample i, of prompt `rows_S[i]`, with first token
+  `tokens_S[i]` drawn under `sampling_S[i]`, goes to slot `slots_S[i]`. Only `count`
+  copies of a prompt's cache are written, however many slots there are."""
 
   def insert_one(i, state):
     sampling = jax.tree.map(lambda x: x[i], sampling_S)
-    return insert(prefix.replace(token=tokens_S[i], sampling=sampling), state, slots_S[i])
+    return _insert_row(prefix, rows_S[i], tokens_S[i], sampling, state, slots_S[i])
 
   return jax.lax.fori_loop(0, count, insert_one, state)
 

@@ -8,10 +8,11 @@ adapter can present it as a real JetStream engine. Differences are deliberate:
 sampling parameters, seed, stop ids and token budget included, travel with each
 request (`prefill(..., sampling=)`) and live in the decode state as per-slot arrays,
 instead of a `sampler` callable and an `rng` argument; results carry log-probs
-(`ResultTokens` here is ours, not JetStream's packed array); `insert_samples` puts
-several samples of one prefilled prompt into slots in one call, each drawing its own
-first token, so a prompt is prefilled once for all its samples. `existing_prefix`
-(prefix caching) is not supported.
+(`ResultTokens` here is ours, not JetStream's packed array); a Prefix may hold
+several prompts (`prefill_many`), and `insert_samples` puts any number of samples of
+them into slots in one call, each drawing its own first token, so a prompt is
+prefilled once for all its samples. `existing_prefix` (prefix caching) is not
+supported.
 
 `generate` is JetStream's one decode step (its orchestrator ends requests on the
 host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
@@ -19,11 +20,11 @@ loop, and a slot stops inside it at a stop id, its token budget or the cache end
 keys of a draw depend only on (seed, sample index, position), so a chunk draws the
 tokens that as many single steps would.
 
-Compilation is bounded: prefill, insert and insert_samples compile once per length
-bucket (powers of two from 16, then `max_target_length`), the batched prefill of
-prefill_many once per bucket a prompt can take, generate, generate_chunk and the
-first-token draw of insert_samples once. Slot indices and sample counts are traced,
-so filling different slots never recompiles.
+Compilation is bounded: prefill and insert compile once per length bucket (powers of
+two from 16, then `max_target_length`), prefill_many's batched prefill and
+insert_samples once per bucket a prompt can take and prefix size (1 or
+`PREFILL_ROWS` prompts), generate and generate_chunk once. Slot indices and sample
+counts are traced, so filling different slots never recompiles.
 """
 
 import functools
@@ -96,8 +97,6 @@ class Engine:
     replicated = NamedSharding(mesh, PartitionSpec())
     self._param_sharding = replicated if param_sharding is None else param_sharding
     self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg), out_shardings=replicated)
-    self._prefill_rows_fn = jax.jit(functools.partial(ds.prefill_rows, cfg=cfg),
-                                    out_shardings=replicated)
     # Donating the decode state lets XLA update the KV cache in place.
     self._insert_fn = jax.jit(ds.insert, donate_argnums=(1,), out_shardings=replicated)
     self._insert_samples_fn = jax.jit(ds.insert_samples, donate_argnums=(1,),
@@ -158,58 +157,64 @@ class Engine:
     """Runs a padded prompt and draws its first generated token with `sampling`.
 
     `generated` is how many of the `true_length` tokens a re-prefilled sample
-    generated before; they count against `sampling.max_new_tokens`.
+    generated before; they count against `sampling.max_new_tokens`. The Prefix holds
+    this one prompt (B = 1).
     """
-    return self._prefill_fn(params, padded_tokens, np.int32(true_length), np.int32(generated),
-                            sampling)
+    return self._prefill_fn(params, np.asarray(padded_tokens)[None],
+                            np.array([true_length], np.int32), np.array([generated], np.int32),
+                            _stack([sampling]))
 
   def prefill_many(self, *, params, prompts: Sequence, samplings: Sequence[SlotSampling]
-                   ) -> list[Prefix]:
-    """The prefixes of several prompts of at most `max_prefill_length` tokens, prompt
-    i drawing its first token with `samplings[i]`, as `prefill` would make them.
+                   ) -> list[tuple[Prefix, int]]:
+    """Prefills prompts of at most `max_prefill_length` tokens, prompt i drawing its
+    first token with `samplings[i]`; returns each prompt's (Prefix, row).
 
     Prompts of one length bucket are prefilled together, `PREFILL_ROWS` per call
     (fewer rows than half that go one by one, as padding rows cost compute).
     """
     padded = [self.pad_tokens(p) for p in prompts]
-    prefixes = [None] * len(prompts)
+    refs = [None] * len(prompts)
     for bucket in {len(tokens) for tokens, _ in padded}:
       rows = [i for i, (tokens, _) in enumerate(padded) if len(tokens) == bucket]
       while 2 * len(rows) >= PREFILL_ROWS:
         group, rows = rows[:PREFILL_ROWS], rows[PREFILL_ROWS:]
         full = group + group[:1] * (PREFILL_ROWS - len(group))
-        out, _ = self._prefill_rows_fn(
+        prefix, _ = self._prefill_fn(
             params, np.stack([padded[i][0] for i in full]),
             np.array([padded[i][1] for i in full], np.int32), np.zeros(len(full), np.int32),
             _stack([samplings[i] for i in full]))
-        for i, prefix in zip(group, out):
-          prefixes[i] = prefix
+        for row, i in enumerate(group):
+          refs[i] = (prefix, row)
       for i in rows:
-        prefixes[i], _ = self.prefill(params=params, padded_tokens=padded[i][0],
-                                      true_length=padded[i][1], sampling=samplings[i])
-    return prefixes
+        refs[i] = (self.prefill(params=params, padded_tokens=padded[i][0],
+                                true_length=padded[i][1], sampling=samplings[i])[0], 0)
+    return refs
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-    """Puts `prefix` into `slot`; the old `decode_state` is donated (unusable after)."""
+    """Puts the (first) prompt of `prefix` into `slot`; the old `decode_state` is
+    donated (unusable after)."""
     return self._insert_fn(prefix, decode_state, np.int32(slot))
 
-  def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int],
-                     samplings: Sequence[SlotSampling]) -> tuple[DecodeState, ResultTokens]:
-    """Puts samples of `prefix` into `slots`, sample i drawing its first token with
-    `samplings[i]` (the draw `prefill` would make with it); returns the new state (the
-    old one is donated) and the first tokens, row i for sample i.
+  def insert_samples(self, prefix: Prefix, decode_state: DecodeState, rows: Sequence[int],
+                     slots: Sequence[int], samplings: Sequence[SlotSampling]
+                     ) -> tuple[DecodeState, ResultTokens]:
+    """Puts new samples of the prompts of `prefix` into slots: sample i, of prompt
+    `rows[i]`, goes to `slots[i]` and draws its first token with `samplings[i]` (the
+    draw `prefill` would make with it). Returns the new state (the old one is
+    donated) and the first tokens, row i for sample i.
 
     Two device calls whatever the number of samples; the arrays are padded to S rows
-    so that neither recompiles for another count."""
+    so that neither recompiles for another count.
+    """
     n, S = len(slots), self._num_slots
     if not 1 <= n <= S:
       raise ValueError(f"insert_samples takes 1 to {S} slots, got {n}")
-    slots_S = np.zeros(S, np.int32)
-    slots_S[:n] = slots
+    rows_S, slots_S = np.zeros(S, np.int32), np.zeros(S, np.int32)
+    rows_S[:n], slots_S[:n] = rows, slots
     sampling_S = _stack([*samplings, *[samplings[0]] * (S - n)])
-    first = self._draw_fn(prefix.logits_V, prefix.length, sampling_S)
-    state = self._insert_samples_fn(prefix, decode_state, slots_S, first.tokens_S, sampling_S,
-                                    np.int32(n))
+    first = self._draw_fn(prefix.logits_BV, prefix.lengths_B, rows_S, sampling_S)
+    state = self._insert_samples_fn(prefix, decode_state, rows_S, slots_S, first.tokens_S,
+                                    sampling_S, np.int32(n))
     return state, first
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
@@ -223,8 +228,9 @@ class Engine:
     return self._generate_chunk_fn(params, decode_state)
 
   def warmup(self, params) -> None:
-    """Compiles prefill, insert and insert_samples for every bucket, the draw of
-    insert_samples, generate and generate_chunk.
+    """Compiles every call the pool makes: prefill and insert for every bucket,
+    prefill_many and insert_samples for every bucket a prompt can take (one and
+    `PREFILL_ROWS` prompts), generate and generate_chunk.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -236,11 +242,13 @@ class Engine:
     for bucket in self.prefill_buckets:
       prefix, _ = self.prefill(params=params, padded_tokens=np.zeros(bucket, np.int32),
                                true_length=1, sampling=sampling)
-      if bucket in self.prompt_buckets:
-        self.prefill_many(params=params, prompts=[np.zeros(bucket, np.int32)] * PREFILL_ROWS,
-                          samplings=[sampling] * PREFILL_ROWS)
       state = self.insert(prefix, state, 0)
-      state, _ = self.insert_samples(prefix, state, [0], [sampling])
+      if bucket in self.prompt_buckets:
+        ((rows, _), *_) = self.prefill_many(
+            params=params, prompts=[np.zeros(bucket, np.int32)] * PREFILL_ROWS,
+            samplings=[sampling] * PREFILL_ROWS)
+        for p in (prefix, rows):
+          state, _ = self.insert_samples(p, state, [0], [0], [sampling])
     state, result = self.generate(params, state)
     state, chunk = self.generate_chunk(params, state)
     jax.block_until_ready((result, chunk))

@@ -311,31 +311,33 @@ class GeneratorPool:
     return True
 
   def _admit(self):
-    free, groups = self._batch.free_slots(), []
+    free = self._batch.free_slots()
     with self._cv:
-      while free and self._queue:
-        # A request's samples are queued together, so they start together.
-        job, indices = self._queue[0][0], []
-        while self._queue and self._queue[0][0] is job and len(indices) < len(free):
-          indices.append(self._queue.popleft()[1])
-        groups.append((job, indices, free[:len(indices)]))
-        free = free[len(indices):]
-    samplings = [[SlotSampling.create(job.request.sampling, job.seed, i) for i in indices]
-                 for job, indices, _ in groups]
-    stale = [(job, s[0]) for (job, _, _), s in zip(groups, samplings)
-             if job.prefix is None or job.prefix_version != self._version]
+      taken = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+    jobs = list(dict.fromkeys(job for job, _ in taken))
+    stale = [job for job in jobs if job.prefix is None or job.prefix_version != self._version]
     if stale:
-      prefixes = self.engine.prefill_many(params=self._params,
-                                          prompts=[job.prompt_P for job, _ in stale],
-                                          samplings=[s for _, s in stale])
-      for (job, _), prefix in zip(stale, prefixes):
-        job.prefix, job.prefix_version = prefix, self._version
-    for (job, indices, slots), s in zip(groups, samplings):
-      self._state, first = self.engine.insert_samples(job.prefix, self._state, slots, s)
-      job.unstarted -= len(indices)
+      # The prefill's own first-token draw goes unused: insert_samples draws each.
+      refs = self.engine.prefill_many(
+          params=self._params, prompts=[job.prompt_P for job in stale],
+          samplings=[SlotSampling.create(job.request.sampling, job.seed, 0) for job in stale])
+      for job, ref in zip(stale, refs):
+        job.prefix, job.prefix_version = ref, self._version
+    # One insert_samples call per Prefix: prompts prefilled together start together.
+    starts = {}
+    for slot, (job, index) in zip(free, taken):
+      prefix, row = job.prefix
+      sampling = SlotSampling.create(job.request.sampling, job.seed, index)
+      starts.setdefault(id(prefix), (prefix, []))[1].append((slot, job, index, sampling, row))
+      job.unstarted -= 1
+    for job in jobs:
       if not job.unstarted:
         job.prefix = None
-      self._batch.occupy(slots, job, indices, s, first, self._version)
+    for prefix, entries in starts.values():
+      self._state, first = self.engine.insert_samples(
+          prefix, self._state, [e[4] for e in entries], [e[0] for e in entries],
+          [e[3] for e in entries])
+      self._batch.occupy([e[:4] for e in entries], first, self._version)
 
   def _complete(self, job: Job):
     job.done, job.prefix = True, None

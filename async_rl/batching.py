@@ -6,11 +6,13 @@ positions; `pack_dynamic` does both and pads to a small fixed set of shapes so t
 jitted train step compiles a bounded number of times.
 """
 
-import dataclasses
 from collections.abc import Sequence as SequenceOf
+from typing import Optional
 
 import numpy as np
 from flax import struct
+
+from async_rl.trajectory import Trajectory
 
 
 def ffd_allocate(lengths: SequenceOf[int], max_tokens_per_mb: int,
@@ -77,62 +79,14 @@ def _fewest_fit(order, lengths, budget, num_open):
   return groups
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Sequence:
-  """One scored sample on the host, as the trainer receives it.
-
-  Attributes:
-    tokens: int32 [P + C], the prompt then the completion.
-    prompt_len: P, at least 1 (the first token is never predicted).
-    behav_logp: float32 [C], log-prob of each completion token under the behaviour
-      policy.
-    versions: int32 [C], policy version (>= 0) that generated each completion token.
-    advantage: the sample's advantage, shared by all its completion tokens.
-  """
-  tokens: np.ndarray
-  prompt_len: int
-  behav_logp: np.ndarray
-  versions: np.ndarray
-  advantage: float
-
-  def __post_init__(self):
-    tokens = np.asarray(self.tokens)
-    versions = np.asarray(self.versions)
-    behav_logp = np.asarray(self.behav_logp, dtype=np.float32)
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-      raise ValueError(f"Sequence.tokens must be a 1-D integer array, got dtype "
-                       f"{tokens.dtype} and shape {tokens.shape}")
-    if not 1 <= self.prompt_len <= tokens.size:
-      raise ValueError(f"Sequence.prompt_len must be in [1, len(tokens)={tokens.size}], "
-                       f"got {self.prompt_len}")
-    completion_len = tokens.size - self.prompt_len
-    for name, arr in (("behav_logp", behav_logp), ("versions", versions)):
-      if arr.shape != (completion_len,):
-        raise ValueError(f"Sequence.{name} must have shape ({completion_len},) (one entry "
-                         f"per completion token), got {arr.shape}")
-    if completion_len and not np.issubdtype(versions.dtype, np.integer):
-      raise ValueError(f"Sequence.versions must be integers, got dtype {versions.dtype}")
-    if completion_len and versions.min() < 0:
-      raise ValueError(f"Sequence.versions must be >= 0 (-1 marks prompt tokens), "
-                       f"got {versions.min()}")
-    object.__setattr__(self, "tokens", tokens.astype(np.int32))
-    object.__setattr__(self, "prompt_len", int(self.prompt_len))
-    object.__setattr__(self, "behav_logp", behav_logp)
-    object.__setattr__(self, "versions", versions.astype(np.int32))
-    object.__setattr__(self, "advantage", float(self.advantage))
-
-  def __len__(self):
-    return self.tokens.size
-
-
 @struct.dataclass
 class PackedBatch:
-  """Sequences packed as M micro-batches of R rows of T tokens; all fields are [M, R, T].
+  """Trajectories packed as M micro-batches of R rows of T tokens; all fields [M, R, T].
 
-  Position convention: position p of a row holds token p and the quantities of
-  predicting token p from the tokens before it in its segment. So `loss_mask` is 1
-  exactly where the token is a completion token, and `behav_logp`, `prox_logp`,
-  `advantages` and `versions` there belong to that token.
+  Only what the train step reads. Position convention: position p of a row holds
+  token p and the quantities of predicting token p from the tokens before it in its
+  segment, so `behav_logp` and `advantages` at a loss-mask position belong to that
+  token.
 
   Attributes:
     tokens: int32 token ids, 0 on padding.
@@ -140,37 +94,38 @@ class PackedBatch:
       padding.
     segment_ids: int32 1, 2, 3, ... for the sequences of a row in order; 0 on
       padding.
-    loss_mask: float32, 1 on completion tokens, 0 elsewhere.
+    loss_mask: float32, 1 on the trajectories' loss-mask tokens, 0 elsewhere.
     behav_logp: float32 behaviour-policy log-prob, 0 off the mask.
-    prox_logp: float32 proximal-policy log-prob; zeros when packed, filled in by
-      the trainer.
-    advantages: float32 the sequence's advantage, 0 off the mask.
-    versions: int32 policy version of each completion token, -1 on prompt and
-      padding.
+    advantages: float32 the trajectory's advantage, 0 off the mask.
+    versions: int32 version of each loss-mask token, -1 elsewhere; only packed
+      (`with_versions`) for the log-linear proximal estimate, None otherwise.
   """
   tokens: np.ndarray
   positions: np.ndarray
   segment_ids: np.ndarray
   loss_mask: np.ndarray
   behav_logp: np.ndarray
-  prox_logp: np.ndarray
   advantages: np.ndarray
-  versions: np.ndarray
+  versions: Optional[np.ndarray] = None
 
 
-def pack(seqs: SequenceOf[Sequence], groups: SequenceOf[SequenceOf[int]], *,
-         rows_per_mb: int, row_len: int) -> PackedBatch:
+def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[SequenceOf[int]], *,
+         rows_per_mb: int, row_len: int, with_versions: bool = False) -> PackedBatch:
   """Packs an allocation: group g becomes row g; rows m*R..(m+1)*R-1 form micro-batch m.
 
-  Each row holds its group's sequences concatenated in order, then padding up to
-  `row_len`. Empty rows pad the row count to a multiple of `rows_per_mb`; an empty
-  group gives an empty row.
+  Each row holds its group's trajectories concatenated in order, then padding up to
+  `row_len`; trajectory i's loss-mask tokens get advantage `advantages_N[i]`. Empty
+  rows pad the row count to a multiple of `rows_per_mb`; an empty group gives an
+  empty row.
 
   Raises:
     ValueError: if a group holds more than `row_len` tokens, or on invalid arguments.
   """
   if rows_per_mb < 1 or row_len < 1:
     raise ValueError(f"rows_per_mb and row_len must be >= 1, got {rows_per_mb}, {row_len}")
+  if len(advantages_N) != len(trajs):
+    raise ValueError(f"need one advantage per trajectory, got {len(advantages_N)} for "
+                     f"{len(trajs)}")
   num_mb = -(-len(groups) // rows_per_mb)
   shape = (num_mb * rows_per_mb, row_len)
   tokens = np.zeros(shape, np.int32)
@@ -181,28 +136,28 @@ def pack(seqs: SequenceOf[Sequence], groups: SequenceOf[SequenceOf[int]], *,
   advantages = np.zeros(shape, np.float32)
   versions = np.full(shape, -1, np.int32)
   for r, group in enumerate(groups):
-    total = sum(len(seqs[i]) for i in group)
+    total = sum(len(trajs[i]) for i in group)
     if total > row_len:
       raise ValueError(f"group {r} holds {total} tokens, over row_len={row_len}")
     start = 0
     for segment, i in enumerate(group, start=1):
-      seq = seqs[i]
-      end = start + len(seq)
-      gen = slice(start + seq.prompt_len, end)
-      tokens[r, start:end] = seq.tokens
-      positions[r, start:end] = np.arange(len(seq))
-      segment_ids[r, start:end] = segment
-      loss_mask[r, gen] = 1.0
-      behav_logp[r, gen] = seq.behav_logp
-      advantages[r, gen] = seq.advantage
-      versions[r, gen] = seq.versions
-      start = end
+      traj = trajs[i]
+      span = slice(start, start + len(traj))
+      mask_T = traj.loss_mask_T
+      tokens[r, span] = traj.tokens_T
+      positions[r, span] = np.arange(len(traj))
+      segment_ids[r, span] = segment
+      loss_mask[r, span] = mask_T
+      behav_logp[r, span] = np.where(mask_T, traj.logp_T, 0.0)
+      advantages[r, span] = np.where(mask_T, advantages_N[i], 0.0)
+      versions[r, span] = np.where(mask_T, traj.versions_T, -1)
+      start = span.stop
   to_mrt = lambda x: x.reshape(num_mb, rows_per_mb, row_len)
   return PackedBatch(
       tokens=to_mrt(tokens), positions=to_mrt(positions),
       segment_ids=to_mrt(segment_ids), loss_mask=to_mrt(loss_mask),
-      behav_logp=to_mrt(behav_logp), prox_logp=np.zeros_like(to_mrt(behav_logp)),
-      advantages=to_mrt(advantages), versions=to_mrt(versions))
+      behav_logp=to_mrt(behav_logp), advantages=to_mrt(advantages),
+      versions=to_mrt(versions) if with_versions else None)
 
 
 def default_row_buckets(max_tokens_per_mb: int, num: int = 4) -> tuple[int, ...]:
@@ -219,8 +174,9 @@ def default_row_buckets(max_tokens_per_mb: int, num: int = 4) -> tuple[int, ...]
   return tuple(sorted({round8(-(-max_tokens_per_mb // 2**k)) for k in range(num)}))
 
 
-def pack_dynamic(seqs: SequenceOf[Sequence], *, max_tokens_per_mb: int, rows_per_mb: int,
-                 row_buckets: SequenceOf[int]) -> PackedBatch:
+def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_mb: int,
+                 rows_per_mb: int, row_buckets: SequenceOf[int],
+                 with_versions: bool = False) -> PackedBatch:
   """Allocates with `ffd_allocate` and packs into one of a bounded set of shapes.
 
   Each allocated group (at most `max_tokens_per_mb` tokens, at least `rows_per_mb`
@@ -235,7 +191,7 @@ def pack_dynamic(seqs: SequenceOf[Sequence], *, max_tokens_per_mb: int, rows_per
   """
   if rows_per_mb < 1:
     raise ValueError(f"rows_per_mb must be >= 1, got {rows_per_mb}")
-  lengths = [len(s) for s in seqs]
+  lengths = [len(t) for t in trajs]
   groups = ffd_allocate(lengths, max_tokens_per_mb, min_groups=rows_per_mb)
   totals = [sum(lengths[i] for i in g) for g in groups]
   longest = max(totals)
@@ -254,4 +210,22 @@ def pack_dynamic(seqs: SequenceOf[Sequence], *, max_tokens_per_mb: int, rows_per
   rows = []
   for mb_rows in rows_of_mb + [[]] * (padded_mb - num_mb):
     rows += mb_rows + [[]] * (rows_per_mb - len(mb_rows))
-  return pack(seqs, rows, rows_per_mb=rows_per_mb, row_len=fitting[0])
+  return pack(trajs, advantages_N, rows, rows_per_mb=rows_per_mb, row_len=fitting[0],
+              with_versions=with_versions)
+
+
+def pad_micro_batches(batch: PackedBatch, multiple: int) -> PackedBatch:
+  """Appends empty micro-batches until M is a multiple of `multiple` (PPO minibatches)."""
+  if multiple < 1:
+    raise ValueError(f"multiple must be >= 1, got {multiple}")
+  M = batch.tokens.shape[0]
+  extra = -M % multiple
+  if not extra:
+    return batch
+  padded = {}
+  for name in PackedBatch.__dataclass_fields__:
+    x = getattr(batch, name)
+    if x is not None:
+      fill = -1 if name == "versions" else 0
+      padded[name] = np.concatenate([x, np.full((extra, *x.shape[1:]), fill, x.dtype)])
+  return batch.replace(**padded)

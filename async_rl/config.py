@@ -2,24 +2,25 @@
 
 Config files (`configs/*.py`) return an `ml_collections.ConfigDict`; binaries convert
 it once with `config_dict.from_config_dict`, and library code only ever sees these
-dataclasses. Every
-field is declared here once, with its default, and validated with a message that
-names it.
+dataclasses. Every field is declared here once, with its default. Bounds that concern
+the config alone are checked here; those a component owns (the loss's clip ranges, the
+pool's update modes) are checked by that component, and `config_check.check` runs them
+with the field's name in the message. This module is a leaf: it imports only other
+config dataclasses, never a component.
 """
 
 import dataclasses
+import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
-from async_rl.generation.pool import UPDATE_MODES
-from async_rl.loss import LOSSES
+from async_rl.models import hf_config
 from async_rl.models.config import ModelConfig
 from async_rl.tasks.arithmetic import TaskConfig
+from async_rl.tasks.code_task import CodeTaskConfig
 from async_rl.tasks.math_task import MathTaskConfig
 
-_LEVELS = ("group", "batch", None)
 SCHEDULES = ("constant", "cosine")
-TASK_KINDS = ("arithmetic", "math")  # The names of `rl.components.TASKS`.
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat")
@@ -61,33 +62,51 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-  """The decoupled PPO objective of DESIGN.md; `loss="naive_ppo"` uses π_behav as π_prox.
+  """The decoupled PPO objective of DESIGN.md; `loss.check_hparams` validates it.
 
   Log-probs are taken at the sampling temperature (`generation.temperature`, or 1
   for greedy), so the trainer's recomputation matches the recorded behaviour ones.
+
+  Attributes:
+    loss: the objective, a name of `loss.LOSSES`.
+    prox_logp: where π_prox comes from: "recompute" (a forward pass under the params
+      at the start of the step), "loglinear" (AReaL's estimate from the per-token
+      versions, no forward pass) or "behav" (π_behav itself: naive PPO, w = 1).
+    num_minibatches: PPO updates per training step (AReaL's ppo_n_minibatches); π_prox
+      is taken once, before the first, and each is the mean over its own tokens.
+    eps_clip: PPO clip range below 1.
+    eps_clip_higher: clip range above 1 (DAPO clip-higher); None: eps_clip.
+    c_clip: dual-clip constant for negative advantages; None: no dual clip.
+    importance_level: "token" (PPO's ratio per token) or "sequence" (GSPO's ratio
+      per sequence).
+    rejection_level: the behaviour-weight correction judges each "token" or each
+      "sequence" (geometric mean of its tokens' weights).
+    rejection_action: "mask" drops what is out of bounds from the loss; "clamp"
+      clips the weight into the bounds (truncated importance sampling).
+    rejection_metric: what is bounded: "ratio" (π_prox / π_behav) or a KL estimate
+      "kl_k1", "kl_k2", "kl_k3".
+    rejection_upper: upper bound of the metric; None: none.
+    rejection_lower: lower bound of the metric; None: none. With neither bound, the
+      weight is not corrected.
   """
   loss: str = "decoupled_ppo"
+  prox_logp: str = "recompute"
+  num_minibatches: int = 1
   eps_clip: float = 0.2
   eps_clip_higher: Optional[float] = None
   c_clip: Optional[float] = None
-  behav_imp_weight_cap: Optional[float] = None
-
-  def __post_init__(self):
-    if self.loss not in LOSSES:
-      _fail("ppo.loss", self.loss, f"must be one of {sorted(LOSSES)}")
-    if self.eps_clip <= 0:
-      _fail("ppo.eps_clip", self.eps_clip, "must be > 0")
-    if self.eps_clip_higher is not None and self.eps_clip_higher <= 0:
-      _fail("ppo.eps_clip_higher", self.eps_clip_higher, "must be > 0")
-    if self.c_clip is not None and self.c_clip <= 1:
-      _fail("ppo.c_clip", self.c_clip, "must be > 1")
-    if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
-      _fail("ppo.behav_imp_weight_cap", self.behav_imp_weight_cap, "must be > 1")
+  importance_level: str = "token"
+  rejection_level: str = "token"
+  rejection_action: str = "mask"
+  rejection_metric: str = "ratio"
+  rejection_upper: Optional[float] = None
+  rejection_lower: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  """Reward shaping, DAPO overlong penalty and group/batch normalisation."""
+  """Reward shaping, DAPO overlong penalty and group/batch normalisation; checked by
+  `advantages.from_config`, which names its keywords after these fields."""
   reward_bias: float = 0.0
   reward_scale: float = 1.0
   reward_clip: Optional[float] = None
@@ -97,15 +116,6 @@ class AdvantageConfig:
   mean_level: Optional[str] = "group"
   std_level: Optional[str] = "group"
   leave_one_out: bool = False
-
-  def __post_init__(self):
-    if self.reward_clip is not None and self.reward_clip <= 0:
-      _fail("advantage.reward_clip", self.reward_clip, "must be > 0")
-    if self.overlong_cache_len is not None and self.overlong_cache_len < 1:
-      _fail("advantage.overlong_cache_len", self.overlong_cache_len, "must be >= 1")
-    for name in ("mean_level", "std_level"):
-      if getattr(self, name) not in _LEVELS:
-        _fail(f"advantage.{name}", getattr(self, name), f"must be one of {_LEVELS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +189,6 @@ class GenerationConfig:
       _fail("generation.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
     if not 0 < self.top_p <= 1:
       _fail("generation.top_p", self.top_p, "must lie in (0, 1]")
-    if self.update_mode not in UPDATE_MODES:
-      _fail("generation.update_mode", self.update_mode, f"must be one of {UPDATE_MODES}")
 
   @property
   def logp_temperature(self) -> float:
@@ -204,17 +212,50 @@ class StalenessConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS`."""
-  reward_fn: str = "arithmetic"
+  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS` or
+  "module:function" that replaces the task's own reward function (None: the task's);
+  `allow_weak_sandbox` lets code rewards run without bubblewrap (rewards/sandbox.py)."""
+  reward_fn: Optional[str] = None
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   dynamic_filter: bool = False
+  allow_weak_sandbox: bool = False
 
   def __post_init__(self):
     if self.reward_timeout_s <= 0:
       _fail("rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
     if self.reward_workers < 1:
       _fail("rollout.reward_workers", self.reward_workers, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+  """Multi-turn episodes (`tasks.workflow.MultiTurn`).
+
+  Attributes:
+    max_turns: the most policy turns of an episode; None: the task's own (for
+      "arithmetic_tool", `task.max_terms`: one call per step and the answer).
+    sample_per_turn: train each policy turn as a sample of its own, the episode before
+      it as its prompt (`tasks.workflow.split_turns`), instead of the whole episode
+      as one sample. Advantages stay the episode's.
+  """
+  max_turns: Optional[int] = None
+  sample_per_turn: bool = False
+
+  def __post_init__(self):
+    if self.max_turns is not None and self.max_turns < 1:
+      _fail("multi_turn.max_turns", self.max_turns, "must be >= 1 or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The training loop: after `max_consecutive_skips` non-finite steps in a row the run
+  stops with an error (each skipped step leaves the params as they were)."""
+  max_consecutive_skips: int = 5
+
+  def __post_init__(self):
+    if self.max_consecutive_skips < 1:
+      _fail("train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,18 +313,23 @@ class SFTConfig:
 class ExperimentConfig:
   """Everything one run needs; `batch_groups` is B, prompt groups per training batch.
 
-  `task_kind` names the task: "arithmetic" (`task`, the character tokenizer, random
-  or warm-started weights) or "math" (`math`, GSM8K/MATH JSONL files, the tokenizer
-  of `hf_model_dir`). `hf_model_dir` is a local Hugging Face Qwen2/Qwen3 directory
-  whose weights a fresh run starts from; the architecture fields of `model` are then
-  read from its `config.json`, replacing any configured values, and only
-  `HF_RUN_MODEL_FIELDS` stay as configured. Paths are made absolute.
+  `task_kind` names the task (`tasks.registry`): "arithmetic" (`task`, the character
+  tokenizer, random or warm-started weights), "arithmetic_tool" (the same problems
+  with a calculator tool, over several turns: `multi_turn`), "code" (`code`, small
+  programs run in the sandbox), "math" (`math`, GSM8K/MATH JSONL files, the tokenizer
+  of `hf_model_dir`), or "module:attr" naming a user's task factory, which reads its
+  own options from `task_options` (plain data: strings, numbers, bools, None, lists
+  and mappings, as config.json holds them). `hf_model_dir` is a local Hugging Face
+  Qwen2/Qwen3 directory whose weights a fresh run starts from; the architecture
+  fields of `model` are then read from its `config.json`, replacing any configured
+  values, and only `HF_RUN_MODEL_FIELDS` stay as configured. Paths are made absolute.
   """
   seed: int = 0
   batch_groups: int = 8
   num_steps: int = 100
   hf_model_dir: Optional[str] = None
   task_kind: str = "arithmetic"
+  task_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   model: ModelConfig = ModelConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   ppo: PPOConfig = PPOConfig()
@@ -294,7 +340,10 @@ class ExperimentConfig:
   staleness: StalenessConfig = StalenessConfig()
   task: TaskConfig = TaskConfig()
   math: MathTaskConfig = MathTaskConfig()
+  code: CodeTaskConfig = CodeTaskConfig()
+  multi_turn: MultiTurnConfig = MultiTurnConfig()
   rollout: RolloutConfig = RolloutConfig()
+  train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
   sft: SFTConfig = SFTConfig()
@@ -306,7 +355,10 @@ class ExperimentConfig:
     if self.hf_model_dir is not None:
       object.__setattr__(self, "hf_model_dir", os.path.abspath(self.hf_model_dir))
       object.__setattr__(self, "model", _model_from_hf(self.model, self.hf_model_dir))
-    self._check_task()
+    try:
+      json.dumps(self.task_options, allow_nan=False)
+    except (TypeError, ValueError) as e:
+      _fail("task_options", self.task_options, f"must hold plain data ({e})")
     longest = self.generation.max_prompt_len + self.generation.max_new_tokens
     if self.batching.max_tokens_per_mb < longest:
       _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
@@ -316,42 +368,13 @@ class ExperimentConfig:
       _fail("model.max_seq_len", self.model.max_seq_len,
             f"must be >= generation.max_prompt_len + generation.max_new_tokens = {longest}")
 
-  def _check_task(self):
-    if self.task_kind not in TASK_KINDS:
-      _fail("task_kind", self.task_kind, f"must be one of {TASK_KINDS}")
-    if self.task_kind == "math":
-      if self.math.train_path is None:
-        _fail("math.train_path", None, "must name a JSONL file when task_kind='math'")
-      if self.hf_model_dir is None:
-        _fail("hf_model_dir", None, "must name the model (and tokenizer) directory when "
-              "task_kind='math'")
-      if self.rollout.reward_fn == "arithmetic":
-        _fail("rollout.reward_fn", self.rollout.reward_fn,
-              "must not be 'arithmetic' with task_kind='math' (use 'math')")
-      if self.sft.steps:
-        _fail("sft.steps", self.sft.steps, "must be 0 with task_kind='math': the warm start "
-              "trains on arithmetic solutions (a hf_model_dir checkpoint is the start)")
-      return
-    if self.hf_model_dir is not None:
-      _fail("hf_model_dir", self.hf_model_dir, "needs task_kind='math': the arithmetic "
-            "task's character tokenizer does not share a pretrained model's vocabulary")
-    if self.task.max_prompt_tokens > self.generation.max_prompt_len:
-      _fail("generation.max_prompt_len", self.generation.max_prompt_len,
-            f"must hold the task's longest prompt ({self.task.max_prompt_tokens} tokens)")
-    sft_longest = self.task.max_prompt_tokens + self.task.max_solution_tokens
-    if self.sft.steps and self.batching.max_tokens_per_mb < sft_longest:
-      _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
-            f"must hold the longest warm-start sequence ({sft_longest} tokens) when "
-            f"sft.steps > 0")
-
 
 def _model_from_hf(model: ModelConfig, model_dir: str) -> ModelConfig:
   """The architecture in `model_dir`'s config.json with `model`'s HF_RUN_MODEL_FIELDS."""
-  from async_rl.models import hf  # hf imports sharding, which imports this module
   if not os.path.isfile(os.path.join(model_dir, "config.json")):
     _fail("hf_model_dir", model_dir, "must be a directory holding config.json")
   try:
-    hf_model = hf.read_config(model_dir)
+    hf_model = hf_config.read_config(model_dir)
   except (KeyError, ValueError) as e:
     _fail("hf_model_dir", model_dir, f"holds a model that cannot be read: {e!r}")
   return dataclasses.replace(hf_model, **{f: getattr(model, f) for f in HF_RUN_MODEL_FIELDS})

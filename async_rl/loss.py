@@ -1,50 +1,116 @@
-"""Token-level PPO policy losses: AReaL's decoupled objective and a naive baseline."""
+"""The decoupled PPO policy loss (AReaL), with its off-policy corrections and GSPO.
+
+`check_hparams` is the one place where the PPO hyper-parameters (the fields of
+`config.PPOConfig`) are validated; the config delegates to it.
+"""
+
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-_HPARAMS = ("eps_clip", "eps_clip_higher", "c_clip", "behav_imp_weight_cap")
+from async_rl import off_policy
+
+IMPORTANCE_LEVELS = ("token", "sequence")
+# Names the config once accepted, with what to write instead.
+_REMOVED_LOSSES = {
+    "naive_ppo": "ppo.prox_logp='behav' (naive PPO is the decoupled loss with π_prox = "
+                 "π_behav, so w = 1)",
+}
+_LOSS_HPARAMS = ("eps_clip", "eps_clip_higher", "c_clip", "importance_level",
+                 "rejection_level", "rejection_action", "rejection_metric", "rejection_upper",
+                 "rejection_lower")
+# Fields of the PPO section that shape the train step rather than the loss.
+_STEP_HPARAMS = ("prox_logp", "num_minibatches")
+_HPARAMS = ("loss",) + _STEP_HPARAMS + _LOSS_HPARAMS
 
 
-def _check_hparams(eps_clip, eps_clip_higher=None, c_clip=None, behav_imp_weight_cap=None):
-  if not eps_clip > 0:
-    raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
-  if eps_clip_higher is not None and not eps_clip_higher >= 0:
-    raise ValueError(f"eps_clip_higher must be >= 0 or None, got {eps_clip_higher}")
-  if c_clip is not None and not c_clip > 1:
-    raise ValueError(f"c_clip must be > 1 or None, got {c_clip}")
-  if behav_imp_weight_cap is not None and not behav_imp_weight_cap > 0:
-    raise ValueError(f"behav_imp_weight_cap must be > 0 or None, got {behav_imp_weight_cap}")
+def check_hparams(*, prefix="", **hparams):
+  """Raises ValueError naming `prefix + name` for an unknown or invalid hyper-parameter.
+
+  Takes any subset of `config.PPOConfig`'s fields as keywords: `loss`, `prox_logp`
+  (see `off_policy.PROX_LOGP`), `eps_clip` > 0, `eps_clip_higher` >= 0 or None,
+  `c_clip` > 1 or None, `importance_level` (see `IMPORTANCE_LEVELS`), and the
+  `rejection_*` fields (see `off_policy.check_correction`).
+  """
+  unknown = sorted(set(hparams) - set(_HPARAMS))
+  if unknown:
+    raise ValueError(f"unknown PPO hyper-parameters {[prefix + k for k in unknown]}; "
+                     f"known: {[prefix + k for k in _HPARAMS]}")
+  h = hparams
+  if "loss" in h and h["loss"] not in LOSSES:
+    if h["loss"] in _REMOVED_LOSSES:
+      raise ValueError(f"{prefix}loss={h['loss']!r} was removed: write "
+                       f"{_REMOVED_LOSSES[h['loss']]} instead")
+    raise ValueError(f"{prefix}loss must be one of {sorted(LOSSES)}, got {h['loss']!r}")
+  if "prox_logp" in h and h["prox_logp"] not in off_policy.PROX_LOGP:
+    raise ValueError(f"{prefix}prox_logp must be one of {off_policy.PROX_LOGP}, "
+                     f"got {h['prox_logp']!r}")
+  if "num_minibatches" in h and not (isinstance(h["num_minibatches"], int)
+                                     and h["num_minibatches"] >= 1):
+    raise ValueError(f"{prefix}num_minibatches must be an int >= 1, got {h['num_minibatches']!r}")
+  if "eps_clip" in h and not h["eps_clip"] > 0:
+    raise ValueError(f"{prefix}eps_clip must be > 0, got {h['eps_clip']}")
+  if h.get("eps_clip_higher") is not None and not h["eps_clip_higher"] >= 0:
+    raise ValueError(f"{prefix}eps_clip_higher must be >= 0 or None, got {h['eps_clip_higher']}")
+  if h.get("c_clip") is not None and not h["c_clip"] > 1:
+    raise ValueError(f"{prefix}c_clip must be > 1 or None, got {h['c_clip']}")
+  if "importance_level" in h and h["importance_level"] not in IMPORTANCE_LEVELS:
+    raise ValueError(f"{prefix}importance_level must be one of {IMPORTANCE_LEVELS}, "
+                     f"got {h['importance_level']!r}")
+  correction = {k[len("rejection_"):]: v for k, v in h.items() if k.startswith("rejection_")}
+  off_policy.check_correction(prefix=prefix + "rejection_", **correction)
 
 
-def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_clip,
-                       eps_clip_higher=None, c_clip=None, behav_imp_weight_cap=None,
+def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, segment_ids, *,
+                       eps_clip, eps_clip_higher=None, c_clip=None, importance_level="token",
+                       rejection_level="token", rejection_action="mask",
+                       rejection_metric="ratio", rejection_upper=None, rejection_lower=None,
                        num_tokens=None, entropy=None):
   """Decoupled PPO loss (AReaL): clip against π_prox, reweight by π_prox / π_behav.
 
-  Per token, with r = π_θ / π_prox and w = stop_gradient(π_prox / π_behav):
+  Per token, with r = π_θ / π_prox and w the behaviour weight (no gradient):
   `l = w * max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_higher))`, then
-  `l = min(l, w * c_clip * |A|)` where A < 0 (dual clip). Tokens with
-  w > behav_imp_weight_cap are dropped from the numerator only. All arrays share
-  one shape (e.g. [B, T]); reductions run over every axis in float32 or wider.
+  `l = min(l, w * c_clip * |A|)` where A < 0 (dual clip); the loss is the sum of l
+  over the tokens kept, over `num_tokens`. w is π_prox / π_behav after the off-policy
+  correction `off_policy.behaviour_weight` (the `rejection_*` arguments: AReaL's
+  rejection-sampling family, which may drop tokens or sequences from the numerator,
+  or clamp w).
 
-  Masked tokens may hold any values, inf and NaN included: they are replaced
-  before any exp, so they touch neither the loss nor its gradient.
+  `importance_level="sequence"` is GSPO (Zheng et al. 2025, arXiv 2507.18071): r is
+  the sequence's ratio s = exp(mean of log r_t over its kept tokens), in the paper's
+  GSPO-token form `sg(s) * π_θ(y_t) / sg(π_θ(y_t))`: the value (and so the clip
+  decision) is the sequence's, and token t's gradient is w_t s ∇log π_θ(y_t). Where
+  the advantage and w are constant over each sequence (w = 1 for naive PPO, or a
+  sequence-level ratio correction) this is the gradient of GSPO through the sequence
+  mean, as AReaL (`ppo_actor_loss_fn`) computes it; otherwise each token keeps its
+  own w, where AReaL's form gives every token of a sequence the sequence's mean w.
+  As in AReaL, token losses are summed over the token count rather than averaged
+  per sequence as in the paper.
+
+  All arrays share one shape [..., T]; a row of the last axis may pack several
+  sequences (`segment_ids`, needed by the sequence-level options). Reductions run in
+  float32 or wider. Masked tokens may hold any values, inf and NaN included: they are
+  replaced before any exp, so they touch neither the loss nor its gradient.
 
   Args:
     logp: log π_θ of the sampled tokens (differentiated).
-    prox_logp: log π_prox, recomputed at the start of the training step.
+    prox_logp: log π_prox (recomputed, estimated, or log π_behav for naive PPO).
     behav_logp: log π_behav, recorded by the generator.
     advantages: per-token advantages.
     mask: nonzero on tokens that count.
+    segment_ids: int 1, 2, ... per sequence of a row, 0 on padding.
     eps_clip: lower clip range, > 0.
     eps_clip_higher: upper clip range (DAPO clip-higher); defaults to eps_clip.
     c_clip: dual-clip constant, > 1; None disables dual clip.
-    behav_imp_weight_cap: tokens with w above it are masked; None disables.
+    importance_level: "token" (PPO) or "sequence" (GSPO).
+    rejection_level, rejection_action, rejection_metric, rejection_upper,
+      rejection_lower: the correction of w; no bound, no correction.
     num_tokens: denominator of the loss. Defaults to this call's valid-token count.
       Pass the whole training batch's valid-token count (all micro-batches, all
       shards) so that summing per-micro-batch losses and gradients gives the
-      whole-batch mean. Counted before capping.
+      whole-batch mean. Counted before the correction drops any token.
     entropy: optional per-token entropy, only reported as a metric.
 
   Returns:
@@ -52,13 +118,19 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
     `dual_clip_fraction`, `approx_kl`, `behav_weight_mean`, `capped_fraction`,
     `entropy`) are sums over this call's valid tokens divided by the loss
     denominator, so summing them over micro-batches sharing one `num_tokens` gives
-    the batch mean. `behav_weight_max` is a maximum over valid tokens before
-    capping (0 if none): combine with max. `num_tokens` is this call's valid-token
-    count: combine with sum. The clip fractions count uncapped tokens where the
-    bound changes the token's loss. `approx_kl` is the k3 estimator of
-    KL(π_θ || π_prox): mean of (ρ - 1) - log ρ with ρ = π_prox / π_θ.
+    the batch mean. `behav_weight_mean` and `behav_weight_max` (a maximum, 0 if no
+    token: combine with max) are of the per-token π_prox / π_behav before any
+    correction; `capped_fraction` counts the valid tokens whose w the correction
+    dropped or clamped. `num_tokens` is this call's valid-token count: combine with
+    sum. The clip fractions count kept tokens where the bound changes the token's
+    loss. `approx_kl` is the k3 estimator of KL(π_θ || π_prox) per token: mean of
+    (ρ - 1) - log ρ with ρ = π_prox / π_θ.
   """
-  _check_hparams(eps_clip, eps_clip_higher, c_clip, behav_imp_weight_cap)
+  rejection = dict(level=rejection_level, action=rejection_action, metric=rejection_metric,
+                   lower=rejection_lower, upper=rejection_upper)
+  check_hparams(eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
+                importance_level=importance_level,
+                **{"rejection_" + k: v for k, v in rejection.items()})
   eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
   dtype = jnp.promote_types(jnp.result_type(logp), jnp.float32)
   valid_BT = jnp.asarray(mask) != 0
@@ -68,16 +140,19 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
 
   count = valid_BT.sum(dtype=dtype)
   denom = jnp.maximum(count if num_tokens is None else jnp.asarray(num_tokens, dtype), 1.0)
-  log_ratio_BT = masked(jnp.asarray(logp, dtype) - jnp.asarray(prox_logp, dtype))
+  token_log_ratio_BT = masked(jnp.asarray(logp, dtype) - jnp.asarray(prox_logp, dtype))
   log_weight_BT = jax.lax.stop_gradient(
       masked(jnp.asarray(prox_logp, dtype) - jnp.asarray(behav_logp, dtype)))
   adv_BT = masked(advantages)
-  ratio_BT = jnp.exp(log_ratio_BT)
-  weight_BT = jnp.exp(log_weight_BT)
+  weight_BT, keep_BT, corrected_BT = off_policy.behaviour_weight(
+      log_weight_BT, valid_BT, segment_ids, **rejection)
 
-  keep_BT = valid_BT
-  if behav_imp_weight_cap is not None:
-    keep_BT = valid_BT & (weight_BT <= behav_imp_weight_cap)
+  log_ratio_BT = token_log_ratio_BT
+  if importance_level == "sequence":
+    token_sg_BT = jax.lax.stop_gradient(token_log_ratio_BT)
+    log_seq_BT = off_policy.sequence_mean(token_sg_BT, keep_BT, segment_ids)
+    log_ratio_BT = log_seq_BT + token_log_ratio_BT - token_sg_BT
+  ratio_BT = jnp.exp(log_ratio_BT)
 
   unclipped_BT = -adv_BT * ratio_BT
   clipped_BT = -adv_BT * jnp.clip(ratio_BT, 1.0 - eps_clip, 1.0 + eps_high)
@@ -94,13 +169,14 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   def mean(x):
     return jnp.where(valid_BT, x, 0.0).sum() / denom
 
+  token_weight_BT = jnp.exp(log_weight_BT)
   metrics = {
       "clip_fraction": clip_active_BT.sum(dtype=dtype) / denom,
       "dual_clip_fraction": dual_active_BT.sum(dtype=dtype) / denom,
-      "approx_kl": mean(jnp.exp(-log_ratio_BT) - 1.0 + log_ratio_BT),
-      "behav_weight_mean": mean(weight_BT),
-      "behav_weight_max": jnp.where(valid_BT, weight_BT, 0.0).max(initial=0.0),
-      "capped_fraction": (valid_BT & ~keep_BT).sum(dtype=dtype) / denom,
+      "approx_kl": mean(jnp.expm1(-token_log_ratio_BT) + token_log_ratio_BT),
+      "behav_weight_mean": mean(token_weight_BT),
+      "behav_weight_max": jnp.where(valid_BT, token_weight_BT, 0.0).max(initial=0.0),
+      "capped_fraction": corrected_BT.sum(dtype=dtype) / denom,
       "num_tokens": count,
   }
   if entropy is not None:
@@ -108,21 +184,7 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   return loss, metrics
 
 
-def naive_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_clip,
-                   eps_clip_higher=None, c_clip=None, behav_imp_weight_cap=None,
-                   num_tokens=None, entropy=None):
-  """Standard PPO loss that treats π_behav as π_prox (so w ≡ 1); for ablations.
-
-  Same arguments and metrics as `decoupled_ppo_loss`; `prox_logp` is ignored.
-  """
-  del prox_logp
-  return decoupled_ppo_loss(
-      logp, behav_logp, behav_logp, advantages, mask, eps_clip=eps_clip,
-      eps_clip_higher=eps_clip_higher, c_clip=c_clip,
-      behav_imp_weight_cap=behav_imp_weight_cap, num_tokens=num_tokens, entropy=entropy)
-
-
-LOSSES = {"decoupled_ppo": decoupled_ppo_loss, "naive_ppo": naive_ppo_loss}
+LOSSES = {"decoupled_ppo": decoupled_ppo_loss}
 
 
 def make_loss(name, **hparams):
@@ -130,29 +192,39 @@ def make_loss(name, **hparams):
 
   Args:
     name: a key of `LOSSES`.
-    **hparams: `eps_clip` (required), `eps_clip_higher`, `c_clip`,
-      `behav_imp_weight_cap`; see `decoupled_ppo_loss`.
+    **hparams: `eps_clip` (required) and the other keyword arguments of
+      `decoupled_ppo_loss` before `num_tokens`.
 
   Returns:
-    `fn(logp, prox_logp, behav_logp, advantages, mask, num_tokens=None,
+    `fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids, num_tokens=None,
     entropy=None) -> (loss, metrics)`.
 
   Raises:
     ValueError: unknown name, unknown or missing hyper-parameter, invalid value.
   """
-  if name not in LOSSES:
-    raise ValueError(f"unknown loss {name!r}; known losses: {sorted(LOSSES)}")
-  unknown = sorted(set(hparams) - set(_HPARAMS))
+  check_hparams(loss=name)
+  unknown = sorted(set(hparams) - set(_LOSS_HPARAMS))
   if unknown:
     raise ValueError(f"unknown hyper-parameters {unknown} for loss {name!r}; "
-                     f"known: {list(_HPARAMS)}")
+                     f"known: {list(_LOSS_HPARAMS)}")
   if "eps_clip" not in hparams:
     raise ValueError(f"loss {name!r} requires eps_clip")
-  _check_hparams(**hparams)
+  check_hparams(**hparams)
   loss_fn = LOSSES[name]
 
-  def fn(logp, prox_logp, behav_logp, advantages, mask, num_tokens=None, entropy=None):
-    return loss_fn(logp, prox_logp, behav_logp, advantages, mask,
+  def fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids, num_tokens=None,
+         entropy=None):
+    return loss_fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids,
                    num_tokens=num_tokens, entropy=entropy, **hparams)
 
   return fn
+
+
+def from_config(ppo) -> Callable:
+  """The loss of a `config.PPOConfig`, every field checked (errors name `ppo.<field>`)."""
+  fields = dataclasses.asdict(ppo)
+  check_hparams(prefix="ppo.", **fields)
+  name = fields.pop("loss")
+  for step_field in _STEP_HPARAMS:  # the train step's, not the loss's
+    del fields[step_field]
+  return make_loss(name, **fields)

@@ -6,6 +6,7 @@ params and optimizer state sharded along their model-width dimension), `tensor`
 dimension over `data` x `fsdp`.
 """
 
+import functools
 import re
 from typing import Optional, Sequence
 
@@ -96,3 +97,49 @@ def batch_sharding(mesh: Mesh, leading_axes: int = 1) -> NamedSharding:
 
 def num_batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+@functools.lru_cache(maxsize=None)
+def _relayout(shardings: tuple):
+  # One compiled identity per tuple of target shardings: the jit wrapper must be
+  # reused, or every publish would compile again.
+  return jax.jit(lambda xs: xs, out_shardings=list(shardings))
+
+
+def _replicated(devices) -> NamedSharding:
+  return NamedSharding(Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("all",)), P())
+
+
+def reshard(tree, shardings):
+  """A copy of `tree` on `shardings` (one sharding or a matching tree), device to device.
+
+  `jax.device_put` copies a leaf through the host when its target lives on other
+  devices than its source and none of the source's shards is a target shard (the
+  trainer's FSDP layout onto a generator's devices, say). Such leaves are gathered
+  whole on their own devices (a collective), the whole copies move to the target
+  devices, and there they are sliced into the target layout. Leaves whose target
+  shares their devices, and host arrays, go through one batched `jax.device_put`.
+  Never aliases `tree`, so the caller may donate or delete its buffers.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = jax.tree.leaves(jax.tree.broadcast(shardings, tree),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  cross = [i for i, (x, t) in enumerate(zip(leaves, targets))
+           if isinstance(x, jax.Array) and x.sharding.device_set != t.device_set]
+  direct = [i for i in range(len(leaves)) if i not in set(cross)]
+  out = [None] * len(leaves)
+  moved = jax.device_put([leaves[i] for i in direct], [targets[i] for i in direct],
+                         may_alias=False)
+  for i, x in zip(direct, moved):
+    out[i] = x
+  by_devices = {}
+  for i in cross:
+    key = (frozenset(leaves[i].sharding.device_set), frozenset(targets[i].device_set))
+    by_devices.setdefault(key, []).append(i)
+  for (src, dst), idx in by_devices.items():
+    whole = _relayout((_replicated(src),) * len(idx))([leaves[i] for i in idx])
+    there = jax.device_put(whole, [_replicated(dst)] * len(idx))
+    sliced = _relayout(tuple(targets[i] for i in idx))(there)
+    for i, x in zip(idx, sliced):
+      out[i] = x
+  return jax.tree.unflatten(treedef, out)

@@ -6,6 +6,11 @@ A batch is a `PackedBatch` of M micro-batches of R rows: gradients are accumulat
 over M with `lax.scan`, each micro-batch's loss divided by the valid-token count of
 the whole batch, so the update equals the full-batch one. Micro-batches with no valid
 token (bucket padding) are skipped with `lax.cond`.
+
+Version protocol (DESIGN.md, "Versions"): `TrainState.step` counts training steps,
+one per batch, whatever happens inside. A step whose loss or gradient is not finite
+changes neither params nor optimizer moments (`optax.apply_if_finite`) but still
+counts; its metrics say `skipped = 1`.
 """
 
 import functools
@@ -14,18 +19,24 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from async_rl import policy, sharding
+from async_rl import off_policy, policy, sharding
 from async_rl.batching import PackedBatch
 from async_rl.config import OptimizerConfig
 from async_rl.models import ModelConfig, init_params
 
 
+# apply_if_finite gives up and applies a non-finite update after this many in a row;
+# the trainer loop stops the run long before (`train.max_consecutive_skips`).
+_NEVER_GIVE_UP = np.iinfo(np.int32).max
+
+
 @flax.struct.dataclass
 class TrainState:
-  """Params and optimizer state; `step` counts applied (finite) updates = version v."""
+  """Params and optimizer state; `step` counts training steps (skipped ones too)."""
   step: jax.Array
   params: Any
   opt_state: Any
@@ -50,9 +61,13 @@ def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
                        params=None) -> TrainState:
   """A sharded TrainState built in place: shapes first, then jit with out_shardings.
 
-  With `params` given (e.g. a warm start), they are resharded and used instead of a
-  random init.
+  `tx` is wrapped in `optax.apply_if_finite`, so a non-finite gradient leaves the
+  params and the optimizer's moments as they were (its schedule counts only applied
+  updates). With `params` given (e.g. a warm start), they are resharded and used
+  instead of a random init.
   """
+  tx = optax.apply_if_finite(tx, max_consecutive_errors=_NEVER_GIVE_UP)
+
   def init(key, params):
     params = init_params(model_cfg, key) if params is None else params
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -71,11 +86,16 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
                                          mesh))
 
 
-def _mb_loss(params, mb: PackedBatch, num_tokens, *, model_cfg, loss_fn, temperature):
+def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta_version, *,
+             model_cfg, loss_fn, temperature):
   logp, ent = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
                                       mb.segment_ids, temperature=temperature)
-  return loss_fn(logp, mb.prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
-                 num_tokens=num_tokens, entropy=ent)
+  if prox_logp is None:
+    prox_logp = off_policy.loglinear_prox_logp(logp, mb.behav_logp, mb.versions,
+                                               prox_version=prox_version,
+                                               theta_version=theta_version)
+  return loss_fn(logp, prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
+                 mb.segment_ids, num_tokens=num_tokens, entropy=ent)
 
 
 def _combine(acc, new):
@@ -84,47 +104,99 @@ def _combine(acc, new):
           for k in acc}
 
 
-def train_step(state: TrainState, batch: PackedBatch, *, model_cfg: ModelConfig,
-               loss_fn: Callable, temperature: float = 1.0):
-  """One optimizer update on a [M, R, T] batch; returns (state, metrics).
+def _minibatches(x, n):
+  """[M, ...] -> [n, M / n, ...]; minibatch k takes micro-batches k, k + n, k + 2n, ...
 
-  A non-finite loss or gradient norm leaves params and optimizer state unchanged and
-  reports `skipped = 1`.
+  Striding spreads the real micro-batches (which `pack_dynamic` puts first, balanced)
+  over the minibatches, and the empty padding ones with them.
   """
-  num_tokens = batch.loss_mask.sum()
+  return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: ModelConfig,
+               loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1):
+  """One training step on a [M, R, T] batch: `num_minibatches` updates; (state, metrics).
+
+  Args:
+    state: the train state; `state.step` (the version v) advances by one.
+    batch: M micro-batches, M a multiple of `num_minibatches` (see
+      `batching.pad_micro_batches`).
+    prox_logp: the proximal log-probs [M, R, T] (`recompute_logp` under the params
+      at the start of the step, or `batch.behav_logp` for naive PPO), or None for
+      the log-linear estimate from `batch.versions` (`off_policy.loglinear_prox_logp`,
+      with v_prox = v and v_θ = v + k / n before update k of n).
+    model_cfg, loss_fn, temperature: the policy and its loss.
+    num_minibatches: n, PPO updates in the step (AReaL's `ppo_n_minibatches`). Each
+      is the mean over its own valid tokens; an empty one is no update.
+
+  A non-finite loss or gradient leaves params and optimizer moments as they were
+  (that update is skipped). Metrics are the whole batch's: token means weighted by
+  each minibatch's tokens, `skipped` 1 if any update was skipped, `applied_updates`.
+  """
+  n = num_minibatches
   grad_fn = jax.value_and_grad(
       functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
                         temperature=temperature), has_aux=True)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-  first_mb = jax.tree.map(lambda x: x[0], batch)
-  _, metrics_shape = jax.eval_shape(grad_fn, state.params, first_mb, num_tokens)[0]
+  version = state.step
+  first = jax.tree.map(lambda x: x[0], (batch, prox_logp))
+  _, metrics_shape = jax.eval_shape(grad_fn, state.params, *first, 1.0, version, version)[0]
   zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
 
-  def one(mb):
-    (loss, metrics), grads = grad_fn(state.params, mb, num_tokens)
-    return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+  def update(state, xs):
+    k, minibatch, prox = xs
+    num_tokens = minibatch.loss_mask.sum()
+    theta_version = version + k / n
 
-  def skip(mb):
-    return jnp.zeros((), jnp.float32), zero_metrics, zeros
+    def one(mb, prox):
+      (loss, metrics), grads = grad_fn(state.params, mb, prox, num_tokens, version,
+                                       theta_version)
+      return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
-  def body(carry, mb):
-    loss_acc, metrics_acc, grads_acc = carry
-    loss, metrics, grads = jax.lax.cond(mb.loss_mask.sum() > 0, one, skip, mb)
-    return (loss_acc + loss, _combine(metrics_acc, metrics),
-            jax.tree.map(jnp.add, grads_acc, grads)), None
+    def skip(mb, prox):
+      return jnp.zeros((), jnp.float32), zero_metrics, zeros
 
-  (loss, metrics, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zero_metrics, zeros), batch)
-  grad_norm = optax.tree.norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, state.params)
-  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-  new_state = state.replace(step=state.step + ok.astype(jnp.int32),
-                            params=keep(params, state.params),
-                            opt_state=keep(opt_state, state.opt_state))
-  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=1 - ok.astype(jnp.int32))
-  return new_state, metrics
+    def body(carry, xs):
+      loss_acc, metrics_acc, grads_acc = carry
+      loss, metrics, grads = jax.lax.cond(xs[0].loss_mask.sum() > 0, one, skip, *xs)
+      return (loss_acc + loss, _combine(metrics_acc, metrics),
+              jax.tree.map(jnp.add, grads_acc, grads)), None
+
+    (loss, metrics, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zero_metrics, zeros),
+                                             (minibatch, prox))
+    grad_norm = optax.tree.norm(grads)
+    # A non-finite loss poisons the gradient, so that apply_if_finite skips the update.
+    grads = jax.tree.map(
+        lambda g, p: jnp.where(jnp.isfinite(loss), g, jnp.nan).astype(p.dtype),
+        grads, state.params)
+
+    def apply(state):
+      updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+      return (state.replace(params=optax.apply_updates(state.params, updates),
+                            opt_state=opt_state), opt_state.last_finite)
+
+    nonempty = num_tokens > 0
+    state, finite = jax.lax.cond(nonempty, apply, lambda s: (s, jnp.array(True)), state)
+    weight = num_tokens.astype(jnp.float32)
+    metrics = {k: v if k.endswith("_max") or k == "num_tokens" else v * weight
+               for k, v in metrics.items()}
+    metrics.update(loss=loss * weight, grad_norm=grad_norm, skipped=~finite,
+                   applied_updates=nonempty & finite)
+    return state, metrics
+
+  if batch.tokens.shape[0] % n:
+    raise ValueError(f"the batch's {batch.tokens.shape[0]} micro-batches do not split into "
+                     f"{n} minibatches (pad with batching.pad_micro_batches)")
+  split = functools.partial(_minibatches, n=n)
+  state, per_update = jax.lax.scan(
+      update, state, (jnp.arange(n), jax.tree.map(split, batch), jax.tree.map(split, prox_logp)))
+  total = jnp.maximum(per_update["num_tokens"].sum(), 1.0)
+  metrics = {k: v.max() if k.endswith("_max") else v.sum() if k == "num_tokens"
+             else v.sum() / total for k, v in per_update.items()}
+  metrics.update(grad_norm=per_update["grad_norm"].mean(),
+                 skipped=per_update["skipped"].any().astype(jnp.int32),
+                 applied_updates=per_update["applied_updates"].sum(dtype=jnp.int32))
+  return state.replace(step=state.step + 1), metrics
 
 
 def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,
@@ -142,18 +214,18 @@ def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,
   return jax.lax.scan(body, None, batch)[1]
 
 
-def batch_shardings(mesh: Mesh) -> PackedBatch:
-  """Every [M, R, T] field sharded on R over data x fsdp."""
-  sh = sharding.batch_sharding(mesh, leading_axes=1)
-  return PackedBatch(**{f: sh for f in PackedBatch.__dataclass_fields__})
+def batch_shardings(mesh: Mesh) -> NamedSharding:
+  """The sharding of every [M, R, T] field of a batch: R over data x fsdp."""
+  return sharding.batch_sharding(mesh, leading_axes=1)
 
 
 def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelConfig,
-                   loss_fn: Callable, temperature: float = 1.0):
+                   loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1):
   """`train_step` compiled over `mesh`; the input state is donated."""
   fn = functools.partial(train_step, model_cfg=model_cfg, loss_fn=loss_fn,
-                         temperature=temperature)
-  return jax.jit(fn, in_shardings=(state_shardings, batch_shardings(mesh)),
+                         temperature=temperature, num_minibatches=num_minibatches)
+  return jax.jit(fn, in_shardings=(state_shardings, batch_shardings(mesh),
+                                   sharding.batch_sharding(mesh, leading_axes=1)),
                  out_shardings=(state_shardings, NamedSharding(mesh, P())),
                  donate_argnums=0)
 

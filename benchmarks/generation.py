@@ -185,7 +185,7 @@ def _run_nocache(cfg, params, requests, S, max_steps):
 
 
 def _pool_row(samples, seconds, m):
-  row = dict(tokens=sum(len(s.tokens_T) for s in samples), seconds=seconds,
+  row = dict(tokens=sum(len(s.completion_C) for s in samples), seconds=seconds,
              occupancy=m["slot_occupancy"],
              wasted=m["wasted_fraction"], steps_per_call=m["steps_per_call"])
   if m["weight_updates"]:
@@ -322,7 +322,7 @@ def _bench_workload(seed, repeats):
 
   def run_pool(k):
     samples, seconds, m = _run_pool(engines[k], params, requests)
-    pool_tokens[k] = np.stack([s.tokens_T for s in samples])
+    pool_tokens[k] = np.stack([s.completion_C for s in samples])
     return dict(_pool_row(samples, seconds, m),
                 round_trip_tokens=m["generated_tokens"] / max(m["decode_calls"], 1))
 

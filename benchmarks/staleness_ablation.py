@@ -32,7 +32,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from async_rl import sharding  # noqa: E402
 from async_rl.config import ExperimentConfig  # noqa: E402
-from async_rl.config_dict import from_config_dict  # noqa: E402
+from async_rl.config_dict import from_config_dict, parse_flags  # noqa: E402
 from async_rl.rl.run import run_in_process  # noqa: E402
 from async_rl.sft import warm_start  # noqa: E402
 from async_rl.rl.run_stats import measure, measured_config  # noqa: E402
@@ -64,7 +64,7 @@ def variant(cfg: ExperimentConfig, loss: str, eta, seed: int) -> ExperimentConfi
   return dataclasses.replace(
       cfg, seed=cfg.seed + seed, sft=dataclasses.replace(cfg.sft, steps=0),
       task=dataclasses.replace(cfg.task, seed=cfg.task.seed + seed),
-      ppo=dataclasses.replace(cfg.ppo, loss=loss),
+      ppo=dataclasses.replace(cfg.ppo, prox_logp="behav" if loss == "naive_ppo" else "recompute"),
       staleness=dataclasses.replace(cfg.staleness, max_staleness=eta))
 
 
@@ -177,4 +177,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -44,7 +44,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from async_rl import sharding, timeline  # noqa: E402
 from async_rl.config import ExperimentConfig  # noqa: E402
-from async_rl.config_dict import from_config_dict  # noqa: E402
+from async_rl.config_dict import from_config_dict, parse_flags  # noqa: E402
 from async_rl.rl.run_stats import measure, measured_config, rl_window  # noqa: E402
 from async_rl.sft import warm_start  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402
@@ -219,4 +219,4 @@ def _print_table(results):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -68,6 +68,7 @@ from absl import app, flags
 
 from async_rl import batching, loss, models, sharding, train_step
 from async_rl.config import MeshConfig, OptimizerConfig
+from async_rl.trajectory import Trajectory
 
 _QUICK = flags.DEFINE_bool("quick", False, "Reduced run (< ~4 minutes on a 2-core CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths, tokens and params.")
@@ -90,15 +91,16 @@ def lognormal_lengths(rng, n):
 
 
 def make_sequences(rng, lengths):
-  seqs = []
+  """Random single-turn trajectories of `lengths` tokens and their advantages."""
+  trajs = []
   for n in lengths:
     prompt_len = int(min(rng.integers(8, 65), n // 2))
+    tokens = rng.integers(0, VOCAB, n)
     c = n - prompt_len
-    seqs.append(batching.Sequence(
-        tokens=rng.integers(0, VOCAB, n), prompt_len=prompt_len,
-        behav_logp=rng.normal(-3.0, 0.3, c).astype(np.float32),
-        versions=np.zeros(c, np.int32), advantage=float(rng.normal())))
-  return seqs
+    trajs.append(Trajectory.from_completion(
+        tokens[:prompt_len], tokens[prompt_len:], rng.normal(-3.0, 0.3, c),
+        np.zeros(c, np.int32), "stop"))
+  return trajs, rng.normal(size=len(trajs))
 
 
 def sequences_for_rows(rng, rows):
@@ -183,30 +185,31 @@ class Bench:
                                                    model_cfg=cfg)
     self.batch_sh = train_step.batch_shardings(self.mesh)
 
-  def prepare(self, batch: batching.PackedBatch) -> batching.PackedBatch:
-    """`batch` on the device with its proximal log-probs filled in."""
+  def prepare(self, batch: batching.PackedBatch):
+    """`batch` on the device and its proximal log-probs."""
     batch = jax.device_put(batch, self.batch_sh)
-    return batch.replace(prox_logp=self.recompute(self.state.params, batch))
+    return batch, self.recompute(self.state.params, batch)
 
-  def train(self, batch):
-    self.state, metrics = self.step(self.state, batch)
-    return self.state, metrics
+  def train(self, batch_and_prox):
+    self.state, self.metrics = self.step(self.state, *batch_and_prox)
+    return self.state, self.metrics
 
   def check_trained(self):
-    if int(self.state.step) == 0:
-      raise RuntimeError("every train step was skipped as non-finite")
+    if int(self.metrics["skipped"]):
+      raise RuntimeError("the last train step was skipped as non-finite")
 
 
 def bench_preset(name, rows, steps, rng, seed):
   cfg = models.preset(name, vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
   batch = batching.pack_dynamic(
-      sequences_for_rows(rng, rows), max_tokens_per_mb=ROW_LEN, rows_per_mb=1,
+      *sequences_for_rows(rng, rows), max_tokens_per_mb=ROW_LEN, rows_per_mb=1,
       row_buckets=batching.default_row_buckets(ROW_LEN))
   counts = flop_counts(cfg, batch)
   bench = Bench(cfg, seed)
-  batch = bench.prepare(batch)
+  on_device = bench.prepare(batch)
   recompute_s, step_s = median_times(
-      [lambda: bench.recompute(bench.state.params, batch), lambda: bench.train(batch)], steps)
+      [lambda: bench.recompute(bench.state.params, on_device[0]),
+       lambda: bench.train(on_device)], steps)
   bench.check_trained()
   return dict(
       shape="x".join(map(str, batch.tokens.shape)), params_matmul=matmul_params(cfg),
@@ -221,13 +224,13 @@ def bench_ffd(n, rows_per_mb, steps, rng, seed):
   if n % rows_per_mb:
     raise ValueError(f"ffd sequence count {n} must be a multiple of rows per mb {rows_per_mb}")
   cfg = models.preset("tiny", vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
-  seqs = make_sequences(rng, lognormal_lengths(rng, n))
+  seqs, adv_N = make_sequences(rng, lognormal_lengths(rng, n))
   longest = -(-max(len(s) for s in seqs) // 8) * 8
   batches = {
       "dynamic": batching.pack_dynamic(
-          seqs, max_tokens_per_mb=longest, rows_per_mb=rows_per_mb,
+          seqs, adv_N, max_tokens_per_mb=longest, rows_per_mb=rows_per_mb,
           row_buckets=batching.default_row_buckets(longest)),
-      "fixed": batching.pack(seqs, [[i] for i in range(n)], rows_per_mb=rows_per_mb,
+      "fixed": batching.pack(seqs, adv_N, [[i] for i in range(n)], rows_per_mb=rows_per_mb,
                              row_len=max(len(s) for s in seqs)),
   }
   bench = Bench(cfg, seed)

@@ -50,7 +50,7 @@ def get_config():
   c.optimizer.warmup_steps = 10
   c.optimizer.grad_clip = 1.0
   c.ppo.loss = "decoupled_ppo"
-  c.ppo.behav_imp_weight_cap = 5.0
+  c.ppo.rejection_upper = 5.0
   c.batching.max_tokens_per_mb = 16384
   c.mesh.data = 1
   c.mesh.fsdp = -1

@@ -23,7 +23,7 @@ def get_config():
   c.model.max_seq_len = 96
   c.optimizer.learning_rate = 1e-4
   c.optimizer.warmup_steps = 2
-  c.ppo.behav_imp_weight_cap = 5.0
+  c.ppo.rejection_upper = 5.0
   c.batching.max_tokens_per_mb = 256
   c.rollout.reward_fn = "arithmetic_steps"
   c.generation.max_prompt_len = 32

@@ -15,7 +15,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config_dict import from_config_dict
+from async_rl.config_dict import from_config_dict, parse_flags
 from async_rl.generation import SamplingParams
 from async_rl.generation import jetstream_adapter
 
@@ -45,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -13,7 +13,7 @@ import threading
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config_dict import from_config_dict
+from async_rl.config_dict import from_config_dict, parse_flags
 from async_rl.rl import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
@@ -35,7 +35,10 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
-  cfg = from_config_dict(_CONFIG.value)
+  try:
+    cfg = from_config_dict(_CONFIG.value)
+  except ValueError as e:
+    raise app.UsageError(f"invalid config: {e}") from None
   if _COORDINATOR.value:
     import jax  # noqa: PLC0415 (only multi-host runs pay for the import here)
     jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
@@ -49,4 +52,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -46,7 +46,7 @@ def main():
   with GeneratorPool(engine, params) as pool:
     futures = [pool.submit(Request(i, [tokenizer.bos_id, *p], sampling=greedy))
                for i, p in enumerate(token_prompts)]
-    expected = [f.result(timeout=120)[0].tokens_T.tolist() for f in futures]
+    expected = [f.result(timeout=120)[0].completion_C.tolist() for f in futures]
 
   adapter = jetstream_adapter.JetStreamEngine(engine, params)
   with jetstream_adapter.JetStreamServer(adapter) as server:

@@ -17,6 +17,7 @@ import optax  # noqa: E402
 
 from async_rl import batching, loss, models, sharding, train_step  # noqa: E402
 from async_rl.config import MeshConfig  # noqa: E402
+from async_rl.trajectory import Trajectory  # noqa: E402
 
 CFG = models.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, d_ff=64)
@@ -28,11 +29,11 @@ def _batch(rows_per_mb):
   seqs = []
   for _ in range(16):
     p, c = int(rng.integers(2, 6)), int(rng.integers(1, 10))
-    seqs.append(batching.Sequence(rng.integers(0, 64, p + c), p,
-                                  rng.normal(-4.0, 0.3, c).astype(np.float32),
-                                  np.zeros(c, np.int32), float(rng.normal())))
-  return batching.pack_dynamic(seqs, max_tokens_per_mb=32, rows_per_mb=rows_per_mb,
-                               row_buckets=(32,))
+    tokens = rng.integers(0, 64, p + c)
+    seqs.append(Trajectory.from_completion(tokens[:p], tokens[p:], rng.normal(-4.0, 0.3, c),
+                                           np.zeros(c, np.int32), "stop"))
+  return batching.pack_dynamic(seqs, rng.normal(size=len(seqs)), max_tokens_per_mb=32,
+                               rows_per_mb=rows_per_mb, row_buckets=(32,))
 
 
 def _update(mesh_cfg, devices):
@@ -45,10 +46,9 @@ def _update(mesh_cfg, devices):
   assert batch.tokens.shape[1] % R == 0
   prox = train_step.jit_recompute_logp(mesh, shardings.params, model_cfg=CFG)(
       state.params, batch)
-  batch = batch.replace(prox_logp=np.asarray(prox))
   step = train_step.jit_train_step(mesh, shardings, model_cfg=CFG, loss_fn=LOSS)
   before = jax.tree.map(np.asarray, state.params)
-  state, metrics = step(state, batch)
+  state, metrics = step(state, batch, prox)
   grads = jax.tree.map(lambda a, b: np.asarray(a) - b, state.params, before)
   return grads, np.asarray(prox), state, float(metrics["loss"])
 
@@ -64,7 +64,8 @@ def main():
               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)))
     sharded = sum(not leaf.sharding.is_fully_replicated
                   for leaf in jax.tree.leaves(state.params))
-    out[name] = {"grad_rel_diff": rel, "loss_diff": abs(loss_value - ref_loss), "prox_max_abs_diff": float(np.abs(prox - ref_prox).max()),
+    out[name] = {"grad_rel_diff": rel, "loss_diff": abs(loss_value - ref_loss),
+                 "prox_max_abs_diff": float(np.abs(prox - ref_prox).max()),
                  "sharded_leaves": sharded}
   print(json.dumps(out))
 

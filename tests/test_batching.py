@@ -9,18 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_rl import batching
-from async_rl.batching import Sequence
+from async_rl.trajectory import Trajectory
 
 _SETTINGS = settings(max_examples=60, deadline=None)
 
 
 def _seq(prompt, completion, behav_logp=None, versions=None, advantage=0.0):
+  """A single-turn trajectory; the test keeps its advantage in `metadata`."""
   n = len(completion)
-  return Sequence(
-      tokens=np.array(list(prompt) + list(completion), np.int32), prompt_len=len(prompt),
-      behav_logp=np.zeros(n, np.float32) if behav_logp is None else behav_logp,
-      versions=np.zeros(n, np.int32) if versions is None else versions,
-      advantage=advantage)
+  return Trajectory.from_completion(
+      np.array(prompt, np.int32), np.array(completion, np.int32),
+      np.zeros(n, np.float32) if behav_logp is None else behav_logp,
+      np.zeros(n, np.int32) if versions is None else versions, "stop",
+      metadata={"advantage": advantage})
+
+
+def _adv(seqs):
+  return np.array([s.metadata["advantage"] for s in seqs], np.float32)
 
 
 def _random_seqs(seed, n, max_prompt=6, max_completion=8):
@@ -28,25 +33,24 @@ def _random_seqs(seed, n, max_prompt=6, max_completion=8):
   seqs = []
   for _ in range(n):
     p, c = rng.integers(1, max_prompt + 1), rng.integers(0, max_completion + 1)
-    seqs.append(Sequence(
-        tokens=rng.integers(1, 1000, p + c).astype(np.int32), prompt_len=int(p),
-        behav_logp=-rng.exponential(size=c).astype(np.float32),
-        versions=rng.integers(0, 20, c).astype(np.int32),
-        advantage=float(np.float32(rng.normal()))))
+    tokens = rng.integers(1, 1000, p + c).astype(np.int32)
+    seqs.append(_seq(tokens[:p], tokens[p:], -rng.exponential(size=c).astype(np.float32),
+                     rng.integers(0, 20, c).astype(np.int32),
+                     float(np.float32(rng.normal()))))
   return seqs
 
 
 def _unpack_rows(batch):
   """Per flattened row, the segments as dicts; checks the layout invariants on the way."""
   M, R, T = batch.tokens.shape
-  flat = {k: v.reshape(M * R, T) for k, v in vars(batch).items()}
+  flat = {k: v.reshape(M * R, T) for k, v in vars(batch).items() if v is not None}
   rows = []
   for r in range(M * R):
     seg_T = flat["segment_ids"][r]
     pad = seg_T == 0
     assert not flat["tokens"][r][pad].any() and not flat["positions"][r][pad].any()
     assert not flat["loss_mask"][r][pad].any() and not flat["behav_logp"][r][pad].any()
-    assert not flat["advantages"][r][pad].any() and (flat["versions"][r][pad] == -1).all()
+    assert not flat["advantages"][r][pad].any()
     ids = [k for k, _ in itertools.groupby(seg_T) if k]
     # Segment ids run 1, 2, 3, ... in order, each one contiguous, so no two sequences
     # of a row share an id.
@@ -63,7 +67,6 @@ def _unpack_rows(batch):
       # Completion positions are exactly the tail after the prompt.
       np.testing.assert_array_equal(mask, np.arange(idx.size) >= prompt_len)
       gen = idx[prompt_len:]
-      assert (flat["versions"][r][idx[:prompt_len]] == -1).all()
       assert not flat["behav_logp"][r][idx[:prompt_len]].any()
       assert not flat["advantages"][r][idx[:prompt_len]].any()
       adv = np.unique(flat["advantages"][r][gen])
@@ -71,18 +74,16 @@ def _unpack_rows(batch):
       segments.append(dict(
           tokens=flat["tokens"][r][idx].tolist(), prompt_len=prompt_len,
           behav_logp=flat["behav_logp"][r][gen].tolist(),
-          versions=flat["versions"][r][gen].tolist(),
           advantage=float(adv[0]) if adv.size else None))
     rows.append(segments)
-  assert not flat["prox_logp"].any()
   return rows
 
 
 def _as_dict(seq):
   has_completion = len(seq) > seq.prompt_len
-  return dict(tokens=seq.tokens.tolist(), prompt_len=seq.prompt_len,
-              behav_logp=seq.behav_logp.tolist(), versions=seq.versions.tolist(),
-              advantage=float(np.float32(seq.advantage)) if has_completion else None)
+  return dict(tokens=seq.tokens_T.tolist(), prompt_len=seq.prompt_len,
+              behav_logp=seq.logp_T[seq.prompt_len:].tolist(),
+              advantage=float(np.float32(seq.metadata["advantage"])) if has_completion else None)
 
 
 # ffd_allocate: hand cases.
@@ -175,35 +176,12 @@ def test_ffd_properties(problem):
     assert groups == plain
 
 
-# Sequence.
-
-def test_sequence_validation():
-  with pytest.raises(ValueError, match="behav_logp must have shape \\(2,\\)"):
-    _seq([1], [2, 3], behav_logp=np.zeros(3))
-  with pytest.raises(ValueError, match="versions must have shape \\(2,\\)"):
-    _seq([1], [2, 3], versions=np.zeros(1, np.int32))
-  with pytest.raises(ValueError, match="prompt_len"):
-    _seq([], [2, 3])
-  with pytest.raises(ValueError, match="prompt_len"):
-    Sequence(tokens=np.array([1, 2]), prompt_len=3, behav_logp=np.zeros(0),
-             versions=np.zeros(0, np.int32), advantage=0.0)
-  with pytest.raises(ValueError, match="1-D integer"):
-    Sequence(tokens=np.array([1.0, 2.0]), prompt_len=1, behav_logp=np.zeros(1),
-             versions=np.zeros(1, np.int32), advantage=0.0)
-  with pytest.raises(ValueError, match="versions must be >= 0"):
-    _seq([1], [2], versions=np.array([-1]))
-  seq = _seq([1, 2], [3], behav_logp=[-0.5], versions=[7], advantage=1)
-  assert seq.tokens.dtype == np.int32 and seq.behav_logp.dtype == np.float32
-  assert seq.versions.dtype == np.int32 and isinstance(seq.advantage, float)
-  assert len(seq) == 3
-
-
 # pack.
 
 def test_pack_hand_case():
   a = _seq([11, 12], [13, 14], behav_logp=[-0.5, -0.25], versions=[3, 4], advantage=1.5)
   b = _seq([21], [22, 23], behav_logp=[-1.0, -2.0], versions=[5, 5], advantage=-2.0)
-  batch = batching.pack([a, b], [[0, 1]], rows_per_mb=2, row_len=8)
+  batch = batching.pack([a, b], [1.5, -2.0], [[0, 1]], rows_per_mb=2, row_len=8)
   assert batch.tokens.shape == (1, 2, 8)
   expected = dict(
       tokens=([11, 12, 13, 14, 21, 22, 23, 0], np.int32),
@@ -211,29 +189,42 @@ def test_pack_hand_case():
       segment_ids=([1, 1, 1, 1, 2, 2, 2, 0], np.int32),
       loss_mask=([0, 0, 1, 1, 0, 1, 1, 0], np.float32),
       behav_logp=([0, 0, -0.5, -0.25, 0, -1, -2, 0], np.float32),
-      prox_logp=([0] * 8, np.float32),
-      advantages=([0, 0, 1.5, 1.5, 0, -2, -2, 0], np.float32),
-      versions=([-1, -1, 3, 4, -1, 5, 5, -1], np.int32))
+      advantages=([0, 0, 1.5, 1.5, 0, -2, -2, 0], np.float32))
+  assert set(expected) | {"versions"} == set(vars(batch)), "only what the device reads"
+  assert batch.versions is None, "versions are packed only for the log-linear estimate"
   for name, (row, dtype) in expected.items():
     got = getattr(batch, name)
     assert got.dtype == dtype, name
     np.testing.assert_array_equal(got[0, 0], np.array(row, dtype), err_msg=name)
-    pad = -1 if name == "versions" else 0
-    np.testing.assert_array_equal(got[0, 1], np.full(8, pad, dtype), err_msg=name)
+    np.testing.assert_array_equal(got[0, 1], np.zeros(8, dtype), err_msg=name)
+
+
+def test_pack_follows_the_loss_mask():
+  # A multi-turn episode: prompt, two policy tokens, one environment token (mask 0,
+  # no behaviour log-prob), one more policy token masked out (too stale).
+  traj = Trajectory(tokens_T=np.array([5, 6, 7, 8, 9, 10], np.int32),
+                    loss_mask_T=np.array([0, 1, 1, 0, 1, 0], bool),
+                    logp_T=np.array([0, -1, -2, 0, -3, -4], np.float32),
+                    versions_T=np.array([-1, 0, 0, -1, 1, 1], np.int32), prompt_len=1,
+                    finish_reason="stop", reward=1.0)
+  batch = batching.pack([traj], [0.5], [[0]], rows_per_mb=1, row_len=8)
+  np.testing.assert_array_equal(batch.loss_mask[0, 0], [0, 1, 1, 0, 1, 0, 0, 0])
+  np.testing.assert_array_equal(batch.behav_logp[0, 0], [0, -1, -2, 0, -3, 0, 0, 0])
+  np.testing.assert_array_equal(batch.advantages[0, 0], [0, .5, .5, 0, .5, 0, 0, 0])
 
 
 def test_packed_batch_is_a_pytree():
-  batch = batching.pack([_seq([1], [2])], [[0]], rows_per_mb=1, row_len=8)
+  batch = batching.pack([_seq([1], [2])], [0.0], [[0]], rows_per_mb=1, row_len=8)
   leaves = jax.tree.leaves(batch)
-  assert len(leaves) == 8 and all(x.shape == (1, 1, 8) for x in leaves)
-  filled = batch.replace(prox_logp=np.ones((1, 1, 8), np.float32))
-  assert filled.prox_logp.sum() == 8 and not batch.prox_logp.any()
+  assert len(leaves) == 6 and all(x.shape == (1, 1, 8) for x in leaves)
 
 
 def test_pack_rejects_group_over_row_len():
   seqs = [_seq([1, 2], [3, 4]), _seq([5], [6, 7])]
   with pytest.raises(ValueError, match="group 0 holds 7 tokens, over row_len=6"):
-    batching.pack(seqs, [[0, 1]], rows_per_mb=1, row_len=6)
+    batching.pack(seqs, _adv(seqs), [[0, 1]], rows_per_mb=1, row_len=6)
+  with pytest.raises(ValueError, match="one advantage per trajectory"):
+    batching.pack(seqs, [0.0], [[0], [1]], rows_per_mb=1, row_len=6)
 
 
 @_SETTINGS
@@ -242,7 +233,7 @@ def test_pack_rejects_group_over_row_len():
 def test_pack_round_trip(seed, n, rows_per_mb, budget):
   seqs = _random_seqs(seed, n)
   groups = batching.ffd_allocate([len(s) for s in seqs], budget)
-  batch = batching.pack(seqs, groups, rows_per_mb=rows_per_mb, row_len=budget)
+  batch = batching.pack(seqs, _adv(seqs), groups, rows_per_mb=rows_per_mb, row_len=budget)
   num_rows = -(-len(groups) // rows_per_mb) * rows_per_mb
   assert batch.tokens.shape == (num_rows // rows_per_mb, rows_per_mb, budget)
   rows = _unpack_rows(batch)
@@ -261,7 +252,7 @@ def test_default_row_buckets():
 
 def test_pack_dynamic_hand_case():
   seqs = [_seq([1] * 2, [2] * n) for n in (8, 7, 6, 3, 2)]  # lengths 10, 9, 8, 5, 4
-  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=16, rows_per_mb=2,
+  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=16, rows_per_mb=2,
                                 row_buckets=(8, 16))
   # FFD under 16: 10, 9, 8 open three groups; 5 joins the first (all hold one,
   # earliest wins); 4 fits only the second and third and joins the second. Rows of
@@ -275,7 +266,7 @@ def test_pack_dynamic_hand_case():
 
 def test_pack_dynamic_pads_micro_batches_to_power_of_two():
   seqs = [_seq([1] * 4, [2] * 4) for _ in range(5)]  # 5 rows of 8 under budget 8
-  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=8, rows_per_mb=1,
+  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=8, rows_per_mb=1,
                                 row_buckets=(8,))
   assert batch.tokens.shape == (8, 1, 8)
   assert batch.segment_ids[:5].all() and not batch.segment_ids[5:].any()
@@ -285,9 +276,11 @@ def test_pack_dynamic_pads_micro_batches_to_power_of_two():
 def test_pack_dynamic_errors():
   seqs = [_seq([1] * 10, [2] * 20)]
   with pytest.raises(ValueError, match="no row bucket in \\(8, 16\\) holds a row of 30"):
-    batching.pack_dynamic(seqs, max_tokens_per_mb=64, rows_per_mb=1, row_buckets=(16, 8))
+    batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=64, rows_per_mb=1,
+                          row_buckets=(16, 8))
   with pytest.raises(ValueError, match="sequence 0 has length 30"):
-    batching.pack_dynamic(seqs, max_tokens_per_mb=16, rows_per_mb=1, row_buckets=(16,))
+    batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=16, rows_per_mb=1,
+                          row_buckets=(16,))
 
 
 @_SETTINGS
@@ -295,8 +288,8 @@ def test_pack_dynamic_errors():
 def test_pack_dynamic_round_trip_and_layout(seed, n, rows_per_mb):
   budget, buckets = 32, (8, 16, 32)
   seqs = _random_seqs(seed, n, max_prompt=8, max_completion=24)
-  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=budget, rows_per_mb=rows_per_mb,
-                                row_buckets=buckets)
+  batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=budget,
+                                rows_per_mb=rows_per_mb, row_buckets=buckets)
   M, R, T = batch.tokens.shape
   groups = batching.ffd_allocate([len(s) for s in seqs], budget, min_groups=rows_per_mb)
   real_mb = -(-len(groups) // rows_per_mb)
@@ -332,9 +325,24 @@ def test_pack_dynamic_shapes_stay_in_bucket_set():
     totals = rng.integers(2, hi + 1, n)
     prompts = [int(rng.integers(1, t + 1)) for t in totals]
     seqs = [_seq([1] * p, [2] * (t - p)) for t, p in zip(totals, prompts)]
-    batch = batching.pack_dynamic(seqs, max_tokens_per_mb=budget, rows_per_mb=rows_per_mb,
-                                  row_buckets=buckets)
+    batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=budget,
+                                  rows_per_mb=rows_per_mb, row_buckets=buckets)
     shapes.add(batch.tokens.shape)
     assert len({x.shape for x in jax.tree.leaves(batch)}) == 1
   assert shapes <= allowed
   assert len(shapes) > 1
+
+
+def test_versions_are_packed_only_when_asked_and_padding_keeps_them():
+  a = _seq([11, 12], [13, 14], versions=[3, 4])
+  b = _seq([21], [22], versions=[5])
+  plain = batching.pack([a, b], [0.0, 0.0], [[0], [1]], rows_per_mb=1, row_len=4)
+  assert plain.versions is None and len(jax.tree.leaves(plain)) == 6
+  batch = batching.pack([a, b], [0.0, 0.0], [[0], [1]], rows_per_mb=1, row_len=4,
+                        with_versions=True)
+  np.testing.assert_array_equal(batch.versions[:, 0], [[-1, -1, 3, 4], [-1, 5, -1, -1]])
+  padded = batching.pad_micro_batches(batch, 3)
+  assert padded.tokens.shape == (3, 1, 4) and (padded.versions[2] == -1).all()
+  assert not padded.loss_mask[2].any() and not padded.segment_ids[2].any()
+  assert batching.pad_micro_batches(plain, 2) is plain
+  assert batching.pad_micro_batches(plain, 4).versions is None

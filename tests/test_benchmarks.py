@@ -12,9 +12,9 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
-def _run(module, *args, timeout=600):
+def _run(module, *args, timeout=600, config=("--config=configs/micro.py",)):
   env = dict(os.environ, PYTHONPATH=str(ROOT))
-  out = subprocess.run([sys.executable, "-m", module, "--config=configs/micro.py", *args],
+  out = subprocess.run([sys.executable, "-m", module, *config, *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
   return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
@@ -57,3 +57,20 @@ def test_staleness_ablation_runs_the_grid_and_resumes(tmp_path):
   assert again["accuracy"] == summary["accuracy"]
   assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 5
   assert "[1/" not in stdout
+
+
+def test_tool_use_scores_each_chain_length_through_the_workflow():
+  stdout, summary = _run("benchmarks.tool_use", "--config.task_kind=arithmetic_tool",
+                         "--config.sft.steps=2", "--config.num_steps=2", "--per_length=2")
+  assert summary["task_kind"] == "arithmetic_tool" and summary["rl_steps"] == 2
+  assert [r["terms"] for r in summary["by_length"]] == [2, 3]  # micro: task.max_terms = 3
+  assert all(r["problems"] == 2 and 0 <= r["after_rl"] <= 1 for r in summary["by_length"])
+  assert "| operands |" in stdout
+
+
+def test_multi_turn_times_prefills_and_both_workflows():
+  stdout, summary = _run("benchmarks.multi_turn", "--groups=2", "--reps=2", config=())
+  assert summary["matmul_gflops"] > 0 and set(summary["prefill_ms"]) == {"16", "32", "64", "80"}
+  single, multi = summary["runs"]["single_turn"], summary["runs"]["multi_turn"]
+  assert single["turns"] == 1.0 and single["env_tokens"] == 0 and multi["turns"] > 1
+  assert single["reprefill_share"] == 0 < multi["reprefill_share"]

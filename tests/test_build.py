@@ -21,7 +21,7 @@ RULES = ("filegroup", "py_binary", "py_library", "py_test")
 OTHER_CALLS = ("exports_files", "load", "package")  # Allowed at top level, not checked.
 SIZES = ("small", "medium", "large", "enormous")
 SCRIPT_DIRS = ("benchmarks", "launch")  # One py_binary per .py file, `__init__.py` aside.
-HELPER_DIRS = ("benchmarks", "configs", "launch", "tests")  # Every .py there is in a target.
+HELPER_DIRS = ("benchmarks", "configs", "examples", "launch", "tests")  # Every .py there is in a target.
 
 
 @dataclasses.dataclass

@@ -40,6 +40,14 @@ def test_conversion_types_and_defaults():
     ({"ppo": {"eps_clip": -0.1}}, "ppo.eps_clip"),
     ({"ppo": {"c_clip": 0.5}}, "ppo.c_clip"),
     ({"ppo": {"loss": "ppo2"}}, "ppo.loss"),
+    ({"ppo": {"loss": "naive_ppo"}},
+     "ppo.loss='naive_ppo' was removed: write ppo.prox_logp='behav'"),
+    ({"ppo": {"behav_imp_weight_cap": 5.0}},
+     "ppo.behav_imp_weight_cap was removed: write ppo.rejection_upper"),
+    ({"ppo": {"prox_logp": "fresh"}}, "ppo.prox_logp"),
+    ({"ppo": {"rejection_upper": 1.0}}, "ppo.rejection_upper"),
+    ({"ppo": {"rejection_action": "clamp", "rejection_metric": "kl_k1"}},
+     "ppo.rejection_metric"),
     ({"staleness": {"max_staleness": -1}}, "staleness.max_staleness"),
     ({"batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
     ({"generation": {"top_p": 0.0}}, "generation.top_p"),
@@ -53,10 +61,22 @@ def test_conversion_types_and_defaults():
       "batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
     ({"optimizer": {"learning_rate": "fast"}}, "optimizer.learning_rate"),
     ({"num_steps": True}, "num_steps"),
+    ({"multi_turn": {"max_turns": 0}}, "multi_turn.max_turns"),
+    ({"task_options": {"path": {1, 2}}}, "task_options"),
 ])
 def test_invalid_values_name_the_field(values, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
     from_config_dict(values)
+
+
+def test_task_options_are_free_form_plain_data_and_round_trip():
+  options = {"train": "a.jsonl", "sizes": [1, 2], "nested": {"k": None}}
+  cd = config_dict.default_config_dict()
+  cd.task_options = options
+  cfg = from_config_dict(cd)
+  assert cfg.task_options == options
+  assert config_dict.to_dict(cfg)["task_options"] == options
+  assert from_config_dict({}).task_options == {} and from_config_dict({}).rollout.reward_fn is None
 
 
 def test_mesh_axes_must_multiply_to_device_count():

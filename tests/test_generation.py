@@ -29,6 +29,11 @@ def engine(params):
   return engine
 
 
+def _logp(s):
+  """The behaviour log-probs of a sample's generated tokens."""
+  return s.logp_T[s.prompt_len:]
+
+
 def _prompts(seed, count, max_len=16):
   rng = np.random.default_rng(seed)
   return [rng.integers(0, CFG.vocab_size, rng.integers(1, max_len + 1)).tolist()
@@ -119,9 +124,9 @@ def test_greedy_pool_equals_argmax_of_full_reforward(engine, params):
   greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
   results = _run(engine, params, [Request(i, p, sampling=greedy) for i, p in enumerate(prompts)])
   for prompt, (s,) in zip(prompts, results):
-    assert s.finish_reason == "length" and len(s.tokens_T) == 12
+    assert s.finish_reason == "length" and len(s.completion_C) == 12
     seq = list(prompt)
-    for token, logp in zip(s.tokens_T, s.logp_T):
+    for token, logp in zip(s.completion_C, _logp(s)):
       logits_TV = _full_logits(params, seq)
       assert token == int(np.argmax(logits_TV[-1]))
       # Greedy records the log-prob at temperature 1.
@@ -137,12 +142,12 @@ def test_behaviour_logp_equals_policy_recomputation(engine, params, top_k, top_p
   for prompt, samples in zip(prompts, results):
     for s in samples:
       # Full-softmax log-prob at the temperature, whatever the truncation.
-      np.testing.assert_allclose(s.logp_T, _recompute_logp(params, prompt, s.tokens_T, 0.7),
+      np.testing.assert_allclose(_logp(s), _recompute_logp(params, prompt, s.completion_C, 0.7),
                                  atol=1e-4)
-      seq = np.concatenate([prompt, s.tokens_T])
+      seq = np.concatenate([prompt, s.completion_C])
       logits_TV = _full_logits(params, seq)[len(prompt) - 1:-1]
       probs_TV = np.asarray(jax.nn.softmax(logits_TV / 0.7))
-      for t, token in enumerate(s.tokens_T):
+      for t, token in enumerate(s.completion_C):
         rank = int(np.sum(probs_TV[t] > probs_TV[t, token]))
         assert rank < (top_k or CFG.vocab_size)
         sorted_V = np.sort(probs_TV[t])[::-1]
@@ -184,9 +189,9 @@ def test_fixed_seed_reproduces_samples_whatever_the_batching(engine, params):
             for i, p in enumerate(_prompts(4, 4))]
   crowded = _run(engine, params, others[:3] + [target] + others[3:], seed=99)[3]
   for a, b in zip(alone, crowded):
-    np.testing.assert_array_equal(a.tokens_T, b.tokens_T)
-    np.testing.assert_allclose(a.logp_T, b.logp_T, atol=1e-5)
-  assert not np.array_equal(alone[0].tokens_T, alone[1].tokens_T)
+    np.testing.assert_array_equal(a.completion_C, b.completion_C)
+    np.testing.assert_allclose(_logp(a), _logp(b), atol=1e-5)
+  assert not np.array_equal(alone[0].completion_C, alone[1].completion_C)
 
 
 def test_samples_do_not_depend_on_steps_per_call(engine, params):

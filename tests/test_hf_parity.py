@@ -15,7 +15,7 @@ pytest.importorskip("safetensors", reason="the HF loader needs safetensors")
 
 from async_rl import models  # noqa: E402
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
-from async_rl.models import hf  # noqa: E402
+from async_rl.models import hf, hf_config  # noqa: E402
 from hf_test_utils import COMMON, our_logits, torch_logits, torch_model  # noqa: E402
 
 # float32 reference vs float32 ours: differences are summation-order rounding, ~1e-6.
@@ -44,7 +44,7 @@ def saved(request, tmp_path_factory):
 def test_config_from_hf_reads_the_fields(saved):
   name, _, model_dir = saved
   with open(os.path.join(model_dir, "config.json")) as f:
-    cfg = hf.config_from_hf(json.load(f))
+    cfg = hf_config.config_from_hf(json.load(f))
   assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
           cfg.d_ff) == (128, 64, 2, 4, 2, 96)
   assert cfg.rms_eps == 1e-5
@@ -107,7 +107,7 @@ def test_greedy_generation_matches_transformers(saved):
   with GeneratorPool(engine, params) as pool:
     (sample,) = pool.submit(Request(0, prompt, sampling=SamplingParams(
         temperature=0.0, max_new_tokens=n_new))).result(timeout=120)
-  np.testing.assert_array_equal(sample.tokens_T, ref)
+  np.testing.assert_array_equal(sample.completion_C, ref)
 
 
 def test_bfloat16_checkpoint_loads(saved, tmp_path):
@@ -123,7 +123,7 @@ def test_bfloat16_checkpoint_loads(saved, tmp_path):
 
 def test_unknown_architecture_is_named():
   with pytest.raises(ValueError, match="LlamaForCausalLM"):
-    hf.config_from_hf({"architectures": ["LlamaForCausalLM"]})
+    hf_config.config_from_hf({"architectures": ["LlamaForCausalLM"]})
 
 
 def _copy_with(model_dir, out_dir, edit):

@@ -98,7 +98,7 @@ def _greedy(engine, params, prompts, max_tokens, tokenizer):
   with GeneratorPool(engine, params) as pool:
     futures = [pool.submit(Request(i, [tokenizer.bos_id, *tokenizer.encode(p)],
                                    sampling=sampling)) for i, p in enumerate(prompts)]
-    return [_until_stop(f.result(timeout=120)[0].tokens_T.tolist(), tokenizer.eos_id)
+    return [_until_stop(f.result(timeout=120)[0].completion_C.tolist(), tokenizer.eos_id)
             for f in futures]
 
 

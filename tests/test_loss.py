@@ -1,4 +1,5 @@
-"""PPO losses: hand-computed tokens, masking hygiene, micro-batch additivity, registry."""
+"""PPO loss: hand-computed tokens, off-policy corrections and GSPO in the loss, masking
+hygiene, packed == unpacked, micro-batch additivity, hyper-parameter checks."""
 
 import math
 
@@ -13,15 +14,19 @@ RTOL = 1e-6
 ATOL = 1e-7
 
 
-def _tokens(ratio, weight, adv, mask=None):
-  """Log-probs realising the given r = π_θ/π_prox and w = π_prox/π_behav, as [1, T]."""
+def _tokens(ratio, weight, adv, mask=None, segment_ids=None):
+  """Log-probs realising the given r = π_θ/π_prox and w = π_prox/π_behav, as [1, T]
+
+  (one sequence per row unless `segment_ids` says otherwise)."""
   ratio, weight = np.asarray(ratio, np.float64), np.asarray(weight, np.float64)
   behav = np.full(ratio.shape, -1.0)
   prox = behav + np.log(weight)
   logp = prox + np.log(ratio)
   mask = np.ones(ratio.shape) if mask is None else np.asarray(mask)
+  segment_ids = np.ones(ratio.shape) if segment_ids is None else np.asarray(segment_ids)
   as_row = lambda x: jnp.asarray(np.asarray(x, np.float32)[None])
-  return tuple(as_row(x) for x in (logp, prox, behav, adv, mask))
+  return tuple(as_row(x) for x in (logp, prox, behav, adv, mask)) + (
+      jnp.asarray(segment_ids, jnp.int32)[None],)
 
 
 def _run(args, name="decoupled_ppo", num_tokens=None, entropy=None, **hparams):
@@ -59,7 +64,7 @@ def test_behaviour_weight_scales_tokens_and_cap_masks_numerator_only():
   loss, metrics = loss_lib.decoupled_ppo_loss(*args, eps_clip=0.2)
   _close(loss, (-2.2 - 0.55 + 0.9) / 3)
   _close(metrics["capped_fraction"], 0.0)
-  loss, metrics, grad = _run(args, eps_clip=0.2, behav_imp_weight_cap=1.5)
+  loss, metrics, grad = _run(args, eps_clip=0.2, rejection_upper=1.5)
   _close(loss, (-0.55 + 0.9) / 3)
   _close(metrics["capped_fraction"], 1 / 3)
   _close(metrics["behav_weight_mean"], 3.5 / 3)
@@ -103,32 +108,42 @@ def test_num_tokens_sets_denominator_and_metrics_use_it():
   _close(metrics["approx_kl"], (0.5 - 1.0 + math.log(2.0)) / 2)
 
 
-def test_all_masked_gives_zero_loss_and_zero_gradient():
+# The options of the loss that change how tokens or sequences are weighted, combined so
+# that three settings cover them (each costs a compilation).
+OPTIONS = [
+    {"importance_level": "sequence", "rejection_upper": 2.0},
+    {"rejection_level": "sequence", "rejection_action": "clamp", "rejection_lower": 0.5,
+     "rejection_upper": 2.0},
+    {"rejection_level": "sequence", "rejection_metric": "kl_k3", "rejection_upper": 0.1},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_all_masked_gives_zero_loss_and_zero_gradient(options):
   args = _tokens(ratio=[1.5, 0.5], weight=[3.0, 1.0], adv=[1, -1], mask=[0, 0])
-  for name in loss_lib.LOSSES:
-    loss, metrics, grad = _run(args, name, eps_clip=0.2, c_clip=3.0, behav_imp_weight_cap=2.0)
-    assert float(loss) == 0.0
-    np.testing.assert_array_equal(grad, np.zeros_like(grad))
-    assert all(np.isfinite(v) and float(v) == 0.0 for v in metrics.values())
+  loss, metrics, grad = _run(args, eps_clip=0.2, c_clip=3.0, **options)
+  assert float(loss) == 0.0
+  np.testing.assert_array_equal(grad, np.zeros_like(grad))
+  assert all(np.isfinite(v) and float(v) == 0.0 for v in metrics.values())
 
 
-def test_garbage_in_masked_tokens_does_not_leak():
+@pytest.mark.parametrize("options", OPTIONS)
+def test_garbage_in_masked_tokens_does_not_leak(options):
   clean = _tokens(ratio=[1.5, 0.9], weight=[1.2, 0.8], adv=[1, -1])
   junk = [jnp.asarray([[v1, v2]], jnp.float32)
           for v1, v2 in ((jnp.inf, 1e30), (-jnp.inf, -1e30), (jnp.nan, 88.0), (jnp.nan, 1e30))]
   dirty = [jnp.concatenate([c, j], axis=1) for c, j in zip(clean[:4], junk)]
-  dirty.append(jnp.asarray([[1, 1, 0, 0]], jnp.float32))
+  dirty += [jnp.asarray([[1, 1, 0, 0]], jnp.float32), jnp.ones((1, 4), jnp.int32)]
   entropy = jnp.asarray([[0.2, 0.4, jnp.nan, jnp.inf]], jnp.float32)
-  hparams = dict(eps_clip=0.2, c_clip=3.0, behav_imp_weight_cap=5.0)
-  for name in loss_lib.LOSSES:
-    want, want_metrics, want_grad = _run(clean, name, entropy=entropy[:, :2], **hparams)
-    got, got_metrics, got_grad = _run(dirty, name, entropy=entropy, **hparams)
-    assert np.isfinite(float(got))
-    _close(got, want)
-    _close(got_grad[:, :2], want_grad)
-    np.testing.assert_array_equal(got_grad[:, 2:], np.zeros((1, 2), np.float32))
-    for key, value in want_metrics.items():
-      _close(got_metrics[key], value)
+  hparams = dict(eps_clip=0.2, c_clip=3.0, **options)
+  want, want_metrics, want_grad = _run(clean, entropy=entropy[:, :2], **hparams)
+  got, got_metrics, got_grad = _run(dirty, entropy=entropy, **hparams)
+  assert np.isfinite(float(got))
+  _close(got, want)
+  _close(got_grad[:, :2], want_grad)
+  np.testing.assert_array_equal(got_grad[:, 2:], np.zeros((1, 2), np.float32))
+  for key, value in want_metrics.items():
+    _close(got_metrics[key], value)
 
 
 def _random_batch(seed, shape=(4, 6)):
@@ -136,28 +151,126 @@ def _random_batch(seed, shape=(4, 6)):
   behav = rng.normal(-2.0, 0.5, shape)
   prox = behav + rng.normal(0.0, 0.6, shape)
   logp = prox + rng.normal(0.0, 0.4, shape)
-  adv = rng.normal(0.0, 1.0, shape)
   mask = (rng.random(shape) < 0.75).astype(np.float32)
-  return tuple(jnp.asarray(x, jnp.float32) for x in (logp, prox, behav, adv, mask))
+  segment_ids = np.asarray([[1, 1, 1, 2, 2, 2], [1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1],
+                            [1, 2, 2, 3, 3, 0]])[:shape[0]]
+  mask = np.where(segment_ids > 0, mask, 0.0)
+  # One advantage per sequence, as the trainer gives.
+  adv = rng.normal(0.0, 1.0, (shape[0], shape[1] + 1))[np.arange(shape[0])[:, None],
+                                                       segment_ids]
+  return tuple(jnp.asarray(x, jnp.float32) for x in (logp, prox, behav, adv, mask)) + (
+      jnp.asarray(segment_ids, jnp.int32),)
 
 
-def test_naive_equals_decoupled_with_prox_equal_to_behav():
-  logp, prox, behav, adv, mask = _random_batch(0)
+def test_behaviour_weight_with_sequence_rejection_in_the_loss():
+  # One row, two sequences: w = 4, 1 (geometric mean 2) and 2, 1/8 (geometric mean 1/2).
+  args = _tokens(ratio=[1, 1, 1, 1], weight=[4, 1, 2, 0.125], adv=[1, 1, 1, 1],
+                 segment_ids=[1, 1, 2, 2])
+  loss, metrics, grad = _run(args, eps_clip=0.2, rejection_level="sequence",
+                             rejection_upper=1.5)
+  _close(loss, -0.5 * 2 / 4)  # sequence 1 is dropped, sequence 2 weighs 1/2 per token
+  _close(metrics["capped_fraction"], 2 / 4)
+  _close(metrics["behav_weight_mean"], 7.125 / 4)
+  _close(metrics["behav_weight_max"], 4.0)
+  _close(grad[0], [0, 0, -0.5 / 4, -0.5 / 4])
+  loss, metrics, _ = _run(args, eps_clip=0.2, rejection_action="clamp", rejection_upper=3.0)
+  _close(loss, -(3 + 1 + 2 + 0.125) / 4)  # token-level TIS
+  _close(metrics["capped_fraction"], 1 / 4)
+
+
+def test_gspo_uses_one_ratio_per_sequence():
+  # Row 0 packs r = (1.1, 0.9) with A = 1 and r = (1.0, 0.49) with A = -1; row 1 holds
+  # r = (1.5, 0.6) with A = 1 and w = (2, 1). Sequence ratios: sqrt(0.99), 0.7, sqrt(0.9).
+  row0 = _tokens(ratio=[1.1, 0.9, 1.0, 0.49], weight=[1, 1, 1, 1], adv=[1, 1, -1, -1],
+                 segment_ids=[1, 1, 2, 2])
+  row1 = _tokens(ratio=[1.5, 0.6, 1.0, 1.0], weight=[2, 1, 1, 1], adv=[1, 1, 0, 0],
+                 mask=[1, 1, 0, 0], segment_ids=[1, 1, 0, 0])
+  args = [jnp.concatenate(pair) for pair in zip(row0, row1)]
+  s1, s3 = math.sqrt(0.99), math.sqrt(0.9)
+  loss, metrics, grad = _run(args, eps_clip=0.2, importance_level="sequence")
+  # Sequence 2: 0.7 < 1 - eps with A < 0, so both its tokens are clipped at 0.8.
+  _close(loss, (-2 * s1 + 2 * 0.8 - 3 * s3) / 6)
+  _close(metrics["clip_fraction"], 2 / 6)
+  # GSPO-token: each token's gradient is w_t s ∇log π_θ(y_t), its own w, where GSPO
+  # through the sequence mean would give both tokens of row 1 the mean w, 1.5.
+  _close(grad, [[-s1 / 6, -s1 / 6, 0, 0], [-2 * s3 / 6, -s3 / 6, 0, 0]])
+  # Per token, r = 1.5 is clipped instead, and 0.49 and 1.0 are judged apart.
+  loss, metrics, _ = _run(args, eps_clip=0.2)
+  _close(loss, (-1.1 - 0.9 + 1.0 + 0.8 - 2 * 1.2 - 0.6) / 6)
+  _close(metrics["clip_fraction"], 2 / 6)
+
+
+def _gspo_reference(prox, behav, adv, mask, segment_ids, *, eps_clip):
+  """GSPO as written, with one w per sequence (the geometric mean of its tokens' w), as
+  a function of log π_θ: s = exp(mean log r) per sequence, differentiated through the
+  mean."""
+  sequences = [(r, np.flatnonzero((np.asarray(segment_ids[r]) == seg) & (np.asarray(mask[r]) > 0)))
+               for r in range(mask.shape[0]) for seg in range(1, mask.shape[1] + 1)]
+
+  def loss(logp):
+    total = 0.0
+    for r, idx in sequences:
+      if idx.size:
+        s = jnp.exp(jnp.mean(logp[r, idx] - prox[r, idx]))
+        w = jnp.exp(jnp.mean(prox[r, idx] - behav[r, idx]))
+        a = adv[r, idx]
+        total += w * jnp.sum(jnp.maximum(-a * s, -a * jnp.clip(s, 1 - eps_clip, 1 + eps_clip)))
+    return total / mask.sum()
+
+  return loss
+
+
+def test_gspo_token_form_has_gspo_gradient_when_w_is_per_sequence():
+  logp, prox, behav, adv, mask, seg = _random_batch(3)
+  # w = 1 (naive PPO), and w per sequence (the sequence-level ratio correction).
+  for batch, options in (((logp, behav, behav, adv, mask, seg), {}),
+                         ((logp, prox, behav, adv, mask, seg),
+                          {"rejection_level": "sequence", "rejection_upper": 1e9})):
+    loss, _, grad = _run(batch, eps_clip=0.2, importance_level="sequence", **options)
+    reference = _gspo_reference(*batch[1:], eps_clip=0.2)
+    want, want_grad = jax.jit(jax.value_and_grad(reference))(logp)
+    _close(loss, want)
+    _close(grad, want_grad)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_packed_rows_equal_one_sequence_per_row(options):
+  batch = _random_batch(6, shape=(1, 6))  # one row: sequences [0:3] and [3:6]
+  unpacked = [jnp.concatenate([x[:, :3], x[:, 3:]]) for x in batch[:5]]
+  unpacked.append(jnp.ones((2, 3), jnp.int32))
+  hparams = dict(eps_clip=0.2, c_clip=3.0, **options)
+  loss, metrics, grad = _run(batch, **hparams)
+  want, want_metrics, want_grad = _run(unpacked, **hparams)
+  _close(loss, want)
+  _close(grad.reshape(2, 3), want_grad)
+  for key, value in want_metrics.items():
+    _close(metrics[key], value)
+
+
+def test_prox_equal_to_behav_is_naive_ppo_and_no_correction_fires():
+  logp, prox, behav, adv, mask, seg = _random_batch(0)
   hparams = dict(eps_clip=0.2, eps_clip_higher=0.3, c_clip=3.0)
-  naive, naive_metrics = loss_lib.naive_ppo_loss(logp, prox, behav, adv, mask, **hparams)
-  ref, ref_metrics = loss_lib.decoupled_ppo_loss(logp, behav, behav, adv, mask, **hparams)
-  _close(naive, ref)
+  naive, naive_metrics = loss_lib.decoupled_ppo_loss(logp, behav, behav, adv, mask, seg,
+                                                     **hparams)
   _close(naive_metrics["behav_weight_max"], 1.0)
-  for key, value in ref_metrics.items():
-    _close(naive_metrics[key], value)
-  decoupled, _ = loss_lib.decoupled_ppo_loss(logp, prox, behav, adv, mask, **hparams)
+  for options in [{"rejection_upper": 2.0}] + OPTIONS[1:]:
+    corrected, metrics = loss_lib.decoupled_ppo_loss(logp, behav, behav, adv, mask, seg,
+                                                     **hparams, **options)
+    _close(corrected, naive)
+    _close(metrics["capped_fraction"], 0.0)
+  decoupled, _ = loss_lib.decoupled_ppo_loss(logp, prox, behav, adv, mask, seg, **hparams)
   assert abs(float(decoupled) - float(naive)) > 1e-3
 
 
-def test_micro_batches_with_global_num_tokens_sum_to_full_batch():
+@pytest.mark.parametrize("options", [
+    {"rejection_upper": 1.3},
+    {"importance_level": "sequence", "rejection_level": "sequence",
+     "rejection_action": "clamp", "rejection_lower": 0.8, "rejection_upper": 1.3},
+])
+def test_micro_batches_with_global_num_tokens_sum_to_full_batch(options):
   batch = _random_batch(1)
   entropy = jnp.asarray(np.random.default_rng(2).random((4, 6)), jnp.float32)
-  hparams = dict(eps_clip=0.2, eps_clip_higher=0.28, c_clip=2.0, behav_imp_weight_cap=1.3)
+  hparams = dict(eps_clip=0.2, eps_clip_higher=0.28, c_clip=2.0, **options)
   full, full_metrics, full_grad = _run(batch, entropy=entropy, **hparams)
   assert 0 < float(full_metrics["capped_fraction"]) < 1
   assert 0 < float(full_metrics["clip_fraction"]) < 1
@@ -175,9 +288,10 @@ def test_micro_batches_with_global_num_tokens_sum_to_full_batch():
 
 def test_make_loss_binds_hyperparameters():
   batch = _random_batch(4)
-  fn = loss_lib.make_loss("decoupled_ppo", eps_clip=0.1, behav_imp_weight_cap=2.0)
-  want, _ = loss_lib.decoupled_ppo_loss(*batch, eps_clip=0.1, behav_imp_weight_cap=2.0,
-                                        num_tokens=40)
+  hparams = dict(eps_clip=0.1, importance_level="sequence", rejection_level="sequence",
+                 rejection_upper=2.0)
+  fn = loss_lib.make_loss("decoupled_ppo", **hparams)
+  want, _ = loss_lib.decoupled_ppo_loss(*batch, num_tokens=40, **hparams)
   got, _ = fn(*batch, 40)
   _close(got, want)
 
@@ -187,7 +301,12 @@ def test_make_loss_binds_hyperparameters():
     ({"eps_clip": -0.1}, "eps_clip"),
     ({"eps_clip": 0.2, "eps_clip_higher": -0.01}, "eps_clip_higher"),
     ({"eps_clip": 0.2, "c_clip": 1.0}, "c_clip"),
-    ({"eps_clip": 0.2, "behav_imp_weight_cap": 0.0}, "behav_imp_weight_cap"),
+    ({"eps_clip": 0.2, "importance_level": "segment"}, "importance_level"),
+    ({"eps_clip": 0.2, "rejection_upper": 1.0}, "rejection_upper"),
+    ({"eps_clip": 0.2, "rejection_action": "clamp", "rejection_metric": "kl_k2"},
+     "rejection_metric"),
+    ({"eps_clip": 0.2, "behav_imp_weight_cap": 5.0}, "behav_imp_weight_cap"),
+    ({"eps_clip": 0.2, "prox_logp": "behav"}, "prox_logp"),
     ({"eps_clip": 0.2, "clip_eps": 0.2}, "clip_eps"),
     ({}, "eps_clip"),
 ])
@@ -196,9 +315,33 @@ def test_make_loss_rejects_bad_hyperparameters(hparams, word):
     loss_lib.make_loss("decoupled_ppo", **hparams)
 
 
-def test_make_loss_rejects_unknown_name():
-  with pytest.raises(ValueError, match="decoupled_ppo.*naive_ppo"):
+def test_make_loss_rejects_unknown_and_removed_names():
+  with pytest.raises(ValueError, match="decoupled_ppo"):
     loss_lib.make_loss("grpo", eps_clip=0.2)
+  with pytest.raises(ValueError, match="naive_ppo.*removed.*prox_logp='behav'"):
+    loss_lib.make_loss("naive_ppo", eps_clip=0.2)
+
+
+@pytest.mark.parametrize("hparams, word", [
+    ({"eps_clip": 0.0}, "ppo.eps_clip"),
+    ({"prox_logp": "fresh"}, "ppo.prox_logp"),
+    ({"loss": "naive_ppo"}, "ppo.loss='naive_ppo' was removed"),
+    ({"rejection_lower": 2.0}, "ppo.rejection_lower"),
+    ({"rejection_metric": "kl_k1", "rejection_lower": 0.1, "rejection_upper": 0.0},
+     "ppo.rejection_lower"),
+    ({"cap": 1.0}, r"ppo\.cap"),
+])
+def test_check_hparams_names_the_config_field(hparams, word):
+  with pytest.raises(ValueError, match=word):
+    loss_lib.check_hparams(prefix="ppo.", **hparams)
+
+
+def test_check_hparams_accepts_every_ppo_option():
+  for prox in ("recompute", "loglinear", "behav"):
+    loss_lib.check_hparams(loss="decoupled_ppo", prox_logp=prox, eps_clip=0.2,
+                           eps_clip_higher=0.28, c_clip=3.0, importance_level="sequence",
+                           rejection_level="sequence", rejection_action="clamp",
+                           rejection_metric="ratio", rejection_upper=2.0, rejection_lower=0.5)
 
 
 def test_loss_function_validates_directly():

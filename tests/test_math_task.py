@@ -10,12 +10,14 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from async_rl import config as config_lib, config_dict  # noqa: E402
+from async_rl import config_dict  # noqa: E402
 from async_rl.config_dict import from_config_dict  # noqa: E402
 from async_rl.models import ModelConfig  # noqa: E402
 from async_rl.models.hf_tokenizer import DEFAULT_SYSTEM, chat_prompt  # noqa: E402
 from async_rl.rl import components  # noqa: E402
+from async_rl.tasks.arithmetic_task import ArithmeticTask  # noqa: E402
 from async_rl.tasks.math_task import MathTask, MathTaskConfig  # noqa: E402
+from async_rl.tasks.registry import TASKS, make_task  # noqa: E402
 from hf_test_utils import (MATH_CORPUS, MATH_HELDOUT, MATH_TRAIN, NUMBERS,  # noqa: E402
                            write_jsonl, write_model_dir)
 
@@ -36,7 +38,7 @@ def _cfg(files, **math):
   return from_config_dict({
       "task_kind": "math", "hf_model_dir": files["model"],
       "math": {"train_path": files["train"], "heldout_path": files["heldout"], **math},
-      "rollout": {"reward_fn": "math"}, "model": {"max_seq_len": 256, "remat": True},
+      "model": {"max_seq_len": 256, "remat": True},
       "generation": {"max_prompt_len": 48, "max_new_tokens": 16},
       "batching": {"max_tokens_per_mb": 64}})
 
@@ -50,25 +52,26 @@ def test_model_architecture_comes_from_the_directory(files):
 
 
 def test_make_task_by_name(files):
-  assert set(components.TASKS) == set(config_lib.TASK_KINDS)
-  arithmetic = components.make_task(from_config_dict({}))
-  assert isinstance(arithmetic, components.ArithmeticTask) and arithmetic.stop_ids == (2,)
+  assert {"arithmetic", "math"} <= set(TASKS)
+  arithmetic = make_task(from_config_dict({}))
+  assert isinstance(arithmetic, ArithmeticTask) and arithmetic.tokenizer.stop_ids == (2,)
   cfg = _cfg(files)
-  assert isinstance(components.make_task(cfg), MathTask)
+  task = make_task(cfg)
+  assert isinstance(task, MathTask) and components.reward_fn(cfg, task) == "math"
   object.__setattr__(cfg, "task_kind", "poetry")  # past validation, to reach the factory
-  with pytest.raises(ValueError, match="unknown task_kind 'poetry'"):
-    components.make_task(cfg)
+  with pytest.raises(ValueError, match="task_kind must be one of .* got 'poetry'"):
+    make_task(cfg)
 
 
 def test_stop_ids_decode_and_reference(files):
   cfg = _cfg(files)
-  task = components.make_task(cfg)
+  task = make_task(cfg)
   tok = files["tok"]
   im_end, endoftext = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
-  assert task.stop_ids == (im_end, endoftext)
+  assert task.tokenizer.stop_ids == (im_end, endoftext)
   assert components.sampling_params(cfg, task).stop_token_ids == (im_end, endoftext)
   words = [tok.token_to_id(w) for w in ("two", "plus", "two")]
-  assert task.decode(words + [endoftext] + words) == "two plus two"
+  assert task.tokenizer.decode(words + [endoftext] + words) == "two plus two"
   for prompt in itertools.islice(task.stream(), len(MATH_TRAIN)):
     line = int(prompt.id.split("@")[0].rsplit("/", 1)[1])  # train/0/train/{line}@0
     assert task.reference(prompt) == MATH_TRAIN[line - 1]["answer"].split("#### ")[1]
@@ -77,16 +80,16 @@ def test_stop_ids_decode_and_reference(files):
 
 def test_prompts_use_the_chat_template_or_the_plain_template(files):
   question = MATH_HELDOUT[0]["question"]
-  chat = components.make_task(_cfg(files)).heldout(1)[0]
+  chat = make_task(_cfg(files)).heldout(1)[0]
   assert chat.tokens == tuple(files["tok"].encode(chat_prompt(question, DEFAULT_SYSTEM)).ids)
-  plain = components.make_task(_cfg(files, chat=False, template="what is {question}")).heldout(1)[0]
+  plain = make_task(_cfg(files, chat=False, template="what is {question}")).heldout(1)[0]
   assert plain.tokens == tuple(files["tok"].encode(f"what is {question}").ids)
-  no_system = components.make_task(_cfg(files, system="")).heldout(1)[0]
+  no_system = make_task(_cfg(files, system="")).heldout(1)[0]
   assert no_system.tokens == tuple(files["tok"].encode(chat_prompt(question, None)).ids)
 
 
 def test_stream_resumes_exactly_per_worker(files):
-  task = components.make_task(_cfg(files))
+  task = make_task(_cfg(files))
   epoch = len(MATH_TRAIN) - task.num_train_held_out
   reference = list(itertools.islice(task.stream(), 2 * epoch))
   stream = task.stream()
@@ -105,7 +108,7 @@ def test_heldout_questions_are_never_trained_on(files, tmp_path):
   overlap = write_jsonl(tmp_path / "heldout.jsonl",
                         [*MATH_HELDOUT, MATH_TRAIN[3],
                          {"question": MATH_TRAIN[5]["question"], "answer": "7"}])
-  task = components.make_task(_cfg(files, heldout_path=overlap))
+  task = make_task(_cfg(files, heldout_path=overlap))
   held = {p.tokens for p in task.heldout(10)}
   # MATH_HELDOUT[0] is MATH_TRAIN[6]'s question, so three training problems are held out.
   assert len(held) == 4 and task.num_train_held_out == 3
@@ -113,7 +116,7 @@ def test_heldout_questions_are_never_trained_on(files, tmp_path):
   assert not held & {p.tokens for p in trained}
   assert len({p.tokens for p in trained}) == len(MATH_TRAIN) - 3
 
-  hashed = components.make_task(_cfg(files, heldout_path=None, heldout_fraction=0.3))
+  hashed = make_task(_cfg(files, heldout_path=None, heldout_fraction=0.3))
   held = {p.tokens for p in hashed.heldout(100)}
   trained = {p.tokens for p in itertools.islice(hashed.stream(), 2 * len(MATH_TRAIN))}
   assert held and trained and not held & trained
@@ -143,19 +146,15 @@ def test_a_tokenizer_larger_than_the_model_is_an_error(files, tmp_path):
       "task_kind": "math", "hf_model_dir": str(tmp_path / "model"),
       "math": {"train_path": files["train"]}, "rollout": {"reward_fn": "math"}})
   with pytest.raises(ValueError, match="more than model.vocab_size=8"):
-    components.make_task(cfg)
+    make_task(cfg)
 
 
 @pytest.mark.parametrize("values, message", [
     ({"task_kind": "poetry"}, "task_kind"),
-    ({"task_kind": "math", "hf_model_dir": "{model}", "rollout": {"reward_fn": "math"}},
-     "math.train_path must name a JSONL file"),
-    ({"task_kind": "math", "math": {"train_path": "{train}"}, "rollout": {"reward_fn": "math"}},
-     "hf_model_dir must name"),
-    ({"task_kind": "math", "hf_model_dir": "{model}", "math": {"train_path": "{train}"}},
-     "rollout.reward_fn must not be 'arithmetic'"),
+    ({"task_kind": "math", "hf_model_dir": "{model}"}, "math.train_path must name a JSONL file"),
+    ({"task_kind": "math", "math": {"train_path": "{train}"}}, "hf_model_dir must name"),
     ({"task_kind": "math", "hf_model_dir": "{model}", "math": {"train_path": "{train}"},
-      "rollout": {"reward_fn": "math"}, "sft": {"steps": 5}}, "sft.steps must be 0"),
+      "sft": {"steps": 5}}, "sft.steps must be 0"),
     ({"hf_model_dir": "{model}"}, "hf_model_dir needs task_kind='math'"),
     ({"hf_model_dir": "{root}"}, "hf_model_dir must be a directory holding config.json"),
     ({"math": {"train_path": "{root}/nope.jsonl"}}, r"math.train_path .*/nope.jsonl"),

@@ -1,4 +1,5 @@
-"""notebooks/quickstart.ipynb runs headless from top to bottom (about two minutes on CPU).
+"""notebooks/quickstart.ipynb runs headless from top to bottom (about two minutes on CPU),
+with a reward function defined in one of its cells.
 
 Needs the `notebook` extra (nbclient, nbformat, ipykernel, matplotlib); skipped without it.
 """
@@ -36,3 +37,5 @@ def test_quickstart_notebook_runs():
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
   assert re.search(r"^sample \d+: \S+= -> .* \| (correct|wrong)$", text, re.M), text[-2000:]
   assert "held-out after RL:" in text
+  # The notebook's own reward function scored every sample in the reward workers.
+  assert re.search(r"^inline reward: [1-9]\d* calls, 0 errors, 0 timeouts$", text, re.M), text

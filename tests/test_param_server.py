@@ -14,7 +14,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from async_rl.config import StalenessConfig
-from async_rl.param_server import ParameterServer, ScoredGroup, ScoredSample, StalenessGate
+from async_rl.param_server import ParameterServer, StalenessGate
+from async_rl.trajectory import Group, Trajectory
 
 
 def _server(eta=1, b=2, mc=64, admit_stale=False):
@@ -24,12 +25,11 @@ def _server(eta=1, b=2, mc=64, admit_stale=False):
 
 def _group(versions, prompt_id=0):
   """A group with one sample per entry of `versions` (each a list of token versions)."""
-  samples = tuple(
-      ScoredSample(prompt_P=np.array([5, 6]), completion_T=np.arange(len(v)),
-                   behav_logp_T=np.zeros(len(v)), versions_T=np.array(v, np.int32),
-                   reward=1.0, finish_reason="stop")
+  trajectories = tuple(
+      Trajectory.from_completion(np.array([5, 6]), np.arange(len(v)), np.zeros(len(v)),
+                                 np.array(v, np.int32), "stop", reward=1.0)
       for v in versions)
-  return ScoredGroup(prompt_id, samples)
+  return Group(prompt_id, trajectories)
 
 
 def _params(fill=0.0):
@@ -116,17 +116,12 @@ def test_gate_state_dict_and_rebase():
 # Groups and admission.
 
 
-def test_scored_group_validation():
+def test_group_crosses_processes():
   group = _group([[3, 1, 2], [], [4]])
   assert (group.min_version, group.max_version) == (1, 4)
   copy = pickle.loads(pickle.dumps(group))  # crosses process boundaries as a Ray argument
-  assert copy.min_version == 1 and np.array_equal(copy.samples[0].versions_T, [3, 1, 2])
-  with pytest.raises(ValueError, match="no generated token"):
-    _group([[], []])
-  with pytest.raises(ValueError, match=r"versions_T must have shape \(2,\)"):
-    ScoredSample(np.array([1]), np.array([1, 2]), np.zeros(2), np.array([0]), 0.0, "stop")
-  with pytest.raises(ValueError, match="versions_T must be >= 0"):
-    _group([[0, -1]])
+  assert copy.min_version == 1
+  np.testing.assert_array_equal(copy.trajectories[0].versions_T, [-1, -1, 3, 1, 2])
 
 
 def test_offer_applies_the_strict_per_token_bound():
@@ -153,7 +148,7 @@ def test_bad_offers_change_nothing():
   before = server.metrics()
   with pytest.raises(ValueError, match="newer than the published version 1"):
     server.offer(_group([[1, 2]]))
-  with pytest.raises(ValueError, match="expects a ScoredGroup"):
+  with pytest.raises(ValueError, match="expects a Group"):
     server.offer([np.array([1])])
   assert server.metrics() == before
 
@@ -373,7 +368,7 @@ class ServerMachine(RuleBasedStateMachine):
     expected, self.buffer = self.buffer[:self.b], self.buffer[self.b:]
     assert [g.prompt_id for g in batch] == [e[1] for e in expected]
     for group in batch:
-      versions = np.concatenate([s.versions_T for s in group.samples])
+      versions = np.concatenate([t.versions_T[t.prompt_len:] for t in group.trajectories])
       staleness = self.version - versions
       if not self.admit_stale and self.eta is not None:
         assert staleness.max() <= self.eta, "a trained token breaks the staleness bound"

@@ -38,8 +38,18 @@ def engine(params):
   return engine
 
 
+def _logp(s):
+  """The behaviour log-probs of a sample's generated tokens."""
+  return s.logp_T[s.prompt_len:]
+
+
+def _versions(s):
+  """The versions of a sample's generated tokens."""
+  return s.versions_T[s.prompt_len:]
+
+
 def _recompute_logp(params, sample, temperature):
-  seq = np.concatenate([sample.prompt_P, sample.tokens_T])
+  seq = np.concatenate([sample.prompt_P, sample.completion_C])
   tokens_T = np.zeros(T, np.int32)
   tokens_T[:len(seq)] = seq
   segments_T = (np.arange(T) < len(seq)).astype(np.int32)
@@ -63,7 +73,7 @@ def _pause_mid_generation(pool, min_tokens=4):
 
 
 def _tokens(results):
-  return [[s.tokens_T.tolist() for s in samples] for samples in results]
+  return [[s.completion_C.tolist() for s in samples] for samples in results]
 
 
 def test_pause_resume_loses_and_duplicates_nothing(engine, params):
@@ -91,10 +101,10 @@ def test_stop_tokens_max_new_tokens_and_cache_bound(engine, params):
         max_new_tokens=1000)))
     (short,), (full,) = short.result(timeout=60), full.result(timeout=60)
   for s in stop:
-    assert s.finish_reason == "stop" and s.tokens_T[-1] % 2 == 0
-    assert np.all(s.tokens_T[:-1] % 2 == 1)
-  assert short.finish_reason == "length" and len(short.tokens_T) == 5
-  assert full.finish_reason == "length" and len(full.tokens_T) == T - 16
+    assert s.finish_reason == "stop" and s.completion_C[-1] % 2 == 0
+    assert np.all(s.completion_C[:-1] % 2 == 1)
+  assert short.finish_reason == "length" and len(short.completion_C) == 5
+  assert full.finish_reason == "length" and len(full.completion_C) == T - 16
 
 
 def test_chunks_end_samples_on_device_and_count_the_waste(engine, params):
@@ -106,7 +116,7 @@ def test_chunks_end_samples_on_device_and_count_the_waste(engine, params):
     (short,), (long,) = short.result(timeout=60), long.result(timeout=60)
     pool.shutdown()
     m = pool.metrics()
-  assert len(short.tokens_T) == 3 and len(long.tokens_T) == 20
+  assert len(short.completion_C) == 3 and len(long.completion_C) == 20
   # Prefill draws each first token; then chunks of 8, 8 and 3 steps (the loop exits
   # once no slot is live). "short" stops after 2 steps of the first chunk and idles
   # for its other 6; a slot with nothing left to do is idle, not wasted.
@@ -126,10 +136,10 @@ def test_retract_recomputes_kv_under_new_params(engine, params, new_params):
     assert pool.version == 1 and pool.metrics()["weight_updates"] == 1
   assert set(latency) == {"transfer_s", "pause_s"}
   for s in samples:
-    old = s.versions_T == 0
-    assert old[0] and not old[-1] and np.all(np.diff(s.versions_T) >= 0)
-    np.testing.assert_allclose(s.logp_T[old], _recompute_logp(params, s, 0.7)[old], atol=1e-4)
-    np.testing.assert_allclose(s.logp_T[~old], _recompute_logp(new_params, s, 0.7)[~old],
+    old = _versions(s) == 0
+    assert old[0] and not old[-1] and np.all(np.diff(_versions(s)) >= 0)
+    np.testing.assert_allclose(_logp(s)[old], _recompute_logp(params, s, 0.7)[old], atol=1e-4)
+    np.testing.assert_allclose(_logp(s)[~old], _recompute_logp(new_params, s, 0.7)[~old],
                                atol=1e-4)
 
 
@@ -140,12 +150,12 @@ def test_keep_swaps_params_but_keeps_old_kv(engine, params, new_params):
     pool.update_weights(new_params, 1, "keep").result(timeout=60)
     pool.resume()
     (s,) = future.result(timeout=60)
-  old = s.versions_T == 0
-  assert old[0] and not old[-1] and np.all(np.diff(s.versions_T) >= 0)
-  np.testing.assert_allclose(s.logp_T[old], _recompute_logp(params, s, 0.7)[old], atol=1e-4)
+  old = _versions(s) == 0
+  assert old[0] and not old[-1] and np.all(np.diff(_versions(s)) >= 0)
+  np.testing.assert_allclose(_logp(s)[old], _recompute_logp(params, s, 0.7)[old], atol=1e-4)
   # New-version tokens attend to KV computed under the old params, so they do not
   # match a recomputation under the new params: this is what tells keep from retract.
-  assert np.max(np.abs(s.logp_T[~old] - _recompute_logp(new_params, s, 0.7)[~old])) > 1e-3
+  assert np.max(np.abs(_logp(s)[~old] - _recompute_logp(new_params, s, 0.7)[~old])) > 1e-3
 
 
 def test_drain_finishes_in_flight_on_old_params(engine, params, new_params):
@@ -158,8 +168,8 @@ def test_drain_finishes_in_flight_on_old_params(engine, params, new_params):
     update.result(timeout=60)
     old_samples, new_samples = in_flight.result(timeout=60), queued.result(timeout=60)
     assert pool.metrics()["swap_pause_s"] > 0
-  assert all(np.all(s.versions_T == 0) for s in old_samples)
-  assert all(np.all(s.versions_T == 1) for s in new_samples)
+  assert all(np.all(_versions(s) == 0) for s in old_samples)
+  assert all(np.all(_versions(s) == 1) for s in new_samples)
 
 
 def test_update_weights_copies_and_validates(engine, params):
@@ -169,7 +179,7 @@ def test_update_weights_copies_and_validates(engine, params):
     # The trainer may donate or free its buffers once update_weights returns.
     jax.tree.map(lambda x: x.delete(), donated)
     (s,) = pool.submit(_long("after")).result(timeout=60)
-    assert np.all(s.versions_T == 3)
+    assert np.all(_versions(s) == 3)
     with pytest.raises(ValueError, match="must exceed"):
       pool.update_weights(params, 3, "keep")
     with pytest.raises(ValueError, match="update mode"):
@@ -190,9 +200,9 @@ def test_abort_frees_slot_for_queued_request(engine, params):
     (done,) = queued.result(timeout=60)
     assert pool.metrics()["queue_length"] == 0
   assert [s.finish_reason for s in aborted] == ["aborted", "aborted"]
-  assert all(0 < len(s.tokens_T) < T - 3 for s in aborted)
-  assert all(len(s.tokens_T) == len(s.logp_T) == len(s.versions_T) for s in aborted)
-  assert [(s.finish_reason, len(s.tokens_T)) for s in never.result(timeout=60)] == [
+  assert all(0 < len(s.completion_C) < T - 3 for s in aborted)
+  assert all(len(s.completion_C) == len(_logp(s)) == len(_versions(s)) for s in aborted)
+  assert [(s.finish_reason, len(s.completion_C)) for s in never.result(timeout=60)] == [
       ("aborted", 0), ("aborted", 0)]
   assert done.finish_reason == "length"
 
@@ -232,13 +242,14 @@ def test_concurrent_submitters_get_every_request_exactly_once(engine, params, se
       th.join()
     for request, future in (x for out in outs for x in out):
       samples = future.result(timeout=60)
-      assert [s.index for s in samples] == list(range(request.n))
+      assert [s.metadata["index"] for s in samples] == list(range(request.n))
       for s in samples:
-        assert s.request_id == request.request_id and s.finish_reason in FINISH_REASONS
+        assert s.metadata["request_id"] == request.request_id
+        assert s.finish_reason in FINISH_REASONS
         assert list(s.prompt_P) == list(request.prompt)
-        assert len(s.tokens_T) == len(s.logp_T) == len(s.versions_T)
-        assert len(s.tokens_T) <= request.sampling.max_new_tokens
-        assert s.finish_reason == "aborted" or len(s.tokens_T) > 0
+        assert len(s) == len(s.logp_T) == len(s.versions_T) == len(s.loss_mask_T)
+        assert len(s.completion_C) <= request.sampling.max_new_tokens
+        assert s.finish_reason == "aborted" or len(s.completion_C) > 0
     assert pool.metrics()["queue_length"] == 0 and pool.metrics()["active_slots"] == 0
   assert calls == {r.request_id: 1 for out in outs for r, _ in out}
 

@@ -46,3 +46,14 @@ def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path)
   steps, _ = _steps(tmp_path)
   assert steps[-1]["rewards"]["errors"] >= 2 * 2 * 2
   assert all(s["reward_mean"] == 0.0 for s in steps)
+
+
+def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
+  cfg = small_config(**{"num_steps": 2, "ppo.num_minibatches": 2, "ppo.prox_logp": "loglinear",
+                        "rollout.reward_fn": "reward_fns_for_tests:length"})
+  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  assert summary["end_version"] == 2
+  steps, _ = _steps(tmp_path)
+  assert [s["applied_updates"] for s in steps] == [2, 2]
+  assert [s["updates"] for s in steps] == [2, 4]
+  assert [s["server"]["version"] for s in steps] == [1, 2], "the version counts steps"

@@ -6,8 +6,9 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from async_rl.generation import Sample, SamplingParams
+from async_rl.generation import SamplingParams
 from async_rl.rl.rollout import RolloutController
+from async_rl.trajectory import Trajectory
 
 
 class FakeServer:
@@ -47,11 +48,10 @@ class FakePool:
     self.version = version
 
   def submit(self, request):
-    samples = [Sample(request.request_id, i, np.array(request.prompt, np.int32),
-                      np.array([3, 4, 2], np.int32), np.full(3, -1.0, np.float32),
-                      np.zeros(3, np.int32),
-                      "aborted" if request.request_id in self.abort else "stop")
-               for i in range(request.n)]
+    samples = [Trajectory.from_completion(
+        np.array(request.prompt, np.int32), np.array([3, 4, 2], np.int32),
+        np.full(3, -1.0, np.float32), np.zeros(3, np.int32),
+        "aborted" if request.request_id in self.abort else "stop") for _ in range(request.n)]
     future = Future()
     future.set_result(samples)
     return future
@@ -98,8 +98,8 @@ def test_groups_are_scored_in_sample_order_and_offered():
   server, _, controller = _run(rewards, dynamic_filter=False)
   assert sorted(g.prompt_id for g in server.offered) == ["p0", "p1", "p2"]
   for g in server.offered:
-    assert [s.reward for s in g.samples] == rewards[g.prompt_id]
-    assert list(g.samples[0].completion_T) == [3, 4, 2]
+    assert [t.reward for t in g.trajectories] == rewards[g.prompt_id]
+    assert list(g.trajectories[0].completion_C) == [3, 4, 2]
   assert controller.metrics()["offered"] == 3 and server.rejected == 0
 
 

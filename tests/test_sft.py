@@ -1,13 +1,15 @@
 """Supervised warm start: the loss, the sequences, and that it learns the targets."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from async_rl import batching, sharding, sft, train_step
-from async_rl.tasks import TrainStream
+from async_rl.tasks import TrainStream, supervised
+from async_rl.tasks.arithmetic_task import SFT_SEED_OFFSET, ArithmeticTask
 from rl_test_utils import small_config
 
 
@@ -22,12 +24,15 @@ def test_sft_loss_is_the_mean_nll_of_masked_tokens():
   assert int(metrics["num_tokens"]) == 3
 
 
-def test_sft_sequences_train_on_the_solution_only():
+def test_sft_examples_train_on_the_solution_only():
   cfg = small_config()
-  prompts = [next(TrainStream(cfg.task)) for _ in range(3)]
-  for p, s in zip(prompts, sft.sft_sequences(prompts)):
-    assert list(s.tokens) == list(p.tokens) + list(p.target)
-    assert s.prompt_len == len(p.tokens) and len(s.behav_logp) == len(p.target)
+  stream = TrainStream(dataclasses.replace(cfg.task, seed=cfg.task.seed + SFT_SEED_OFFSET))
+  prompts = [next(stream) for _ in range(3)]
+  for p, s in zip(prompts, ArithmeticTask(cfg.task).sft_examples()):
+    assert list(s.tokens_T) == list(p.tokens) + list(p.target)
+    assert s.prompt_len == len(p.tokens)
+    np.testing.assert_array_equal(s.loss_mask_T, np.arange(len(s)) >= len(p.tokens))
+    assert (s.versions_T == -1).all(), "reference solutions are no policy's tokens"
 
 
 def test_warm_start_lowers_the_nll_of_reference_solutions():
@@ -38,8 +43,9 @@ def test_warm_start_lowers_the_nll_of_reference_solutions():
   lines = []
   params = sft.warm_start(cfg, mesh, echo=lines.append)
   assert lines and lines[-1].startswith("sft step 30/30")
-  seqs = sft.sft_sequences(next(iter(TrainStream(cfg.task))) for _ in range(16))
-  batch = batching.pack_dynamic(seqs, max_tokens_per_mb=64, rows_per_mb=1, row_buckets=(64,))
+  seqs = [supervised(p.tokens, p.target) for p in itertools.islice(TrainStream(cfg.task), 16)]
+  batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=64, rows_per_mb=1,
+                                row_buckets=(64,))
 
   def nll(p):
     logp = train_step.recompute_logp(jax.tree.map(jnp.asarray, p), batch, model_cfg=cfg.model)

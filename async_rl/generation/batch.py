@@ -18,8 +18,9 @@ import jax
 import numpy as np
 
 from async_rl.generation.decode_state import ChunkTokens, Prefix, ResultTokens
-from async_rl.generation.request import Request, Sample
+from async_rl.generation.request import Request
 from async_rl.generation.sampling import SlotSampling
+from async_rl.trajectory import Trajectory
 
 
 @dataclasses.dataclass(eq=False)
@@ -152,8 +153,8 @@ class HostBatch:
 
   def _finish(self, slot: int, reason: str) -> None:
     s, self.slots[slot] = self.slots[slot], None
-    s.job.samples[s.index] = Sample(
-        s.job.request.request_id, s.index, s.job.prompt_P, np.asarray(s.tokens, np.int32),
-        np.asarray(s.logp, np.float32), np.asarray(s.versions, np.int32), reason)
+    s.job.samples[s.index] = Trajectory.from_completion(
+        s.job.prompt_P, s.tokens, s.logp, s.versions, reason,
+        metadata={"request_id": s.job.request.request_id, "index": s.index})
     if all(x is not None for x in s.job.samples):
       self._on_done(s.job)

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from async_rl import models
+from async_rl import models, sharding
 from async_rl.generation import decode_state as ds
 from async_rl.generation import sampling as sampling_lib
 from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
@@ -135,9 +135,11 @@ class Engine:
   def load_params(self, params):
     """A copy of `params` on this engine's devices and sharding.
 
-    Never aliases the input, so the caller may donate or delete its buffers.
+    Never aliases the input, so the caller may donate or delete its buffers. Device
+    arrays from other devices (a trainer's) move device to device
+    (`sharding.reshard`).
     """
-    return jax.device_put(params, self._param_sharding, may_alias=False)
+    return sharding.reshard(params, self._param_sharding)
 
   def init_decode_state(self) -> DecodeState:
     return self._init_fn()

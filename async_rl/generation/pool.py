@@ -114,7 +114,8 @@ class GeneratorPool:
     return self._version
 
   def submit(self, request: Request) -> Future:
-    """Queues `request`; the future resolves to its n `Sample`s, in index order.
+    """Queues `request`; the future resolves to its n `Trajectory`s, in index order
+    (each with `metadata` {"request_id", "index"}).
 
     Raises:
       ValueError: a malformed request or a request_id already in flight.

@@ -1,4 +1,4 @@
-"""What goes into the generator pool (`Request`) and what comes out (`Sample`)."""
+"""What goes into the generator pool (`Request`); what comes out is a `Trajectory`."""
 
 import dataclasses
 from collections.abc import Hashable, Sequence
@@ -6,6 +6,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from async_rl.generation.sampling import SamplingParams
+from async_rl.trajectory import Trajectory
 
 FINISH_REASONS = ("stop", "length", "aborted")
 
@@ -24,28 +25,6 @@ class Request:
   prompt: Sequence[int]
   n: int = 1
   sampling: SamplingParams = SamplingParams()
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-  """One finished completion.
-
-  Attributes:
-    request_id: the request it answers.
-    index: which of the request's n samples it is.
-    prompt_P: prompt token ids (int32).
-    tokens_T: generated token ids (int32), including a final stop token.
-    logp_T: behaviour log-prob of each generated token (float32); see `sampling`.
-    versions_T: version of the params that produced each token (int32).
-    finish_reason: "stop", "length" or "aborted".
-  """
-  request_id: Hashable
-  index: int
-  prompt_P: np.ndarray
-  tokens_T: np.ndarray
-  logp_T: np.ndarray
-  versions_T: np.ndarray
-  finish_reason: str
 
 
 def validate(request: Request, *, vocab_size: int, max_prefill_length: int) -> np.ndarray:
@@ -77,7 +56,9 @@ def validate(request: Request, *, vocab_size: int, max_prefill_length: int) -> n
   return prompt_P.astype(np.int32)
 
 
-def empty_sample(request_id: Hashable, index: int, prompt_P: np.ndarray, reason: str) -> Sample:
+def empty_sample(request_id: Hashable, index: int, prompt_P: np.ndarray,
+                 reason: str) -> Trajectory:
   """A sample that never produced a token (aborted before it started)."""
-  return Sample(request_id, index, prompt_P, np.zeros(0, np.int32), np.zeros(0, np.float32),
-                np.zeros(0, np.int32), reason)
+  return Trajectory.from_completion(prompt_P, np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                    np.zeros(0, np.int32), reason,
+                                    metadata={"request_id": request_id, "index": index})

@@ -3,7 +3,5 @@
 from async_rl.param_server.buffer import AdmissionBuffer
 from async_rl.param_server.gate import StalenessGate
 from async_rl.param_server.server import ParameterServer
-from async_rl.param_server.types import ScoredGroup, ScoredSample
 
-__all__ = ["AdmissionBuffer", "ParameterServer", "ScoredGroup", "ScoredSample",
-           "StalenessGate"]
+__all__ = ["AdmissionBuffer", "ParameterServer", "StalenessGate"]

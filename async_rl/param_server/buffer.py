@@ -8,9 +8,7 @@ import heapq
 import itertools
 from typing import Optional
 
-import numpy as np
-
-from async_rl.param_server.types import ScoredGroup
+from async_rl.trajectory import Group, staleness_counts
 
 _COUNTERS = ("admitted", "dropped", "admitted_stale", "trained", "trained_stale")
 
@@ -41,24 +39,22 @@ class AdmissionBuffer:
     self.admitted = self.dropped = self.admitted_stale = 0
     self.trained = self.trained_stale = 0
     self.staleness_hist: list[int] = []
-    self._heap: list[tuple[int, int, ScoredGroup]] = []
+    self._heap: list[tuple[int, int, Group]] = []
     self._order = itertools.count()
 
   def __len__(self):
     return len(self._heap)
 
-  def is_stale(self, group: ScoredGroup, version: int) -> bool:
+  def is_stale(self, group: Group, version: int) -> bool:
     return self.max_staleness is not None and version - group.min_version > self.max_staleness
 
-  def offer(self, group: ScoredGroup, version: int) -> bool:
+  def offer(self, group: Group, version: int) -> bool:
     """Admits `group` at trainer version `version` or drops it; returns whether admitted.
 
     Raises:
-      ValueError: if `group` is not a ScoredGroup or holds a token newer than
-        `version` (params that were never published); nothing changes then.
+      ValueError: if `group` holds a token newer than `version` (params that were
+        never published); nothing changes then.
     """
-    if not isinstance(group, ScoredGroup):
-      raise ValueError(f"offer expects a ScoredGroup, got {type(group).__name__}")
     if group.max_version > version:
       raise ValueError(f"group {group.prompt_id!r} holds tokens of version "
                        f"{group.max_version}, newer than the published version {version}")
@@ -82,20 +78,18 @@ class AdmissionBuffer:
     self.dropped += n
     return n
 
-  def take(self, n: int, version: int) -> list[ScoredGroup]:
+  def take(self, n: int, version: int) -> list[Group]:
     """Removes and returns the `n` oldest groups, to be trained at `version`."""
     if not 0 <= n <= len(self._heap):
       raise ValueError(f"cannot take {n} groups from a buffer of {len(self._heap)}")
     groups = [heapq.heappop(self._heap)[2] for _ in range(n)]
-    for group in groups:
-      self.trained += 1
-      self.trained_stale += self.is_stale(group, version)
-      for sample in group.samples:
-        counts = np.bincount(version - sample.versions_T)
-        if len(counts) > len(self.staleness_hist):
-          self.staleness_hist += [0] * (len(counts) - len(self.staleness_hist))
-        for k, c in enumerate(counts):
-          self.staleness_hist[k] += int(c)
+    self.trained += n
+    self.trained_stale += sum(self.is_stale(group, version) for group in groups)
+    counts = staleness_counts(groups, version)
+    if len(counts) > len(self.staleness_hist):
+      self.staleness_hist += [0] * (len(counts) - len(self.staleness_hist))
+    for k, c in enumerate(counts):
+      self.staleness_hist[k] += int(c)
     return groups
 
   def clear(self) -> int:

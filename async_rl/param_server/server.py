@@ -9,7 +9,7 @@ import numpy as np
 from async_rl.config import StalenessConfig
 from async_rl.param_server.buffer import AdmissionBuffer
 from async_rl.param_server.gate import StalenessGate
-from async_rl.param_server.types import ScoredGroup
+from async_rl.trajectory import Group
 
 
 class ParameterServer:
@@ -22,12 +22,13 @@ class ParameterServer:
   (`acquire` with a timeout, `wait_for_version`, `get_batch`) need a threaded actor
   (`max_concurrency` > 1).
 
-  Version protocol: the trainer publishes `(v, params)` after its v-th update and
+  Version protocol: the trainer publishes `(v, params)` after its v-th training step and
   then takes the next batch of B groups at version v; that batch is trained into
   the params it publishes next. A publish must increase the version, except the
   first one after construction or `load_state_dict`, which may repeat the current
   (restored) version: it supplies the params the checkpoint holds. The server keeps
-  a reference to the published params, not a copy: publish immutable arrays.
+  a reference to the published params, not a copy: publish arrays that nothing
+  will donate or modify (`Trainer.device_params` copies the donated train state's).
 
   All state sits behind one lock; three conditions on it wake the waiters for a new
   version, for freed capacity and for a full batch.
@@ -83,7 +84,7 @@ class ParameterServer:
       self._new_version.notify_all()
       self._capacity_freed.notify_all()
 
-  def get_batch(self, timeout: Optional[float] = None) -> Optional[list[ScoredGroup]]:
+  def get_batch(self, timeout: Optional[float] = None) -> Optional[list[Group]]:
     """The B oldest admitted groups, once B are buffered; None on timeout or close.
 
     None of them is stale at the current version unless `admit_stale`; they are
@@ -130,16 +131,18 @@ class ParameterServer:
           lambda: self._closed or self._gate.capacity(generator_version) > 0, timeout)
       return not self._closed and self._gate.acquire(generator_version)
 
-  def offer(self, group: ScoredGroup) -> bool:
+  def offer(self, group: Group) -> bool:
     """Finishes a started group by offering it for training; returns whether admitted.
 
     A group with a token older than `version - max_staleness` is dropped (which
     frees its capacity), or with `admit_stale` admitted and counted.
 
     Raises:
-      ValueError: if no group is running, `group` is not a ScoredGroup, or it holds
+      ValueError: if no group is running, `group` is not a Group, or it holds
         a token newer than the published version; nothing changes then.
     """
+    if not isinstance(group, Group):
+      raise ValueError(f"offer expects a Group, got {type(group).__name__}")
     with self._lock:
       if self._gate.running == 0:
         raise ValueError("offer: no group is running (acquire before generating a group)")

@@ -2,9 +2,11 @@
 
 `completion` is the generated text (or token ids, for a function that wants them)
 and `reference` whatever the task checks it against. Functions run in the reward
-workers, which look them up by name, so a name must resolve the same way there:
-a key of `REWARD_FNS`, or "module:function" naming a top-level function that the
-workers (which share the caller's sys.path) can import.
+workers, which look a name up there, so it must resolve the same way: a key of
+`REWARD_FNS`, or "module:function" naming a top-level function that the workers
+(which share the caller's sys.path) can import. A function object can be given
+instead of a name (`RewardService` ships it to the workers by value, so one defined
+in a notebook cell works too).
 """
 
 import importlib
@@ -27,8 +29,13 @@ REWARD_FNS: dict[str, RewardFn] = {
 }
 
 
-def resolve_reward_fn(name: str) -> RewardFn:
-  """The reward function called `name`; raises ValueError for an unknown one."""
+def resolve_reward_fn(name: str | RewardFn) -> RewardFn:
+  """The reward function called `name` (a function is itself); raises ValueError for
+  an unknown name."""
+  if callable(name):
+    return name
+  if not isinstance(name, str):
+    raise ValueError(f"a reward function must be a name or a callable, got {name!r}")
   if name in REWARD_FNS:
     return REWARD_FNS[name]
   module_name, sep, attr = name.partition(":")

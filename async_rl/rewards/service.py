@@ -10,6 +10,9 @@ these raises, so a broken reward function cannot stop a training run.
 Workers are fresh interpreters, not forks: the caller holds JAX's threads, and fork
 would copy their locks mid-use. Nor does this use multiprocessing's spawn, which
 re-imports the caller's main module (a training binary, and JAX) in every worker.
+So a reward function given as an object, rather than a name the workers can import,
+is pickled by value with cloudpickle (`worker.ship_fn`) once, and sent to each worker
+with its first call there; it then runs under the same timeout and counters.
 """
 
 import dataclasses
@@ -28,7 +31,8 @@ from typing import Any
 from absl import logging
 
 from async_rl.rewards import worker as worker_lib
-from async_rl.rewards.registry import resolve_reward_fn
+from async_rl.rewards.code_tests import ALLOW_WEAK_SANDBOX_ENV
+from async_rl.rewards.registry import RewardFn, resolve_reward_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +40,13 @@ class RewardTask:
   """One reward call: `resolve_reward_fn(fn)(completion, reference)`.
 
   Attributes:
-    fn: a key of `REWARD_FNS`, or "module:function" (see registry.py).
+    fn: a key of `REWARD_FNS`, "module:function" (see registry.py), or the function
+      itself (shipped to the workers by value).
     completion: the generated text, or its token ids.
     reference: what the completion is checked against (an answer, test cases, ...);
       must be picklable.
   """
-  fn: str
+  fn: str | RewardFn
   completion: str | Sequence[int]
   reference: Any
 
@@ -53,7 +58,8 @@ class _WorkerDied(Exception):
 class _Worker:
   """One worker process and its pipes, driven by a single service thread."""
 
-  def __init__(self, startup_timeout_s: float):
+  def __init__(self, startup_timeout_s: float, env: dict[str, str]):
+    self.loaded: set[str] = set()  # The keys of the reward functions this process holds.
     child_rx, self._tx = os.pipe()
     self._rx, child_tx = os.pipe()
     try:
@@ -62,7 +68,7 @@ class _Worker:
       self._proc = subprocess.Popen(
           worker_lib.worker_command(child_rx, child_tx), pass_fds=(child_rx, child_tx),
           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+          env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
     except OSError:
       self._close_pipes()
       raise
@@ -136,20 +142,24 @@ class RewardService:
     num_workers: worker processes, so the number of calls running at once.
     timeout_s: hard limit on one call, from when its worker receives it.
     startup_timeout_s: limit on starting a worker process.
+    allow_weak_sandbox: whether code rewards may run untrusted programs where only
+      the weak sandbox exists (rewards/sandbox.py); passed to the workers as
+      ASYNC_RL_ALLOW_WEAK_SANDBOX.
   """
 
   def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, *,
-               startup_timeout_s: float = 60.0):
+               startup_timeout_s: float = 60.0, allow_weak_sandbox: bool = False):
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     self._timeout_s = timeout_s
     self._startup_timeout_s = startup_timeout_s
+    self._worker_env = {ALLOW_WEAK_SANDBOX_ENV: "1" if allow_weak_sandbox else "0"}
     self._queue = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._closed = False
-    self._known_fns = set()
+    self._shipped: dict[Any, tuple[str, str | bytes, Any]] = {}  # name or id -> (key, shipped, fn)
     self._counts = dict(calls=0, errors=0, timeouts=0, worker_restarts=0)
     self._latency_s = 0.0
     self._threads = [threading.Thread(target=self._serve, name=f"reward-worker-{i}",
@@ -164,16 +174,28 @@ class RewardService:
     task the workers cannot receive. The future's only exception is a RuntimeError
     when no worker process can be started at all.
     """
-    if task.fn not in self._known_fns:
-      resolve_reward_fn(task.fn)
-      self._known_fns.add(task.fn)
-    request = pickle.dumps((task.fn, task.completion, task.reference))
+    key, shipped = self._ship(task.fn)
+    payload = pickle.dumps((task.completion, task.reference))
     future = Future()
     with self._lock:
       if self._closed:
         raise RuntimeError("RewardService is closed")
-      self._queue.put((task.fn, request, future))
+      self._queue.put((key, shipped, payload, future))
     return future
+
+  def _ship(self, fn) -> tuple[str, str | bytes]:
+    """The key the workers know `fn` by and what loads it there, made once per fn."""
+    ident = fn if isinstance(fn, str) else id(fn)  # Objects need not be hashable.
+    with self._lock:
+      entry = self._shipped.get(ident)
+    if entry is None:
+      resolve_reward_fn(fn)
+      key = fn if isinstance(fn, str) else f"<{getattr(fn, '__qualname__', 'fn')} {id(fn):x}>"
+      # The entry holds `fn`, so its id stays its own.
+      entry = (key, worker_lib.ship_fn(fn), fn)
+      with self._lock:
+        entry = self._shipped.setdefault(ident, entry)
+    return entry[0], entry[1]
 
   def score_batch(self, tasks: Sequence[RewardTask]) -> list[float]:
     """The rewards of `tasks`, in order, computed in parallel."""
@@ -201,7 +223,7 @@ class RewardService:
           break
       for _ in self._threads:
         self._queue.put(None)
-    for _, _, future in pending:
+    for *_, future in pending:
       future.cancel()
     for thread in self._threads:
       thread.join()
@@ -223,7 +245,7 @@ class RewardService:
 
   def _start_worker(self) -> _Worker | None:
     try:
-      return _Worker(self._startup_timeout_s)
+      return _Worker(self._startup_timeout_s, self._worker_env)
     except (OSError, RuntimeError) as e:
       logging.error("reward service: cannot start a worker: %s", e)
       return None
@@ -231,7 +253,7 @@ class RewardService:
   def _serve(self):
     worker = self._start_worker()
     while (item := self._queue.get()) is not None:
-      fn, request, future = item
+      fn, shipped, payload, future = item
       if not future.set_running_or_notify_cancel():
         continue
       if worker is not None and not worker.alive:
@@ -242,9 +264,10 @@ class RewardService:
       if worker is None and (worker := self._start_worker()) is None:
         future.set_exception(RuntimeError("no reward worker could be started"))
         continue
+      request = pickle.dumps((fn, None if fn in worker.loaded else shipped, payload))
       start = time.monotonic()
       try:
-        kind, payload = worker.call(request, self._timeout_s)
+        kind, answer = worker.call(request, self._timeout_s)
       except (TimeoutError, _WorkerDied) as e:
         worker.kill()
         timed_out = isinstance(e, TimeoutError)
@@ -256,10 +279,11 @@ class RewardService:
         worker = self._start_worker()
         continue
       if kind == "ok":
+        worker.loaded.add(fn)
         self._count(start)
-        future.set_result(payload)
+        future.set_result(answer)
       else:
-        logging.warning("reward fn %s failed: %s", fn, payload)
+        logging.warning("reward fn %s failed: %s", fn, answer)
         self._count(start, "errors")
         future.set_result(0.0)
     if worker is not None:

@@ -3,9 +3,12 @@
 `RewardService` starts each worker as a fresh interpreter (`python -c`, see
 `worker_command`) with the caller's sys.path. A worker reads requests from one pipe
 and answers on another, one at a time; a message is a pickle prefixed by its 8-byte
-length. Requests are pickled `(fn_name, completion, reference)`, or None to stop;
-answers are ("ready", pid) once, then ("ok", reward) or ("error", message) per call.
-Reward functions run in the worker's main thread, so those that use signals work.
+length. Requests are pickled `(fn_key, fn, payload)`, or None to stop: `payload` is
+the pickled `(completion, reference)`, and `fn` says what `fn_key` is the first time
+the worker sees the key (None after): a registry name, or a function pickled by
+value with cloudpickle (`ship_fn`). Answers are ("ready", pid) once, then
+("ok", reward) or ("error", message) per call. Reward functions run in the worker's
+main thread, so those that use signals work.
 """
 
 import ctypes
@@ -18,6 +21,8 @@ import signal
 import struct
 import sys
 
+import cloudpickle
+
 from async_rl.rewards.registry import resolve_reward_fn
 
 _HEADER = struct.Struct("<Q")
@@ -29,6 +34,17 @@ def worker_command(rx: int, tx: int) -> list[str]:
   """The command that starts a worker reading fd `rx` and writing fd `tx`."""
   return [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(rx), str(tx),
           str(os.getpid())]
+
+
+def ship_fn(fn) -> str | bytes:
+  """What a worker needs to load `fn`: its name, or the function pickled by value
+  (cloudpickle pickles a function it cannot import by reference, one defined in a
+  notebook or `__main__`, with the globals it uses). Raises if it cannot be pickled."""
+  return fn if isinstance(fn, str) else cloudpickle.dumps(fn)
+
+
+def _load_fn(shipped: str | bytes):
+  return resolve_reward_fn(shipped if isinstance(shipped, str) else pickle.loads(shipped))
 
 
 def send_bytes(fd: int, data: bytes):
@@ -81,11 +97,12 @@ def serve(rx: int, tx: int, parent_pid: int):
       return
     if request is None:
       return
-    name, completion, reference = request
+    key, shipped, payload = request
     try:
-      if name not in fns:
-        fns[name] = resolve_reward_fn(name)
-      answer = ("ok", _as_reward(fns[name](completion, reference)))
+      if shipped is not None:
+        fns[key] = _load_fn(shipped)
+      completion, reference = pickle.loads(payload)
+      answer = ("ok", _as_reward(fns[key](completion, reference)))
     except Exception as e:  # Whatever the function does wrong scores 0 and is counted.
       answer = ("error", f"{type(e).__name__}: {e}")
     send_bytes(tx, pickle.dumps(answer))

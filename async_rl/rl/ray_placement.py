@@ -55,8 +55,9 @@ class _Trainer:
 
   def __init__(self, cfg, workdir, server, init_params):
     self._lines = queue.SimpleQueue()
+    # The server is another process: publish host copies (one device_get per step).
     self.loop = TrainerLoop(cfg, workdir, server, init_params=init_params,
-                            echo=self._lines.put, progress=False)
+                            echo=self._lines.put, progress=False, publish_on_host=True)
 
   def prompt_state(self, worker_index):
     return self.loop.prompt_state(worker_index)

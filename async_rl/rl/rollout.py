@@ -2,21 +2,25 @@
 
 One thread loops: apply the newest published weights to the pool, acquire a prompt
 group from the gate (at the pool's version, so a lagging generator never starts a
-group whose tokens would arrive too stale), draw a prompt, submit it. Completions
-are scored asynchronously by the reward service and offered to the parameter
-server as one group; nothing here blocks the pool's decode thread.
+group whose tokens would arrive too stale), draw a prompt, hand it to the task's
+workflow (`rl.episodes`; single-turn by default). Trajectories are scored
+asynchronously by the reward service and offered to the parameter server as one
+group; nothing here blocks the pool's decode thread.
 """
 
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from async_rl.generation import Request, SamplingParams
-from async_rl.param_server import ScoredGroup, ScoredSample
 from async_rl.rewards import RewardTask
+from async_rl.rl.episodes import EpisodeRunner
+from async_rl.tasks.protocol import RewardFnLike
+from async_rl.tasks.workflow import Workflow
+from async_rl.trajectory import Group
 
 
 @dataclasses.dataclass
@@ -39,18 +43,22 @@ class RolloutController:
     prompts: an iterator of prompts with `id`, `tokens` and a reward reference.
     reference: maps a prompt to what the reward function checks against.
     decode: token ids -> completion text for the reward function.
-    reward_fn: the reward function's registry name.
+    reward_fn: the reward function, or its registry name.
     sampling: sampling parameters (the seed is drawn per request by the pool).
     group_size: samples per prompt.
     update_mode: how the pool applies new weights: "retract", "keep" or "drain".
     dynamic_filter: drop groups whose rewards are all equal (no learning signal).
+    workflow: turns a prompt group into trajectories; None is single-turn.
+    vocab_size: the model's vocabulary, which a workflow's tokens must lie in.
   """
 
   def __init__(self, *, server, pool, rewards, prompts: Iterator, reference: Callable,
-               decode: Callable, reward_fn: str, sampling: SamplingParams,
+               decode: Callable, reward_fn: RewardFnLike, sampling: SamplingParams,
                group_size: int, update_mode: str, dynamic_filter: bool = False,
-               poll_s: float = 0.05):
+               poll_s: float = 0.05, workflow: Optional[Workflow] = None,
+               vocab_size: Optional[int] = None):
     self.server, self.pool, self.rewards = server, pool, rewards
+    self._episodes = EpisodeRunner(pool, workflow, vocab_size=vocab_size)
     self._prompts, self._reference, self._decode = prompts, reference, decode
     self._reward_fn, self._sampling = reward_fn, sampling
     self._group_size, self._update_mode = group_size, update_mode
@@ -70,6 +78,7 @@ class RolloutController:
     self._stop.set()
     if self._thread.is_alive():
       self._thread.join(timeout)
+    self._episodes.close()
 
   def metrics(self) -> dict[str, Any]:
     with self._lock:
@@ -96,7 +105,7 @@ class RolloutController:
     request = Request(prompt.id, list(prompt.tokens), n=self._group_size,
                       sampling=self._sampling)
     try:
-      future = self.pool.submit(request)
+      future = self._episodes.submit(prompt, request)
     except BaseException:
       self.server.reject()
       raise
@@ -105,14 +114,14 @@ class RolloutController:
     future.add_done_callback(lambda f: self._on_generated(prompt, f))
 
   def _on_generated(self, prompt, future):
-    # Runs on the pool's decode thread: only hands work to the reward service.
+    # Runs on the workflow's thread: only hands work to the reward service.
     if future.exception() is not None or any(
         s.finish_reason == "aborted" for s in future.result()):
       self._finish(None, "failed")
       return
     samples = future.result()
     reference = self._reference(prompt)
-    rewards = [self.rewards.submit(RewardTask(self._reward_fn, self._decode(s.tokens_T),
+    rewards = [self.rewards.submit(RewardTask(self._reward_fn, self._decode(s.completion_C),
                                               reference)) for s in samples]
     remaining = [len(rewards)]
 
@@ -127,11 +136,9 @@ class RolloutController:
       r.add_done_callback(scored)
 
   def _score(self, prompt, samples, rewards):
-    group = ScoredGroup(prompt.id, tuple(
-        ScoredSample(s.prompt_P, s.tokens_T, s.logp_T, s.versions_T, float(r), s.finish_reason)
-        for s, r in zip(samples, rewards)))
+    group = Group(prompt.id, tuple(s.with_reward(r) for s, r in zip(samples, rewards)))
     with self._lock:
-      self.stats.generated_tokens += sum(len(s.tokens_T) for s in samples)
+      self.stats.generated_tokens += sum(s.num_policy_tokens for s in samples)
     if self._dynamic_filter and np.ptp(rewards) == 0:
       self._finish(None, "filtered")
     else:

@@ -17,14 +17,18 @@ from async_rl.rl.trainer_loop import TrainerLoop
 def run_in_process(cfg: ExperimentConfig, workdir: str, *, init_params=None,
                    stop: Optional[threading.Event] = None,
                    echo: Callable[[str], None] = print,
-                   progress: bool = True) -> dict[str, Any]:
-  """Runs (or resumes from `workdir`) the experiment; returns the loop's summary."""
+                   progress: bool = True, task=None) -> dict[str, Any]:
+  """Runs (or resumes from `workdir`) the experiment; returns the loop's summary.
+
+  `task` (`tasks.protocol.Task`), if given, replaces `cfg.task_kind`'s: a task built in
+  this process, say in a notebook, with a reward function defined there.
+  """
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   loop = TrainerLoop(cfg, workdir, server, init_params=init_params, stop=stop, echo=echo,
-                     progress=progress)
+                     progress=progress, task=task)
   worker = None
   try:
-    worker = RolloutWorker(cfg, server, stream_state=loop.prompt_state(0))
+    worker = RolloutWorker(cfg, server, stream_state=loop.prompt_state(0), task=task)
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary

@@ -23,11 +23,12 @@ from async_rl.generation import GeneratorPool
 from async_rl.models import hf
 from async_rl.rewards import RewardService, RewardTask
 from async_rl.rl.checkpoint import Checkpointer
-from async_rl.rl.components import make_engine, make_task
+from async_rl.rl.components import make_engine, reward_fn
 from async_rl.rl.evaluate import evaluate
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
 from async_rl.sft import warm_start
+from async_rl.tasks.registry import make_task
 from async_rl.timeline import Timeline
 
 _BATCH_POLL_S = 0.5
@@ -44,32 +45,46 @@ class TrainerLoop:
       `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     echo: receives the one-line summary of every step.
+    publish_on_host: publish host (numpy) copies of the params, for a server in
+      another process; by default they stay device arrays (`Trainer.device_params`).
+    task: the task (`tasks.protocol.Task`) to warm-start on and evaluate; None builds
+      `cfg.task_kind`'s.
   """
 
   def __init__(self, cfg: ExperimentConfig, workdir: str, server, *, init_params=None,
                stop: Optional[threading.Event] = None,
-               echo: Callable[[str], None] = print, progress: bool = True):
+               echo: Callable[[str], None] = print, progress: bool = True, task=None,
+               publish_on_host: bool = False):
     self.cfg, self.workdir, self.server = cfg, workdir, server
+    self.publish_on_host = publish_on_host
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(config_dict.to_dict(cfg), f, indent=2)
-    self.task = make_task(cfg)
+    self.task = make_task(cfg) if task is None else task
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=cfg.checkpoint.keep)
     mesh = sharding.make_mesh(cfg.mesh)
     if self.checkpointer.latest_step() is None and init_params is None:
-      init_params = _initial_params(cfg, mesh, echo)
+      init_params = _initial_params(cfg, mesh, echo, self.task)
     self.trainer = Trainer(cfg, mesh, params=init_params)
+    self.skipped_steps = self.applied_updates = 0
     self.resume_meta = self._maybe_restore()
-    params = self.trainer.host_params()
+    params = self._published_params()
     server.publish(self.trainer.version, params)
     self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
-    self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s)
+    self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
+                                      allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)
     self.log = MetricsLog(workdir)
+    self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
+
+  def _published_params(self):
+    if self.publish_on_host:
+      return self.trainer.host_params()
+    return self.trainer.device_params()
 
   def prompt_state(self, worker_index: int) -> Optional[dict]:
     """The resumed prompt-stream position of a rollout worker (None when fresh)."""
@@ -83,7 +98,10 @@ class TrainerLoop:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             jax.eval_shape(lambda: self.trainer.state),
                             self.trainer.state_shardings)
-    self.trainer.state, meta = self.checkpointer.restore(step, abstract)
+    state, meta = self.checkpointer.restore(step, abstract)
+    self.trainer.restore(state)
+    self.skipped_steps = int(meta["skipped_steps"])
+    self.applied_updates = int(meta["applied_updates"])
     self.server.load_state_dict(meta["server"])
     logging.info("resumed from checkpoint %d in %s", step, self.workdir)
     return meta
@@ -92,8 +110,8 @@ class TrainerLoop:
     """Held-out metrics of the trainer's current params (greedy, pass@k)."""
     version = self.trainer.version
     if version > self.eval_pool.version:
-      self.eval_pool.update_weights(self.trainer.host_params(), version, "keep").result()
-    fn = self.cfg.rollout.reward_fn
+      self.eval_pool.update_weights(self.trainer.device_params(), version, "keep").result()
+    fn = reward_fn(self.cfg, self.task)
 
     def score(pairs):
       return self.eval_rewards.score_batch(
@@ -101,9 +119,9 @@ class TrainerLoop:
 
     return evaluate(
         self.eval_pool, self.task.heldout(self.cfg.eval.num_prompts), score=score,
-        decode=self.task.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
-        stop_token_ids=self.task.stop_ids, pass_k=self.cfg.eval.pass_k,
-        seed=self.cfg.seed)
+        decode=self.task.tokenizer.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
+        stop_token_ids=self.task.tokenizer.stop_ids, pass_k=self.cfg.eval.pass_k,
+        seed=self.cfg.seed, workflow=self.task.workflow, vocab_size=self.cfg.model.vocab_size)
 
   def run(self, rollouts: Sequence) -> dict[str, Any]:
     """Starts `rollouts` and trains to `cfg.num_steps` (or until `stop`)."""
@@ -124,6 +142,7 @@ class TrainerLoop:
       metrics = self._train(groups, waited, rollouts, last)
       version = self.trainer.version
       self.echo(_line(version, metrics))
+      self._count_skip(version, metrics, groups)
       bar.update(1)
       if cfg.eval.every_steps and version % cfg.eval.every_steps == 0:
         self._eval_and_log()
@@ -153,14 +172,17 @@ class TrainerLoop:
       metrics = self.trainer.train(groups)
     t0 = time.perf_counter()
     with self.timeline.span("trainer", "publish"):
-      self.server.publish(self.trainer.version, self.trainer.host_params())
+      self.server.publish(self.trainer.version, self._published_params())
     now, logging_since = time.perf_counter(), time.time()
-    rewards = np.array([s.reward for g in groups for s in g.samples])
+    self.skipped_steps += metrics["skipped"]
+    self.applied_updates += metrics["applied_updates"]
+    rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
     metrics.update(
         reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
+        skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
         server={k: v for k, v in self.server.metrics().items() if k != "staleness_hist"},
@@ -170,6 +192,23 @@ class TrainerLoop:
     self.history.append(metrics)
     self.timeline.record("trainer", "log", logging_since, time.time())
     return metrics
+
+  def _count_skip(self, version, metrics, groups):
+    """Warns about a skipped step; stops the run after too many in a row."""
+    if not metrics["skipped"]:
+      self.consecutive_skips = 0
+      return
+    self.consecutive_skips += 1
+    cause = _skip_cause(metrics, groups)
+    self.echo(f"WARNING: step {version} skipped ({cause}); params unchanged, "
+              f"{self.consecutive_skips} in a row")
+    logging.warning("step %d skipped: %s", version, cause)
+    limit = self.cfg.train.max_consecutive_skips
+    if self.consecutive_skips >= limit:
+      raise NonFiniteError(
+          f"{limit} consecutive training steps were skipped as non-finite, the last at "
+          f"step {version} ({cause}); the run stops and keeps its last checkpoint "
+          f"(step {self.checkpointer.latest_step()})")
 
   def _eval_and_log(self):
     with self.timeline.span("trainer", "eval"):
@@ -183,6 +222,7 @@ class TrainerLoop:
     if self.checkpointer.latest_step() == self.trainer.version:
       return
     meta = {"server": self.server.state_dict(), "version": self.trainer.version,
+            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates,
             "prompts": [r.prompt_state() for r in rollouts]}
     self.checkpointer.save(self.trainer.version, self.trainer.state, meta, wait=wait)
 
@@ -195,14 +235,31 @@ class TrainerLoop:
         logging.exception("error while closing")
 
 
-def _initial_params(cfg: ExperimentConfig, mesh, echo):
+def _initial_params(cfg: ExperimentConfig, mesh, echo, task):
   """A fresh run's params: the checkpoint, loaded straight onto the trainer's shardings;
-  else the warm start; else None (a random init)."""
+  else the warm start on `task`; else None (a random init)."""
   if cfg.hf_model_dir is not None:
     return hf.load_hf(cfg.hf_model_dir, mesh=mesh, dtype=cfg.model.param_dtype)[1]
   if cfg.sft.steps:
-    return warm_start(cfg, mesh, echo=echo)
+    return warm_start(cfg, mesh, task=task, echo=echo)
   return None
+
+
+class NonFiniteError(RuntimeError):
+  """Too many consecutive training steps had a non-finite loss or gradient."""
+
+
+def _skip_cause(metrics, groups) -> str:
+  """What was not finite: the loss, the gradient norm, and any bad inputs."""
+  parts = [f"loss={metrics['loss']:.4g} grad_norm={metrics['grad_norm']:.4g}"]
+  trajs = [t for g in groups for t in g.trajectories]
+  bad_logp = sum(int(np.count_nonzero(~np.isfinite(t.logp_T[t.loss_mask_T]))) for t in trajs)
+  bad_reward = sum(not np.isfinite(t.reward) for t in trajs)
+  if bad_logp:
+    parts.append(f"{bad_logp} non-finite behaviour log-probs")
+  if bad_reward:
+    parts.append(f"{bad_reward} non-finite rewards")
+  return ", ".join(parts)
 
 
 def _line(version, m) -> str:

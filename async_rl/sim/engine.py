@@ -4,9 +4,10 @@ Events are decode-segment ends: between two of them a generator's occupancy, and
 its step time, is constant, so a segment runs until its shortest sample finishes, or
 until the next decode-step boundary after something the generator must react to (new
 weights, freed gate capacity). Admission goes through the real `StalenessGate`
-(acquired at the generator's weights version); the buffer mirrors `AdmissionBuffer`'s
-strict per-token rule: a group with a token older than v - η is dropped when offered
-or, while waiting, when v moves; the trainer takes the oldest groups first.
+(acquired at the generator's weights version) and the real `AdmissionBuffer` (a
+group with a token older than v - η is dropped when offered or, while waiting, when v
+moves; the trainer takes the oldest groups first): a finished group is offered as a
+`trajectory.Group` whose tokens carry the versions that generated them.
 """
 
 import dataclasses
@@ -15,8 +16,10 @@ import itertools
 import math
 import numpy as np
 
+from async_rl.param_server.buffer import AdmissionBuffer
 from async_rl.param_server.gate import StalenessGate
 from async_rl.sim.config import SimConfig, sample_lengths
+from async_rl.trajectory import Group, Trajectory
 
 Interval = tuple[float, float, str]
 
@@ -56,8 +59,17 @@ class _Group:
     self.samples: list[_Sample] = []
     self.finished = 0
 
-  def min_version(self):
-    return min(run[0] for s in self.samples for run in s.versions)
+  def scored(self) -> Group:
+    """The finished group as the buffer sees it: one token per generated token."""
+    return Group(None, tuple(_trajectory(s) for s in self.samples))
+
+
+def _trajectory(sample: _Sample) -> Trajectory:
+  versions, counts = np.array(sample.versions, np.int64).T
+  n = sample.length
+  return Trajectory.from_completion(np.zeros(1, np.int32), np.zeros(n, np.int32),
+                                    np.zeros(n, np.float32), np.repeat(versions, counts),
+                                    "length", reward=0.0)
 
 
 class _Generator:
@@ -83,11 +95,10 @@ class _Simulation:
     self.gens = [_Generator(i) for i in range(cfg.num_generators)]
     self.events: list = []
     self.order = itertools.count()
-    self.published = 0  # Trainer version v: updates completed.
-    self.buffer: list = []  # Heap of (min_version, order, group).
+    self.published = 0  # Trainer version v: training steps completed.
+    self.buffer = AdmissionBuffer(cfg.max_staleness, admit_stale=False)
     self.trainer_busy = False
-    self.dropped = self.generated = self.trained_samples = self.trained_tokens = 0
-    self.stale_counts: dict[int, int] = {}
+    self.generated = self.trained_samples = self.trained_tokens = 0
     self.step_end_times: list[float] = []
     self.timelines: dict[str, list[Interval]] = {g.name: [] for g in self.gens}
     self.timelines["trainer"] = []
@@ -193,33 +204,21 @@ class _Simulation:
     gen.seg_end = start + min(s.length - s.done for s in gen.active) * gen.dt
     self._wake(gen, gen.seg_end)
 
-  def _is_stale(self, min_version, version):
-    eta = self.cfg.max_staleness
-    return eta is not None and version - min_version > eta
-
   def _offer(self, group, now):
-    min_version = group.min_version()
-    if self._is_stale(min_version, self.published):
-      self.gate.finish_rejected()
-      self.dropped += 1
-      self._poke_all(now)
-    else:
+    if self.buffer.offer(group.scored(), self.published):
       self.gate.finish_accepted()
-      heapq.heappush(self.buffer, (min_version, next(self.order), group))
+    else:
+      self.gate.finish_rejected()
+      self._poke_all(now)
 
   def _try_train(self, now):
     cfg = self.cfg
     if self.trainer_busy or len(self.buffer) < cfg.batch_groups:
       return
-    groups = [heapq.heappop(self.buffer)[2] for _ in range(cfg.batch_groups)]
-    tokens = 0
-    for group in groups:
-      for sample in group.samples:
-        tokens += cfg.prompt_tokens + sample.length
-        self.trained_tokens += sample.length
-        for version, count in sample.versions:
-          lag = self.published - version
-          self.stale_counts[lag] = self.stale_counts.get(lag, 0) + count
+    groups = self.buffer.take(cfg.batch_groups, self.published)
+    generated = sum(t.num_policy_tokens for g in groups for t in g.trajectories)
+    tokens = generated + cfg.prompt_tokens * cfg.batch_groups * cfg.group_size
+    self.trained_tokens += generated
     self.trained_samples += cfg.batch_groups * cfg.group_size
     duration = cfg.trainer_per_token * tokens / cfg.trainer_accelerators
     self.trainer_busy = True
@@ -231,13 +230,7 @@ class _Simulation:
     self.published += 1
     self.step_end_times.append(now)
     self.gate.set_version(self.published)
-    stale = 0
-    while self.buffer and self._is_stale(self.buffer[0][0], self.published):
-      heapq.heappop(self.buffer)
-      stale += 1
-    if stale:
-      self.gate.drop_accepted(stale)
-      self.dropped += stale
+    self.gate.drop_accepted(self.buffer.purge(self.published))
     self._poke_all(now)
     self._try_train(now)
 
@@ -258,12 +251,12 @@ class _Simulation:
       self.timelines[name] = [(s, min(e, end), label) for s, e, label in lane if s < end]
     busy = {name: sum(e - s for s, e, _ in lane) for name, lane in self.timelines.items()}
     gen_busy = sum(v for k, v in busy.items() if k != "trainer")
-    hist = [self.stale_counts.get(k, 0) for k in range(max(self.stale_counts, default=-1) + 1)]
+    hist = list(self.buffer.staleness_hist)
     counted = sum(hist)
     return SimResult(
         config=cfg, wall_time=end, trained_samples=self.trained_samples,
         trained_tokens=self.trained_tokens, generated_tokens=self.generated,
-        dropped_groups=self.dropped, samples_per_s=self.trained_samples / end,
+        dropped_groups=self.buffer.dropped, samples_per_s=self.trained_samples / end,
         tokens_per_s=self.trained_tokens / end,
         generator_idle=max(0.0, 1 - gen_busy / (cfg.num_generators * end)),
         trainer_idle=max(0.0, 1 - busy["trainer"] / end),

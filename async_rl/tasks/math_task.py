@@ -1,9 +1,9 @@
 """GSM8K/MATH-style JSONL problems as a run's task, tokenized by the model's own tokenizer.
 
-`MathTask` offers what a run needs from a task (as `ArithmeticTask` does): a
-resumable training stream per rollout worker, a held-out set, `decode`, the reward
-reference (the final answer, for the "math" reward) and the generator's stop ids
-(the tokenizer's `stop_ids`).
+`MathTask` is the task `task_kind="math"` (`tasks.protocol.Task`): a resumable
+training stream per rollout worker, a held-out set, the tokenizer of the model
+directory (its `stop_ids` end generation), the "math" reward and its reference (the
+final answer).
 
 The held-out set is `heldout_path`'s problems, or, without one, the training file's
 problems whose question hashes below `heldout_fraction` (`tasks.dataset.is_heldout`).
@@ -111,6 +111,8 @@ class MathTask:
     tokenizer_dir: a Hugging Face model directory holding `tokenizer.json`.
     max_prompt_len: longer prompts are dropped (and counted in `num_too_long`).
   """
+  reward_fn = "math"
+  workflow = None
 
   def __init__(self, cfg: MathTaskConfig, tokenizer_dir: str, *, max_prompt_len: int):
     self.cfg = cfg
@@ -162,13 +164,6 @@ class MathTask:
                        f"{self.max_prompt_len} tokens")
     return kept
 
-  @property
-  def stop_ids(self) -> tuple[int, ...]:
-    return self.tokenizer.stop_ids
-
-  def decode(self, tokens) -> str:
-    return self.tokenizer.decode(tokens)
-
   @staticmethod
   def reference(prompt: MathTaskPrompt) -> str:
     return prompt.answer
@@ -189,3 +184,25 @@ class MathTask:
     """The first `n` held-out problems in file order (all of them if there are fewer)."""
     return [MathTaskPrompt(f"heldout/{p.id}", self._tokens[p.question], p.answer)
             for p in self._heldout[:n]]
+
+
+def check(cfg) -> None:
+  """The run's checks for `task_kind="math"`."""
+  if cfg.math.train_path is None:
+    raise ValueError("math.train_path must name a JSONL file when task_kind='math', got None")
+  if cfg.hf_model_dir is None:
+    raise ValueError("hf_model_dir must name the model (and tokenizer) directory when "
+                     "task_kind='math', got None")
+  if cfg.sft.steps:
+    raise ValueError(f"sft.steps must be 0 with task_kind='math': the task has no reference "
+                     f"solutions to warm-start on (a hf_model_dir checkpoint is the start), "
+                     f"got {cfg.sft.steps}")
+
+
+def make(cfg) -> MathTask:
+  task = MathTask(cfg.math, cfg.hf_model_dir, max_prompt_len=cfg.generation.max_prompt_len)
+  if task.tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"hf_model_dir {cfg.hf_model_dir!r}: its tokenizer has "
+                     f"{task.tokenizer.vocab_size} tokens, more than model.vocab_size="
+                     f"{cfg.model.vocab_size}")
+  return task

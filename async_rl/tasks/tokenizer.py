@@ -1,24 +1,31 @@
 """A character-level tokenizer over a fixed vocabulary; nothing to download.
 
-Ids 0, 1 and 2 are PAD, BOS and EOS; the rest are one character each: digits,
-`+ - * = ( ) #`, space and newline. Its `vocab_size` (22) fits any model whose
+Ids 0, 1 and 2 are PAD, BOS and EOS; the rest are one character each, by default
+digits, `+ - * = ( ) #`, space and newline (`CHARS`, for arithmetic), or printable
+ASCII (`CODE_CHARS`, for programs). The default `vocab_size` (22) fits any model whose
 vocabulary is at least that large; a model with a larger vocabulary can still emit
-ids the tokenizer does not know, which `decode(..., strict=False)` renders as U+FFFD
+ids the tokenizer does not know, which `decode` renders as U+FFFD (unless `strict`)
 so that a verifier scores them as wrong instead of crashing.
 """
 
+import string
 from collections.abc import Iterable
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+-*=()# \n"
+CODE_CHARS = string.printable.replace("\t", "").replace("\r", "").replace(
+    "\x0b", "").replace("\x0c", "")
 REPLACEMENT = "\ufffd"
 
 
 class CharTokenizer:
-  """Maps text to ids one character at a time; the vocabulary is fixed."""
+  """Maps text to ids one character at a time; the vocabulary is `chars`, fixed."""
 
-  def __init__(self):
-    self._id_to_token = (PAD, BOS, EOS) + tuple(CHARS)
+  def __init__(self, chars: str = CHARS):
+    if len(set(chars)) != len(chars):
+      raise ValueError(f"chars must not repeat a character, got {chars!r}")
+    self.chars = chars
+    self._id_to_token = (PAD, BOS, EOS) + tuple(chars)
     self._char_to_id = {c: i for i, c in enumerate(self._id_to_token) if len(c) == 1}
 
   @property
@@ -37,6 +44,11 @@ class CharTokenizer:
   def eos_id(self) -> int:
     return 2
 
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Generation ends at EOS."""
+    return (self.eos_id,)
+
   def encode(self, text: str) -> list[int]:
     """The ids of `text`, one per character, without BOS or EOS.
 
@@ -48,17 +60,17 @@ class CharTokenizer:
       token = self._char_to_id.get(char)
       if token is None:
         raise ValueError(f"character {char!r} at position {position} of {text!r} is not "
-                         f"in the vocabulary {CHARS!r}")
+                         f"in the vocabulary {self.chars!r}")
       ids.append(token)
     return ids
 
-  def decode(self, ids: Iterable[int], *, strict: bool = True) -> str:
+  def decode(self, ids: Iterable[int], *, strict: bool = False) -> str:
     """The text of `ids` up to (not including) the first EOS; PAD and BOS are dropped.
 
     Args:
       ids: token ids (Python or NumPy integers).
       strict: if true, an id outside [0, vocab_size) raises ValueError naming it and
-        its position; if false, it becomes U+FFFD (for decoding model samples).
+        its position; if false (for decoding model samples), it becomes U+FFFD.
     """
     chars = []
     for position, token in enumerate(ids):

@@ -1,0 +1,87 @@
+"""What a run needs from a task, as structural types: any object with these members is a task.
+
+A task provides a resumable prompt stream per rollout worker, a held-out set, the
+reward function and the reference each prompt is checked against, a tokenizer, and
+optionally a workflow (`tasks.workflow`; None is single-turn) and supervised examples
+for the warm start. Built-in tasks are named in `tasks.registry.TASKS`; a user's own is
+named "module:attr" (a factory called with the `ExperimentConfig`), so it needs no edit
+of the library. `ListTask` builds one from lists of examples.
+"""
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Optional, Protocol, Union
+
+import numpy as np
+
+from async_rl.trajectory import Trajectory
+
+# A reward function `fn(completion, reference) -> float`, or the name of one
+# (`rewards.registry`: a registered name or "module:function").
+RewardFnLike = Union[str, Callable[[Any, Any], float]]
+
+
+class Tokenizer(Protocol):
+  """Text to token ids and back; `decode` must accept any id a model may sample."""
+  vocab_size: int
+  stop_ids: tuple[int, ...]
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class Prompt(Protocol):
+  """A prompt as the generator sees it: `id` unique within a run, `tokens` its ids."""
+  id: Hashable
+  tokens: Sequence[int]
+
+
+class PromptStream(Protocol):
+  """An endless iterator of training prompts whose position checkpoints as a small dict."""
+
+  def __iter__(self) -> Iterator[Prompt]: ...
+
+  def __next__(self) -> Prompt: ...
+
+  def state(self) -> dict: ...
+
+
+class Task(Protocol):
+  """A run's task.
+
+  Attributes:
+    tokenizer: encodes prompts, decodes completions for the reward, gives the stop ids.
+    reward_fn: the reward function or its name; `rollout.reward_fn`, when set,
+      replaces it.
+    workflow: turns one prompt group into trajectories (`tasks.workflow`); None is
+      single-turn generation.
+
+  A task with reference solutions may also have `sft_examples() -> Iterator[Trajectory]`,
+  an endless stream of `supervised` examples, which `sft.steps > 0` trains on.
+  """
+  tokenizer: Tokenizer
+  reward_fn: RewardFnLike
+  workflow: Optional[Any]
+
+  def stream(self, state: Optional[dict] = None, *, worker_index: int = 0) -> PromptStream:
+    """The training prompts of rollout worker `worker_index`, resumed from `state`."""
+
+  def heldout(self, n: int) -> Sequence[Prompt]:
+    """The first `n` held-out prompts (fewer if the task has fewer); never trained on."""
+
+  def reference(self, prompt: Prompt) -> Any:
+    """What the reward function checks a completion of `prompt` against (picklable)."""
+
+
+def supervised(prompt_P: Sequence[int], target_C: Sequence[int],
+               train_C: Optional[Sequence[bool]] = None) -> Trajectory:
+  """A warm-start example: `prompt_P`, then the reference `target_C`, trained where
+  `train_C` (default: every target token). No policy wrote it: its versions are -1."""
+  P, C = len(prompt_P), len(target_C)
+  train_C = np.ones(C, bool) if train_C is None else np.asarray(train_C, bool)
+  if train_C.shape != (C,):
+    raise ValueError(f"train_C must have shape ({C},) like target_C, got {train_C.shape}")
+  return Trajectory(tokens_T=np.asarray([*prompt_P, *target_C], np.int32),
+                    loss_mask_T=np.concatenate([np.zeros(P, bool), train_C]),
+                    logp_T=np.zeros(P + C, np.float32), versions_T=np.full(P + C, -1, np.int32),
+                    prompt_len=P, finish_reason="stop")

@@ -1,0 +1,181 @@
+"""Workflows: how one prompt group becomes trajectories.
+
+A workflow is a small object with `run(prompt, n, generate) -> list[Trajectory]`. It runs
+on a thread of its own (`rl.episodes`), so it may block on the futures `generate`
+returns: `generate(tokens, n=1, *, max_new_tokens=None, stop_ids=None)` submits one
+generator request whose prompt is `tokens` and returns a future of its n trajectories
+(each `tokens`, then what was generated); omitted arguments are the run's sampling
+parameters. What `run` returns is validated once, by the runner (`trajectory.validate`).
+
+`SingleTurn` (the default) is one request of n samples. `MultiTurn` alternates policy
+turns with environment turns: a policy turn that ends in one of `turn_stop_ids` (a tool
+call, say) is answered by `respond`, whose tokens are appended with loss mask 0, no
+behaviour log-prob and version -1; the next policy turn continues from the whole
+episode so far. The episode is one trajectory; `split_turns` makes one training sample
+per policy turn of it instead (`multi_turn.sample_per_turn`).
+
+Each policy turn is a new request holding the whole episode so far, so the generator
+prefills it again (its KV cache is not kept between turns; benchmarks/multi_turn.py
+measures the cost, and docs/architecture.md says what keeping it needs). Every turn is
+prefilled with the params current when it starts, and weight updates (retract, keep,
+drain) apply within a turn as for any request, so an episode's policy tokens may carry
+several versions; the staleness bound applies to each of them.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from async_rl.trajectory import Trajectory
+
+
+class Generate(Protocol):
+  def __call__(self, tokens: Sequence[int], n: int = 1, *, max_new_tokens: Optional[int] = None,
+               stop_ids: Optional[Sequence[int]] = None) -> Future: ...
+
+
+class Workflow(Protocol):
+  def run(self, prompt, n: int, generate: Generate) -> Sequence[Trajectory]: ...
+
+
+class SingleTurn:
+  """n samples of the prompt, in one request."""
+
+  def run(self, prompt, n: int, generate: Generate) -> list[Trajectory]:
+    return generate(prompt.tokens, n).result()
+
+
+# `respond(prompt, tokens_T)` -> the environment's tokens after the policy's turn (the
+# episode so far, prompt included, is `tokens_T`), or None to end the episode.
+Respond = Callable[[Any, np.ndarray], Optional[Sequence[int]]]
+
+
+@dataclasses.dataclass
+class _Episode:
+  tokens: list
+  logp: list
+  versions: list
+  used: int = 0
+  turns: int = 0
+  finish: Optional[str] = None
+
+  def append(self, tokens, logp=None, versions=None):
+    tokens = np.asarray(tokens, np.int32)
+    self.tokens.append(tokens)
+    self.logp.append(np.zeros(tokens.size, np.float32) if logp is None else logp)
+    self.versions.append(np.full(tokens.size, -1, np.int32) if versions is None else versions)
+    self.used += tokens.size
+
+  def context(self) -> np.ndarray:
+    return np.concatenate(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurn:
+  """Policy turns and environment turns, n episodes of a prompt in lockstep.
+
+  Turn 1 of the n episodes is one request of n samples; later turns are one request
+  per unfinished episode, all submitted before any is waited for. An episode ends:
+  "stop" when a policy turn stops on anything but a turn stop id (EOS, say) or
+  `respond` returns None; "length" when its `max_tokens` are used up (an environment
+  reply is cut to fit); "max_turns" when its `max_turns`-th policy turn asks for
+  another; "aborted" when a turn was aborted.
+
+  Attributes:
+    respond: the environment (see `Respond`); runs on the workflow's thread.
+    max_turns: the most policy turns of an episode.
+    max_tokens: the episode's budget of tokens after the prompt, policy and
+      environment tokens together (at most `generation.max_new_tokens`).
+    turn_stop_ids: token ids that end a policy turn and hand over to `respond`.
+    stop_ids: token ids that end the episode (the tokenizer's stop ids).
+  """
+  respond: Respond
+  max_turns: int
+  max_tokens: int
+  turn_stop_ids: tuple[int, ...]
+  stop_ids: tuple[int, ...]
+
+  def __post_init__(self):
+    if self.max_turns < 1:
+      raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+    if set(self.turn_stop_ids) & set(self.stop_ids):
+      raise ValueError(f"turn_stop_ids {self.turn_stop_ids} and stop_ids {self.stop_ids} "
+                       f"must not share an id")
+
+  def run(self, prompt, n: int, generate: Generate) -> list[Trajectory]:
+    prompt_P = np.asarray(prompt.tokens, np.int32)
+    episodes = [_Episode([prompt_P], [np.zeros(prompt_P.size, np.float32)],
+                         [np.full(prompt_P.size, -1, np.int32)]) for _ in range(n)]
+    stops = (*self.turn_stop_ids, *self.stop_ids)
+    active = episodes
+    turns = generate(prompt_P, n, max_new_tokens=self.max_tokens, stop_ids=stops).result()
+    while True:
+      for ep, turn in zip(active, turns):
+        self._policy_turn(ep, turn)
+        if ep.finish is None:
+          self._environment_turn(prompt, ep)
+      active = [ep for ep in active if ep.finish is None]
+      if not active:
+        break
+      futures = [generate(ep.context(), 1, max_new_tokens=self.max_tokens - ep.used,
+                          stop_ids=stops) for ep in active]
+      turns = [f.result()[0] for f in futures]
+    return [Trajectory(tokens_T=ep.context(), loss_mask_T=np.concatenate(ep.versions) >= 0,
+                       logp_T=np.concatenate(ep.logp), versions_T=np.concatenate(ep.versions),
+                       prompt_len=prompt_P.size, finish_reason=ep.finish,
+                       metadata={"turns": ep.turns}) for ep in episodes]
+
+  def _policy_turn(self, ep: _Episode, turn: Trajectory):
+    P = turn.prompt_len
+    ep.append(turn.completion_C, turn.logp_T[P:], turn.versions_T[P:])
+    ep.turns += 1
+    if turn.finish_reason != "stop":
+      ep.finish = turn.finish_reason
+    elif int(turn.tokens_T[-1]) not in self.turn_stop_ids:
+      ep.finish = "stop"
+    elif ep.turns == self.max_turns:
+      ep.finish = "max_turns"
+    elif ep.used >= self.max_tokens:
+      ep.finish = "length"
+
+  def _environment_turn(self, prompt, ep: _Episode):
+    reply = self.respond(prompt, ep.context())
+    if reply is None:
+      ep.finish = "stop"
+      return
+    reply = np.asarray(reply, np.int32).reshape(-1)
+    room = self.max_tokens - ep.used
+    ep.append(reply[:room])
+    if reply.size >= room:
+      ep.finish = "length"
+
+
+def split_turns(traj: Trajectory) -> list[Trajectory]:
+  """One sample per policy turn of `traj` (a maximal run of policy tokens): the episode
+  up to the turn's end, whose earlier tokens are its prompt. Each keeps the turn's
+  loss mask, log-probs and versions, and the episode's reward; all but the last end
+  in "stop". A trajectory without policy tokens is returned as it is."""
+  policy = np.concatenate([[0], (traj.versions_T >= 0).astype(np.int8), [0]])
+  edges = np.flatnonzero(np.diff(policy))
+  starts, ends = edges[::2], edges[1::2]
+  out = []
+  for k, (start, end) in enumerate(zip(starts, ends)):
+    out.append(Trajectory(
+        tokens_T=traj.tokens_T[:end], loss_mask_T=_within(traj.loss_mask_T, start, end, False),
+        logp_T=_within(traj.logp_T, start, end, 0),
+        versions_T=_within(traj.versions_T, start, end, -1), prompt_len=int(start),
+        finish_reason=traj.finish_reason if k == len(starts) - 1 else "stop",
+        reward=traj.reward, metadata={**traj.metadata, "turn": k}))
+  return out or [traj]
+
+
+def _within(a: np.ndarray, start: int, end: int, fill) -> np.ndarray:
+  """`a[:end]` with everything before `start` replaced by `fill`."""
+  b = np.full(end, fill, a.dtype)
+  b[start:end] = a[start:end]
+  return b

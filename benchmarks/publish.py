@@ -1,0 +1,80 @@
+"""Weight publish, trainer -> generator, in one process: via the host vs device to device.
+
+  python -m benchmarks.publish            # about a minute on a 2-core CPU
+
+The `small` preset's params (23.7M matmul params, float32) go from a trainer's train
+state to a generator engine's devices two ways, the way `TrainerLoop` published them
+before and after it kept device arrays:
+
+  * host: `jax.device_get` of the params, then `Engine.load_params` of the numpy copy;
+  * device: `Trainer.device_params`'s copy (`jax.device_put`, may_alias=False), then
+    `Engine.load_params`, which reshards device to device (`sharding.reshard`).
+
+Two placements on 8 fake CPU devices: trainer and generator on the same device, and
+trainer FSDP-sharded on devices 0-5 with the generator on 6-7. Medians of timed
+calls after a warm-up, each blocked on. On a CPU every "device" is host memory, so
+both ways are memory copies here; on accelerators the host way also crosses PCIe
+twice. Prints a table, then one JSON object as the last line.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from async_rl import models, sharding, train_step  # noqa: E402
+from async_rl.config import MeshConfig  # noqa: E402
+from async_rl.generation import Engine  # noqa: E402
+
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed publishes per variant.")
+
+
+def _median_s(fn, repeats):
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _placement(cfg, trainer_devices, generator_devices, repeats):
+  mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1), trainer_devices)
+  state = train_step.create_train_state(cfg, optax.sgd(1.0), mesh, jax.random.key(0))
+  params_sh = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh).params
+  engine = Engine(cfg, max_concurrent_decodes=1, max_prefill_length=16, max_target_length=32,
+                  mesh=Mesh(np.array(generator_devices).reshape(-1, 1, 1), sharding.AXES))
+  via_host = lambda: engine.load_params(jax.device_get(state.params))
+  on_device = lambda: engine.load_params(
+      jax.device_put(state.params, params_sh, may_alias=False))
+  return {"host_s": _median_s(via_host, repeats), "device_s": _median_s(on_device, repeats)}
+
+
+def main(argv):
+  del argv
+  cfg = models.preset("small", vocab_size=256, max_seq_len=256)
+  devices = jax.devices()
+  results = {
+      "same_device": _placement(cfg, devices[:1], devices[:1], _REPEATS.value),
+      "trainer_6_generator_2": _placement(cfg, devices[:6], devices[6:], _REPEATS.value),
+  }
+  mb = cfg.num_params() * 4 / 2**20
+  print(f"small preset, {mb:.0f} MiB of float32 params; median of {_REPEATS.value}")
+  print(f"{'placement':<24}{'via host ms':>12}{'device ms':>11}{'host/device':>13}")
+  for name, r in results.items():
+    r["ratio"] = r["host_s"] / r["device_s"]
+    print(f"{name:<24}{r['host_s'] * 1e3:>12.1f}{r['device_s'] * 1e3:>11.1f}{r['ratio']:>12.2f}x")
+  print(json.dumps({"params_mib": mb, **results}))
+
+
+if __name__ == "__main__":
+  app.run(main)

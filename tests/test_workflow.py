@@ -1,0 +1,215 @@
+"""Workflows: multi-turn episodes (hand-scripted and on a real pool), per-turn samples,
+and the runner that validates what a workflow returns."""
+
+import threading
+import types
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+import pytest
+
+from async_rl import models, policy
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
+from async_rl.rl.episodes import EpisodeRunner
+from async_rl.tasks.workflow import MultiTurn, SingleTurn, split_turns
+from async_rl.trajectory import Trajectory
+
+CALL, EOS = 9, 2  # A turn ending in CALL is answered by the environment; EOS ends it.
+PROMPT = types.SimpleNamespace(id="p", tokens=(1, 5))
+
+
+class Scripted:
+  """A generator that answers (context, sample index) from a script; records calls."""
+
+  def __init__(self, script):
+    self.script, self.calls = script, []
+
+  def __call__(self, tokens, n=1, *, max_new_tokens=None, stop_ids=None):
+    self.calls.append((tuple(tokens), n, max_new_tokens,
+                       None if stop_ids is None else tuple(stop_ids)))
+    version = len(self.calls) - 1
+    out = []
+    for i in range(n):
+      completion, finish = self.script[(tuple(tokens), i)]
+      out.append(Trajectory.from_completion(
+          np.array(tokens), np.array(completion), -0.1 * np.array(completion, np.float32),
+          np.full(len(completion), version), finish))
+    future = Future()
+    future.set_result(out)
+    return future
+
+
+def _env(replies):
+  calls = []
+
+  def respond(prompt, tokens_T):
+    assert prompt is PROMPT
+    calls.append(tuple(tokens_T))
+    return replies[tuple(tokens_T)]
+
+  return respond, calls
+
+
+def _workflow(respond, max_turns=4, max_tokens=20):
+  return MultiTurn(respond, max_turns=max_turns, max_tokens=max_tokens, turn_stop_ids=(CALL,),
+                   stop_ids=(EOS,))
+
+
+def test_policy_and_environment_turns_alternate_in_one_trajectory():
+  gen = Scripted({((1, 5), 0): ([3, CALL], "stop"), ((1, 5), 1): ([6, CALL], "stop"),
+                  ((1, 5, 3, CALL, 7, 8), 0): ([4, EOS], "stop")})
+  respond, env_calls = _env({(1, 5, 3, CALL): [7, 8], (1, 5, 6, CALL): None})
+  a, b = _workflow(respond).run(PROMPT, 2, gen)
+
+  assert a.tokens_T.tolist() == [1, 5, 3, CALL, 7, 8, 4, EOS] and a.prompt_len == 2
+  assert a.loss_mask_T.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+  assert a.versions_T.tolist() == [-1, -1, 0, 0, -1, -1, 1, 1]
+  np.testing.assert_allclose(a.logp_T, [0, 0, -0.3, -0.9, 0, 0, -0.4, -0.2], rtol=1e-6)
+  assert a.finish_reason == "stop" and a.metadata["turns"] == 2 and a.num_policy_tokens == 4
+  # The environment ended b's episode after its first call.
+  assert b.tokens_T.tolist() == [1, 5, 6, CALL] and b.finish_reason == "stop"
+  assert env_calls == [(1, 5, 3, CALL), (1, 5, 6, CALL)]
+  # Turn 1 is one request of both samples; turn 2 continues from the whole episode,
+  # with what is left of the budget (20 - 4 tokens).
+  assert gen.calls == [((1, 5), 2, 20, (CALL, EOS)), ((1, 5, 3, CALL, 7, 8), 1, 16, (CALL, EOS))]
+
+
+def test_the_budget_and_the_turn_limit_end_episodes():
+  gen = Scripted({((1, 5), 0): ([3, CALL], "stop"), ((1, 5), 1): ([6, 6, 6], "length")})
+  respond, _ = _env({(1, 5, 3, CALL): [7, 8, 8, 8]})
+  cut, long = _workflow(respond, max_tokens=5).run(PROMPT, 2, gen)
+  assert cut.tokens_T.tolist() == [1, 5, 3, CALL, 7, 8, 8], "the reply is cut to the budget"
+  assert cut.finish_reason == "length" and cut.loss_mask_T.sum() == 2
+  assert long.finish_reason == "length" and long.tokens_T.tolist() == [1, 5, 6, 6, 6]
+
+  gen = Scripted({((1, 5), 0): ([3, CALL], "stop")})
+  (capped,) = _workflow(lambda *_: pytest.fail("no turn is left to answer"),
+                        max_turns=1).run(PROMPT, 1, gen)
+  assert capped.finish_reason == "max_turns" and capped.tokens_T.tolist() == [1, 5, 3, CALL]
+
+  gen = Scripted({((1, 5), 0): ([3], "aborted")})
+  (aborted,) = _workflow(lambda *_: None).run(PROMPT, 1, gen)
+  assert aborted.finish_reason == "aborted"
+
+
+def test_split_turns_makes_one_sample_per_policy_turn():
+  traj = Trajectory(tokens_T=np.array([1, 5, 3, CALL, 7, 8, 4, EOS, 6]),
+                    loss_mask_T=np.array([0, 0, 1, 0, 0, 0, 1, 1, 0], bool),
+                    logp_T=np.array([0, 0, -.3, -.9, 0, 0, -.4, -.2, 0], np.float32),
+                    versions_T=np.array([-1, -1, 0, 0, -1, -1, 1, 1, -1]), prompt_len=2,
+                    finish_reason="length", reward=0.5, metadata={"turns": 2})
+  first, second = split_turns(traj)
+  assert first.tokens_T.tolist() == [1, 5, 3, CALL] and first.prompt_len == 2
+  assert first.loss_mask_T.tolist() == [0, 0, 1, 0], "a token masked out stays masked out"
+  assert first.finish_reason == "stop" and first.reward == 0.5 and first.metadata["turn"] == 0
+  assert second.tokens_T.tolist() == traj.tokens_T[:8].tolist() and second.prompt_len == 6
+  assert second.versions_T.tolist() == [-1] * 6 + [1, 1], "earlier turns are its prompt"
+  assert second.logp_T.tolist()[:6] == [0] * 6 and second.finish_reason == "length"
+  assert sum(s.loss_mask_T.sum() for s in (first, second)) == traj.loss_mask_T.sum()
+  single = Trajectory.from_completion(np.array([1, 5]), np.array([3, 4]), np.zeros(2),
+                                      np.zeros(2, np.int32), "stop", reward=1.0)
+  (same,) = split_turns(single)
+  assert same.tokens_T.tolist() == single.tokens_T.tolist() and same.prompt_len == 2
+
+
+CFG = models.ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                         head_dim=16, d_ff=64)
+T = 32
+_logp_and_entropy = jax.jit(policy.logp_and_entropy, static_argnums=1,
+                            static_argnames="temperature")
+
+
+@pytest.fixture(scope="module")
+def params():
+  init = jax.jit(models.init_params, static_argnums=0)
+  return init(CFG, jax.random.key(0)), init(CFG, jax.random.key(1))
+
+
+def _recompute_logp(p, traj):
+  tokens_T = np.zeros(T, np.int32)
+  tokens_T[:len(traj)] = traj.tokens_T
+  segments_T = (np.arange(T) < len(traj)).astype(np.int32)
+  logp_1T, _ = _logp_and_entropy(p, CFG, tokens_T[None], np.arange(T)[None], segments_T[None],
+                                 temperature=1.0)
+  return np.asarray(logp_1T)[0, :len(traj)]  # [t]: token t given the tokens before it
+
+
+@pytest.mark.parametrize("mode", ["retract", "keep", "drain"])
+def test_episodes_on_a_pool_keep_exact_versions_across_a_weight_update(params, mode):
+  old, new = params
+  engine = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=T - 1, max_target_length=T)
+  updated = threading.Event()
+  with GeneratorPool(engine, old) as pool:
+
+    def respond(prompt, tokens_T):
+      if not updated.is_set():  # Between turns 1 and 2 of the group's episodes.
+        updated.set()
+        pool.update_weights(new, 1, mode).result()
+      return [12, 13]
+
+    workflow = MultiTurn(respond, max_turns=4, max_tokens=24, turn_stop_ids=tuple(range(3, 9)),
+                         stop_ids=(EOS,))
+    runner = EpisodeRunner(pool, workflow, vocab_size=CFG.vocab_size)
+    request = Request("g", [1, 9, 10], n=3, sampling=SamplingParams(temperature=1.0, seed=7))
+    episodes = runner.submit(types.SimpleNamespace(tokens=(1, 9, 10)), request).result()
+    runner.close()
+  assert any(e.metadata["turns"] > 1 for e in episodes), "the test needs a second turn"
+  for e in episodes:
+    policy_T = e.versions_T >= 0
+    np.testing.assert_array_equal(e.loss_mask_T, policy_T)
+    assert (e.logp_T[~policy_T] == 0).all()
+    env_T = np.zeros(len(e), bool)
+    env_T[e.prompt_len:] = ~policy_T[e.prompt_len:]
+    assert np.isin(e.tokens_T[env_T], [12, 13]).all()
+    # Turn 1 ran on the old params, every later turn on the new ones; each token's
+    # behaviour log-prob is its log-prob under its version, given the whole episode.
+    first_end = e.prompt_len + np.argmin(policy_T[e.prompt_len:]) if env_T.any() else len(e)
+    assert (e.versions_T[e.prompt_len:first_end] == 0).all()
+    assert (e.versions_T[first_end:][policy_T[first_end:]] == 1).all()
+    for version, p in ((0, old), (1, new)):
+      at = e.versions_T == version
+      np.testing.assert_allclose(e.logp_T[at], _recompute_logp(p, e)[at], atol=1e-4)
+
+
+def test_a_seeded_group_repeats_exactly(params):
+  engine = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=T - 1, max_target_length=T)
+  workflow = MultiTurn(lambda prompt, tokens_T: [12, 13], max_turns=4, max_tokens=24,
+                       turn_stop_ids=tuple(range(3, 9)), stop_ids=(EOS,))
+  prompt = types.SimpleNamespace(tokens=(1, 9, 10))
+  with GeneratorPool(engine, params[0]) as pool:
+    runner = EpisodeRunner(pool, workflow)
+    runs = [runner.submit(prompt, Request(name, [1, 9, 10], n=3, sampling=SamplingParams(
+        temperature=1.0, seed=seed))).result() for name, seed in (("a", 7), ("b", 7), ("c", 8))]
+    runner.close()
+  a, b, c = [[e.tokens_T.tolist() for e in run] for run in runs]
+  assert a == b, "later turns' seeds derive from the group's"
+  assert a != c and len({tuple(e) for e in a}) == 3, "and differ between samples and seeds"
+
+
+class _Returns:
+  def __init__(self, trajectories):
+    self.trajectories = trajectories
+
+  def run(self, prompt, n, generate):
+    return self.trajectories
+
+
+def test_the_runner_validates_what_a_workflow_returns():
+  pool = types.SimpleNamespace(submit=None)
+  bad = Trajectory.from_completion(np.array([1]), np.array([99]), np.zeros(1),
+                                   np.zeros(1, np.int32), "stop")
+  request = Request("r", [1], n=1)
+  for returned, message in (([bad], r"tokens_T must lie in \[0, 16\)"),
+                            ([], "returned no trajectories")):
+    runner = EpisodeRunner(pool, _Returns(returned), vocab_size=16)
+    with pytest.raises(ValueError, match=message):
+      runner.submit(PROMPT, request).result()
+    runner.close()
+
+
+def test_single_turn_is_one_request_of_the_group():
+  gen = Scripted({((1, 5), 0): ([3, EOS], "stop"), ((1, 5), 1): ([4, EOS], "stop")})
+  out = SingleTurn().run(PROMPT, 2, gen)
+  assert [t.completion_C.tolist() for t in out] == [[3, EOS], [4, EOS]]
+  assert gen.calls == [((1, 5), 2, None, None)]

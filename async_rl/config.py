@@ -176,9 +176,11 @@ class GenerationConfig:
   top_p: float = 1.0
   num_slots: int = 32
   update_mode: str = "retract"
+  steps_per_call: int = 8  # Decode steps per host round trip; see BENCHMARKS.md.
 
   def __post_init__(self):
-    for name in ("max_prompt_len", "max_new_tokens", "group_size", "num_slots"):
+    for name in ("max_prompt_len", "max_new_tokens", "group_size", "num_slots",
+                 "steps_per_call"):
       if getattr(self, name) < 1:
         _fail(f"generation.{name}", getattr(self, name), "must be >= 1")
     if self.temperature < 0:

@@ -23,7 +23,8 @@ def params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-  engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
+  engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T,
+                  steps_per_call=8)
   engine.warmup(params)
   return engine
 
@@ -74,6 +75,50 @@ def test_prefill_buckets_are_powers_of_two_capped():
   assert prefill_buckets(10) == (10,)
 
 
+def _prefill_one(engine, params, prompt, sampling):
+  padded, length = engine.pad_tokens(prompt)
+  return engine.prefill(params=params, padded_tokens=padded, true_length=length,
+                        sampling=sampling)
+
+
+def test_prefill_many_equals_prefill_one_by_one(engine, params):
+  # Eleven prompts of one bucket: a batched call for eight, then three one by one.
+  prompts = _prompts(11, 11)
+  samplings = [SlotSampling.create(SamplingParams(temperature=0.9), 5, i) for i in range(11)]
+  refs = engine.prefill_many(params=params, prompts=prompts, samplings=samplings)
+  assert len({id(prefix) for prefix, _ in refs}) == 4
+  assert [row for _, row in refs] == list(range(8)) + [0, 0, 0]
+  for prompt, sampling, (got, row) in zip(prompts, samplings, refs):
+    want, _ = _prefill_one(engine, params, prompt, sampling)
+    assert int(got.lengths_B[row]) == int(got.starts_B[row]) == len(prompt)
+    assert int(got.tokens_B[row]) == int(want.tokens_B[0])
+    np.testing.assert_allclose(got.logits_BV[row], want.logits_BV[0], atol=1e-5)
+    np.testing.assert_allclose(got.cache["k"][:, row], want.cache["k"][:, 0], atol=1e-5)
+
+
+def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params):
+  engine = Engine(CFG, max_concurrent_decodes=8, max_prefill_length=16, max_target_length=T)
+  prompts = _prompts(10, 4)
+  sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=4)
+  samplings = [SlotSampling.create(sp, 4, i) for i in range(3)]
+  ((prefix, _), *_) = engine.prefill_many(params=params, prompts=prompts,
+                                         samplings=samplings + samplings[:1])
+  rows, slots = [2, 0, 2], [5, 1, 6]
+  state, first = engine.insert_samples(prefix, engine.init_decode_state(), rows, slots,
+                                       samplings)
+  for i, (row, slot, sampling) in enumerate(zip(rows, slots, samplings)):
+    alone, draw = _prefill_one(engine, params, prompts[row], sampling)
+    assert first.tokens_S[i] == draw.tokens_S[0] == state.tokens_S[slot]
+    np.testing.assert_allclose(first.logp_S[i], draw.logp_S[0], atol=1e-5)
+    np.testing.assert_allclose(state.cache["k"][:, slot, :16], alone.cache["k"][:, 0],
+                               atol=1e-5)
+    assert state.positions_S[slot] == len(prompts[row])
+    assert state.end_S[slot] == len(prompts[row]) + 5
+  others = [0, 2, 3, 4, 7]
+  assert all(state.positions_S[s] == T and state.end_S[s] == 0 for s in others)
+  assert not np.any(np.asarray(state.cache["k"])[:, others])
+
+
 def test_greedy_pool_equals_argmax_of_full_reforward(engine, params):
   prompts = _prompts(1, 5)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -117,7 +162,8 @@ def test_sample_truncation_and_greedy():
 
   def draw(temperature, top_k, top_p):
     sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    sampling_S = jax.tree.map(lambda x: np.full(S, x), SlotSampling.create(sp, seed=7, index=0))
+    sampling_S = jax.tree.map(lambda x: np.broadcast_to(x, (S,) + x.shape),
+                              SlotSampling.create(sp, seed=7, index=0))
     tokens_S, logp_S = sample(np.broadcast_to(logits_V, (S, 4)), sampling_S, positions_S)
     return np.asarray(tokens_S), np.asarray(logp_S)
 
@@ -148,6 +194,28 @@ def test_fixed_seed_reproduces_samples_whatever_the_batching(engine, params):
   assert not np.array_equal(alone[0].completion_C, alone[1].completion_C)
 
 
+def test_samples_do_not_depend_on_steps_per_call(engine, params):
+  # Stops, length limits, top-k/top-p and greedy, with more samples than slots, so
+  # samples start and end at every offset within a chunk.
+  rng = np.random.default_rng(8)
+  requests = [Request(i, p, n=2, sampling=SamplingParams(
+      temperature=float(rng.choice([0.0, 0.8, 1.0])), top_k=int(rng.choice([0, 4])),
+      top_p=float(rng.choice([0.7, 1.0])), max_new_tokens=int(rng.integers(1, 24)),
+      stop_token_ids=[int(rng.integers(CFG.vocab_size))], seed=i))
+              for i, p in enumerate(_prompts(9, 6))]
+  chunked = _run(engine, params, requests)
+  for steps in (1, 3):
+    other = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T,
+                   steps_per_call=steps)
+    for a_samples, b_samples in zip(chunked, _run(other, params, requests)):
+      for a, b in zip(a_samples, b_samples):
+        assert a.finish_reason == b.finish_reason
+        np.testing.assert_array_equal(a.tokens_T, b.tokens_T)
+        np.testing.assert_allclose(a.logp_T, b.logp_T, atol=1e-5)
+  reasons = {s.finish_reason for samples in chunked for s in samples}
+  assert reasons == {"stop", "length"}
+
+
 @contextlib.contextmanager
 def _count_compilations():
   names = []
@@ -168,8 +236,11 @@ def test_no_recompilation_after_warmup(params):
   engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
-  # prefill and insert per bucket; resample, generate and init_decode_state once.
-  assert len(warmup_compiles) <= 2 * len(engine.prefill_buckets) + 3
+  # prefill and insert per bucket; prefill_many's batch and insert_samples (for one
+  # and for a batch of prompts) per prompt bucket; the draws of insert_samples (one,
+  # a batch), generate, generate_chunk and init_decode_state once.
+  buckets = 2 * len(engine.prefill_buckets) + 3 * len(engine.prompt_buckets)
+  assert len(warmup_compiles) <= buckets + 5
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

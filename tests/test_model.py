@@ -70,8 +70,12 @@ def test_decode_past_cache_end_leaves_cache_untouched():
   cache = models.init_cache(cfg, num_slots=2, max_len=4)
   cache = jax.tree.map(lambda c: c + 1.0, cache)
   _, new = models.decode(params, cfg, cache, jnp.array([3, 4]), jnp.array([4, 2]))
-  np.testing.assert_array_equal(new["k"][:, 0], cache["k"][:, 0])
-  assert not np.allclose(new["k"][:, 1, 2], cache["k"][:, 1, 2])
+  for name in ("k", "v"):
+    np.testing.assert_array_equal(new[name][:, 0], cache[name][:, 0])
+    # Slot 1 writes its row at position 2 in every layer, and nothing else.
+    assert not np.allclose(new[name][:, 1, 2], cache[name][:, 1, 2])
+    np.testing.assert_array_equal(np.delete(new[name][:, 1], 2, axis=1),
+                                  np.delete(cache[name][:, 1], 2, axis=1))
 
 
 def test_presets_have_documented_sizes():

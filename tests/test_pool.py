@@ -32,7 +32,8 @@ def new_params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-  engine = Engine(CFG, max_concurrent_decodes=2, max_prefill_length=16, max_target_length=T)
+  engine = Engine(CFG, max_concurrent_decodes=2, max_prefill_length=16, max_target_length=T,
+                  steps_per_call=8)
   engine.warmup(params)
   return engine
 
@@ -104,6 +105,25 @@ def test_stop_tokens_max_new_tokens_and_cache_bound(engine, params):
     assert np.all(s.completion_C[:-1] % 2 == 1)
   assert short.finish_reason == "length" and len(short.completion_C) == 5
   assert full.finish_reason == "length" and len(full.completion_C) == T - 16
+
+
+def test_chunks_end_samples_on_device_and_count_the_waste(engine, params):
+  with GeneratorPool(engine, params) as pool:
+    pool.pause()  # Both samples start in the same chunk.
+    short = pool.submit(Request("short", [5], sampling=SamplingParams(max_new_tokens=3)))
+    long = pool.submit(Request("long", [6], sampling=SamplingParams(max_new_tokens=20)))
+    pool.resume()
+    (short,), (long,) = short.result(timeout=60), long.result(timeout=60)
+    pool.shutdown()
+    m = pool.metrics()
+  assert len(short.completion_C) == 3 and len(long.completion_C) == 20
+  # Prefill draws each first token; then chunks of 8, 8 and 3 steps (the loop exits
+  # once no slot is live). "short" stops after 2 steps of the first chunk and idles
+  # for its other 6; a slot with nothing left to do is idle, not wasted.
+  assert m["decode_steps"] == 19 and m["wasted_slot_steps"] == 6
+  assert m["slot_occupancy"] == pytest.approx((2 + 19) / (2 * 19))
+  assert m["wasted_fraction"] == pytest.approx(6 / (2 * 19))
+  assert m["decode_calls"] >= 3
 
 
 def test_retract_recomputes_kv_under_new_params(engine, params, new_params):
@@ -257,6 +277,7 @@ def test_bad_request_is_rejected_without_disturbing_others(engine, params, reque
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(seed=-1), "seed"),
+    (dict(stop_token_ids=range(33)), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -1,10 +1,13 @@
 """The host's view of the decode batch: which sample each slot holds, what it has
 produced, and the device results not yet read.
 
-Decode step t is dispatched before the tokens of step t-1 are read, so the host's
-bookkeeping overlaps the device's work. The price is that a sample which finished
-at step t-1 also occupies its slot in step t; that step's token for it is dropped
-by checking that the slot still holds the same sample it held at dispatch.
+The device decodes a chunk of up to k steps per call and ends samples inside it (see
+`Engine.generate_chunk`), so the host needs a chunk's tokens only to refill the
+slots it freed: the pool reads chunk t-1 before dispatching chunk t when samples are
+queued, and after it otherwise. A slot whose sample finished mid-chunk idles for the
+rest of that chunk (at most k - 1 steps); `wasted_slot_steps` counts those steps. A
+result is credited to a slot only if the slot still holds the sample it held at
+dispatch.
 """
 
 import dataclasses
@@ -14,7 +17,7 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
-from async_rl.generation.engine import Prefix, ResultTokens
+from async_rl.generation.decode_state import ChunkTokens, Prefix, ResultTokens
 from async_rl.generation.request import Request
 from async_rl.generation.sampling import SlotSampling
 from async_rl.trajectory import Trajectory
@@ -29,7 +32,7 @@ class Job:
   future: Future
   samples: list
   unstarted: int
-  prefix: Prefix | None = None
+  prefix: tuple[Prefix, int] | None = None  # A Prefix and the row of this prompt.
   prefix_version: int = -1
   aborted: bool = False
   done: bool = False
@@ -59,9 +62,11 @@ class HostBatch:
     self.slots: list[_Occupant | None] = [None] * num_slots
     self._max_len = max_target_length
     self._on_done = on_done
-    self._first: list[tuple[int, _Occupant, ResultTokens, int]] = []
-    self._step: tuple[ResultTokens, list, int] | None = None
-    self.steps = self.step_tokens = self.generated_tokens = 0
+    # (first tokens, the (slot, occupant) of each row, version), per device result.
+    self._first: list[tuple[ResultTokens, list[tuple[int, _Occupant]], int]] = []
+    self._chunk: tuple[ChunkTokens, list, int] | None = None
+    self.calls = self.steps = self.step_tokens = self.wasted_slot_steps = 0
+    self.generated_tokens = 0
 
   def num_active(self) -> int:
     return sum(s is not None for s in self.slots)
@@ -72,44 +77,58 @@ class HostBatch:
   def occupied(self) -> list[tuple[int, _Occupant]]:
     return [(i, s) for i, s in enumerate(self.slots) if s is not None]
 
-  def occupy(self, slot: int, job: Job, index: int, sampling: SlotSampling,
-             first: ResultTokens, version: int) -> None:
-    """Records that `slot` now holds sample `index` of `job`, whose first token is
-    in `first` (produced by params `version`)."""
-    self.slots[slot] = _Occupant(job, index, sampling)
-    self._first.append((slot, self.slots[slot], first, version))
+  def occupy(self, entries: list[tuple[int, Job, int, SlotSampling]], first: ResultTokens,
+             version: int) -> None:
+    """Records, for each (slot, job, index, sampling) of `entries`, that the slot now
+    holds sample `index` of `job`; entry i's first token is row i of `first`
+    (produced by params `version`)."""
+    owners = []
+    for slot, job, index, sampling in entries:
+      self.slots[slot] = _Occupant(job, index, sampling)
+      owners.append((slot, self.slots[slot]))
+    self._first.append((first, owners, version))
 
   def restart(self, slot: int, first: ResultTokens, version: int) -> None:
     """Records the next token of a re-prefilled slot (retract)."""
-    self._first.append((slot, self.slots[slot], first, version))
+    self._first.append((first, [(slot, self.slots[slot])], version))
 
-  def add_step(self, result: ResultTokens, version: int) -> None:
-    """Registers a dispatched decode step, then reads the results before it."""
+  def add_chunk(self, result: ChunkTokens, version: int) -> None:
+    """Registers a dispatched decode chunk (produced by params `version`); `flush`
+    reads it."""
     owners = list(self.slots)
     self.flush()
-    self._step = (result, owners, version)
+    self._chunk = (result, owners, version)
 
   def flush(self) -> None:
     """Reads every pending device result and appends its tokens to their samples."""
     first, self._first = self._first, []
-    step, self._step = self._step, None
-    if not first and step is None:
+    chunk, self._chunk = self._chunk, None
+    if not first and chunk is None:
       return
-    first_host, step_host = jax.device_get(([r for _, _, r, _ in first],
-                                            step[0] if step else None))
-    # First tokens go first: a slot admitted before the pending step is in both.
-    for (slot, owner, _, version), r in zip(first, first_host):
-      if self.slots[slot] is owner:
-        self._emit(slot, r.tokens_S[0], r.logp_S[0], version)
-    if step is not None:
-      _, owners, version = step
-      emitted = 0
-      for slot, owner in enumerate(owners):
-        if owner is not None and self.slots[slot] is owner:
-          self._emit(slot, step_host.tokens_S[slot], step_host.logp_S[slot], version)
-          emitted += 1
-      self.steps += 1
-      self.step_tokens += emitted
+    first_host, chunk_host = jax.device_get(([r for r, _, _ in first],
+                                             chunk[0] if chunk else None))
+    # First tokens go first: a slot admitted before the pending chunk is in both.
+    for (_, owners, version), r in zip(first, first_host):
+      for row, (slot, owner) in enumerate(owners):
+        if self.slots[slot] is owner:
+          self._emit(slot, r.tokens_S[row:row + 1].tolist(), r.logp_S[row:row + 1].tolist(),
+                     version)
+    if chunk is not None:
+      self._read_chunk(chunk_host, *chunk[1:])
+
+  def _read_chunk(self, chunk: ChunkTokens, owners: list, version: int) -> None:
+    steps, count_S = int(chunk.steps), chunk.count_S
+    # A chunk dispatched before the host read that all its slots had finished runs
+    # no step and costs only the dispatch; it is not counted as a call.
+    self.calls += steps > 0
+    self.steps += steps
+    self.wasted_slot_steps += int(np.sum(np.where(count_S > 0, steps - count_S, 0)))
+    for slot, owner in enumerate(owners):
+      count = int(count_S[slot])
+      if count and owner is not None and self.slots[slot] is owner:
+        self._emit(slot, chunk.tokens_ST[slot, :count].tolist(),
+                   chunk.logp_ST[slot, :count].tolist(), version)
+        self.step_tokens += count
 
   def release(self, job: Job) -> None:
     """Finishes the job's in-flight samples as "aborted"; call after `flush`."""
@@ -117,14 +136,16 @@ class HostBatch:
       if s.job is job:
         self._finish(slot, "aborted")
 
-  def _emit(self, slot: int, token, logp, version: int) -> None:
+  def _emit(self, slot: int, tokens: list, logp: list, version: int) -> None:
+    # The device stops a sample at its first stop id or at its length limit, so only
+    # the last of `tokens` can end it.
     s = self.slots[slot]
-    s.tokens.append(int(token))
-    s.logp.append(float(logp))
-    s.versions.append(version)
-    self.generated_tokens += 1
+    s.tokens.extend(tokens)
+    s.logp.extend(logp)
+    s.versions.extend([version] * len(tokens))
+    self.generated_tokens += len(tokens)
     params = s.job.request.sampling
-    if int(token) in params.stop_token_ids:
+    if tokens[-1] in params.stop_token_ids:
       self._finish(slot, "stop")
     elif (len(s.tokens) >= params.max_new_tokens
           or len(s.job.prompt_P) + len(s.tokens) >= self._max_len):

@@ -5,113 +5,47 @@ The method and argument names follow `jetstream.engine.engine_api.Engine`
 slot)`, `generate(params, decode_state)`, `init_decode_state`, `load_params`,
 `max_concurrent_decodes`, `max_prefill_length`, `samples_per_slot`, `mesh`), so an
 adapter can present it as a real JetStream engine. Differences are deliberate:
-sampling parameters, seed included, travel with each request (`prefill(...,
-sampling=)`) and live in the decode state as per-slot arrays, instead of a `sampler`
-callable and an `rng` argument; results carry log-probs (`ResultTokens` here is
-ours, not JetStream's packed array); `resample` draws another sample of a prefilled
-prompt without recomputing it. `existing_prefix` (prefix caching) is not supported.
+sampling parameters, seed, stop ids and token budget included, travel with each
+request (`prefill(..., sampling=)`) and live in the decode state as per-slot arrays,
+instead of a `sampler` callable and an `rng` argument; results carry log-probs
+(`ResultTokens` here is ours, not JetStream's packed array); a Prefix may hold
+several prompts (`prefill_many`), and `insert_samples` puts any number of samples of
+them into slots in one call, each drawing its own first token, so a prompt is
+prefilled once for all its samples. `existing_prefix` (prefix caching) is not
+supported.
 
-Compilation is bounded: prefill and insert compile once per length bucket (powers
-of two from 16, then `max_target_length`), generate and resample once. The slot
-index of `insert` is traced, so filling different slots never recompiles.
+`generate` is JetStream's one decode step (its orchestrator ends requests on the
+host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
+loop, and a slot stops inside it at a stop id, its token budget or the cache end. The
+keys of a draw depend only on (seed, sample index, position), so a chunk draws the
+tokens that as many single steps would.
+
+Compilation is bounded: prefill and insert compile once per length bucket (powers of
+two from 16, then `max_target_length`), prefill_many's batched prefill and
+insert_samples once per bucket a prompt can take and prefix size (1 or
+`PREFILL_ROWS` prompts), generate and generate_chunk once. Slot indices and sample
+counts are traced, so filling different slots never recompiles.
 """
 
 import functools
+from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from async_rl import models, sharding
+from async_rl.generation import decode_state as ds
 from async_rl.generation import sampling as sampling_lib
+from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
 from async_rl.generation.sampling import SlotSampling
 
 _MIN_BUCKET = 16
+PREFILL_ROWS = 8  # Prompts per batched prefill call (`Engine.prefill_many`).
 
 
-@struct.dataclass
-class Prefix:
-  """A prefilled prompt, ready to be inserted into a slot.
-
-  `cache` holds k and v of shape [L, 1, P, K, E] for the padded prompt; `logits_V`
-  are the logits after the last real token (kept so more samples of the same
-  prompt can be drawn with `resample` without recomputing the prompt); `token` and
-  `logp` are the first generated token, which sits at position `length`.
-  """
-  cache: dict
-  logits_V: jax.Array
-  length: jax.Array
-  token: jax.Array
-  logp: jax.Array
-  sampling: SlotSampling
-
-
-@struct.dataclass
-class DecodeState:
-  """Everything one decode step transforms, for all S slots.
-
-  `tokens_S` is each slot's last generated token, not yet fed to the model;
-  `positions_S` its sequence position. The cache holds k and v of shape
-  [L, S, T, K, E]. An idle slot sits at position T, where decoding writes nothing.
-  """
-  cache: dict
-  tokens_S: jax.Array
-  positions_S: jax.Array
-  sampling_S: SlotSampling
-
-
-@struct.dataclass
-class ResultTokens:
-  """Tokens emitted by one prefill (S = 1) or one decode step, with their log-probs
-  and the sequence positions they occupy."""
-  tokens_S: jax.Array
-  logp_S: jax.Array
-  positions_S: jax.Array
-
-
-def _first_token(logits_V, length, sampling):
-  """Draws the token at position `length`; returns the Prefix fields it sets and the
-  result. `sampling` is passed through so the Prefix holds device arrays either way."""
-  sampling_1 = jax.tree.map(lambda x: x[None], sampling)
-  tokens_1, logp_1 = sampling_lib.sample(logits_V[None], sampling_1, length[None])
-  fields = dict(token=tokens_1[0], logp=logp_1[0], sampling=sampling)
-  return fields, ResultTokens(tokens_1, logp_1, length[None])
-
-
-def _prefill(params, tokens_P, length, sampling, *, cfg):
-  logits_1PV, cache = models.prefill(params, cfg, tokens_P[None], length[None])
-  logits_V = jax.lax.dynamic_index_in_dim(logits_1PV[0], length - 1, keepdims=False)
-  fields, result = _first_token(logits_V, length, sampling)
-  return Prefix(cache=cache, logits_V=logits_V, length=length, **fields), result
-
-
-def _insert(prefix, state, slot):
-  cache = jax.tree.map(
-      lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, slot, 0, 0, 0)),
-      state.cache, prefix.cache)
-  sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, prefix.sampling)
-  return DecodeState(cache=cache, tokens_S=state.tokens_S.at[slot].set(prefix.token),
-                     positions_S=state.positions_S.at[slot].set(prefix.length),
-                     sampling_S=sampling_S)
-
-
-def _generate(params, state, *, cfg):
-  logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, state.positions_S)
-  # Idle slots stay parked at position T (past the cache end) instead of counting up.
-  positions_S = jnp.minimum(state.positions_S + 1, state.cache["k"].shape[2])
-  tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
-  new_state = DecodeState(cache=cache, tokens_S=tokens_S, positions_S=positions_S,
-                          sampling_S=state.sampling_S)
-  return new_state, ResultTokens(tokens_S, logp_S, positions_S)
-
-
-def _init_decode_state(*, cfg, num_slots, max_len):
-  return DecodeState(cache=models.init_cache(cfg, num_slots, max_len),
-                     tokens_S=jnp.zeros(num_slots, jnp.int32),
-                     positions_S=jnp.full(num_slots, max_len, jnp.int32),
-                     sampling_S=jax.tree.map(jnp.asarray, SlotSampling.zeros(num_slots)))
+def _stack(samplings):
+  return jax.tree.map(lambda *x: np.stack(x), *samplings)
 
 
 def prefill_buckets(max_length: int) -> tuple[int, ...]:
@@ -132,16 +66,19 @@ class Engine:
     max_prefill_length: longest prompt accepted from users.
     max_target_length: T, the cache length: prompt plus completion never exceed it.
       Re-prefilling a sequence (retract) may use prefill lengths up to T.
+    steps_per_call: decode steps per `generate_chunk` call.
     mesh: devices of this engine; defaults to the first local device.
     param_sharding: a sharding (or pytree prefix of shardings) for the params on
       `mesh`; defaults to fully replicated.
   """
 
   def __init__(self, cfg: models.ModelConfig, *, max_concurrent_decodes: int,
-               max_prefill_length: int, max_target_length: int, mesh: Mesh | None = None,
-               param_sharding=None):
+               max_prefill_length: int, max_target_length: int, steps_per_call: int = 8,
+               mesh: Mesh | None = None, param_sharding=None):
     if max_concurrent_decodes < 1:
       raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
+    if steps_per_call < 1:
+      raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     if not 1 <= max_prefill_length < max_target_length:
       raise ValueError(f"need 1 <= max_prefill_length ({max_prefill_length}) < "
                        f"max_target_length ({max_target_length})")
@@ -149,19 +86,28 @@ class Engine:
     self._num_slots = max_concurrent_decodes
     self._max_prefill_length = max_prefill_length
     self._max_target_length = max_target_length
+    self.steps_per_call = steps_per_call
     self.prefill_buckets = prefill_buckets(max_target_length)
+    # The buckets a prompt of at most max_prefill_length tokens can take.
+    self.prompt_buckets = tuple(b for b in self.prefill_buckets if b < max_prefill_length) + (
+        next(b for b in self.prefill_buckets if b >= max_prefill_length),)
     if mesh is None:
       mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self._mesh = mesh
     replicated = NamedSharding(mesh, PartitionSpec())
     self._param_sharding = replicated if param_sharding is None else param_sharding
-    self._prefill_fn = jax.jit(functools.partial(_prefill, cfg=cfg), out_shardings=replicated)
-    self._resample_fn = jax.jit(_first_token, out_shardings=replicated)
+    self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg), out_shardings=replicated)
     # Donating the decode state lets XLA update the KV cache in place.
-    self._insert_fn = jax.jit(_insert, donate_argnums=(1,), out_shardings=replicated)
-    self._generate_fn = jax.jit(functools.partial(_generate, cfg=cfg), donate_argnums=(1,),
+    self._insert_fn = jax.jit(ds.insert, donate_argnums=(1,), out_shardings=replicated)
+    self._insert_samples_fn = jax.jit(ds.insert_samples, donate_argnums=(1,),
+                                      out_shardings=replicated)
+    self._draw_fn = jax.jit(ds.draw, out_shardings=replicated)
+    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg), donate_argnums=(1,),
                                 out_shardings=replicated)
-    self._init_fn = jax.jit(functools.partial(_init_decode_state, cfg=cfg,
+    self._generate_chunk_fn = jax.jit(
+        functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call), donate_argnums=(1,),
+        out_shardings=replicated)
+    self._init_fn = jax.jit(functools.partial(ds.init_decode_state, cfg=cfg,
                                               num_slots=max_concurrent_decodes,
                                               max_len=max_target_length),
                             out_shardings=replicated)
@@ -208,26 +154,85 @@ class Engine:
     padded[:n] = tokens
     return padded, n
 
-  def prefill(self, *, params, padded_tokens, true_length: int,
-              sampling: SlotSampling) -> tuple[Prefix, ResultTokens]:
-    """Runs a padded prompt and draws its first generated token with `sampling`."""
-    return self._prefill_fn(params, padded_tokens, np.int32(true_length), sampling)
+  def prefill(self, *, params, padded_tokens, true_length: int, sampling: SlotSampling,
+              generated: int = 0) -> tuple[Prefix, ResultTokens]:
+    """Runs a padded prompt and draws its first generated token with `sampling`.
 
-  def resample(self, prefix: Prefix, sampling: SlotSampling) -> tuple[Prefix, ResultTokens]:
-    """The same prefix with its first token redrawn under `sampling` (another sample)."""
-    fields, result = self._resample_fn(prefix.logits_V, prefix.length, sampling)
-    return prefix.replace(**fields), result
+    `generated` is how many of the `true_length` tokens a re-prefilled sample
+    generated before; they count against `sampling.max_new_tokens`. The Prefix holds
+    this one prompt (B = 1).
+    """
+    return self._prefill_fn(params, np.asarray(padded_tokens)[None],
+                            np.array([true_length], np.int32), np.array([generated], np.int32),
+                            _stack([sampling]))
+
+  def prefill_many(self, *, params, prompts: Sequence, samplings: Sequence[SlotSampling]
+                   ) -> list[tuple[Prefix, int]]:
+    """Prefills prompts of at most `max_prefill_length` tokens, prompt i drawing its
+    first token with `samplings[i]`; returns each prompt's (Prefix, row).
+
+    Prompts of one length bucket are prefilled together, `PREFILL_ROWS` per call
+    (fewer rows than half that go one by one, as padding rows cost compute).
+    """
+    padded = [self.pad_tokens(p) for p in prompts]
+    refs = [None] * len(prompts)
+    for bucket in {len(tokens) for tokens, _ in padded}:
+      rows = [i for i, (tokens, _) in enumerate(padded) if len(tokens) == bucket]
+      while 2 * len(rows) >= PREFILL_ROWS:
+        group, rows = rows[:PREFILL_ROWS], rows[PREFILL_ROWS:]
+        full = group + group[:1] * (PREFILL_ROWS - len(group))
+        prefix, _ = self._prefill_fn(
+            params, np.stack([padded[i][0] for i in full]),
+            np.array([padded[i][1] for i in full], np.int32), np.zeros(len(full), np.int32),
+            _stack([samplings[i] for i in full]))
+        for row, i in enumerate(group):
+          refs[i] = (prefix, row)
+      for i in rows:
+        refs[i] = (self.prefill(params=params, padded_tokens=padded[i][0],
+                                true_length=padded[i][1], sampling=samplings[i])[0], 0)
+    return refs
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-    """Puts `prefix` into `slot`; the old `decode_state` is donated (unusable after)."""
+    """Puts the (first) prompt of `prefix` into `slot`; the old `decode_state` is
+    donated (unusable after)."""
     return self._insert_fn(prefix, decode_state, np.int32(slot))
+
+  def insert_samples(self, prefix: Prefix, decode_state: DecodeState, rows: Sequence[int],
+                     slots: Sequence[int], samplings: Sequence[SlotSampling]
+                     ) -> tuple[DecodeState, ResultTokens]:
+    """Puts new samples of the prompts of `prefix` into slots: sample i, of prompt
+    `rows[i]`, goes to `slots[i]` and draws its first token with `samplings[i]` (the
+    draw `prefill` would make with it). Returns the new state (the old one is
+    donated) and the first tokens, row i for sample i.
+
+    Two device calls whatever the number of samples; the arrays are padded to S rows
+    so that neither recompiles for another count.
+    """
+    n, S = len(slots), self._num_slots
+    if not 1 <= n <= S:
+      raise ValueError(f"insert_samples takes 1 to {S} slots, got {n}")
+    rows_S, slots_S = np.zeros(S, np.int32), np.zeros(S, np.int32)
+    rows_S[:n], slots_S[:n] = rows, slots
+    sampling_S = _stack([*samplings, *[samplings[0]] * (S - n)])
+    first = self._draw_fn(prefix.logits_BV, prefix.lengths_B, rows_S, sampling_S)
+    state = self._insert_samples_fn(prefix, decode_state, rows_S, slots_S, first.tokens_S,
+                                    sampling_S, np.int32(n))
+    return state, first
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step over all slots; the old `decode_state` is donated."""
     return self._generate_fn(params, decode_state)
 
+  def generate_chunk(self, params,
+                     decode_state: DecodeState) -> tuple[DecodeState, ChunkTokens]:
+    """Up to `steps_per_call` decode steps of the live slots in one device call;
+    the old `decode_state` is donated."""
+    return self._generate_chunk_fn(params, decode_state)
+
   def warmup(self, params) -> None:
-    """Compiles prefill and insert for every bucket, resample and generate.
+    """Compiles every call the pool makes: prefill and insert for every bucket,
+    prefill_many and insert_samples for every bucket a prompt can take (one and
+    `PREFILL_ROWS` prompts), generate and generate_chunk.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -240,7 +245,12 @@ class Engine:
       prefix, _ = self.prefill(params=params, padded_tokens=np.zeros(bucket, np.int32),
                                true_length=1, sampling=sampling)
       state = self.insert(prefix, state, 0)
-      prefix, _ = self.resample(prefix, sampling)
-      state = self.insert(prefix, state, 0)
+      if bucket in self.prompt_buckets:
+        ((rows, _), *_) = self.prefill_many(
+            params=params, prompts=[np.zeros(bucket, np.int32)] * PREFILL_ROWS,
+            samplings=[sampling] * PREFILL_ROWS)
+        for p in (prefix, rows):
+          state, _ = self.insert_samples(p, state, [0], [0], [sampling])
     state, result = self.generate(params, state)
-    jax.block_until_ready(result)
+    state, chunk = self.generate_chunk(params, state)
+    jax.block_until_ready((result, chunk))

@@ -3,17 +3,20 @@
 One decode thread owns the engine, the params and the decode state. Public methods
 only post work to it under a lock (`update_weights` also copies the new params onto
 the engine's devices, in the caller's thread, while decoding goes on), so all other
-device work happens on that thread, between two decode steps. Free slots are refilled
-from a FIFO queue of samples before each step, so short samples never wait for long
-ones. Step t is dispatched before step t-1's tokens are read (see `batch`).
+device work happens on that thread. The device decodes in chunks of the engine's
+`steps_per_call` steps (`Engine.generate_chunk`), ending samples inside a chunk; new
+samples, aborts, pauses and weight updates apply between two chunks. Free slots are
+refilled from a FIFO queue of samples before each chunk, so short samples never wait
+for long ones (see `batch` for when a chunk's tokens are read).
 
-Weight updates (DESIGN.md, "Interruptible generation"), applied between two steps:
+Weight updates (DESIGN.md, "Interruptible generation"), applied between two chunks:
   * "retract": every in-flight sequence is re-prefilled (prompt + tokens so far)
     under the new params, so its KV cache is recomputed, then it continues.
   * "keep": the params are swapped and the existing KV cache is kept.
   * "drain": no new sample starts; in-flight samples finish on the old params;
     then the params are swapped and queued samples start.
-Each token is tagged with the version of the params that produced it.
+Each token is tagged with the version of the params that produced it: a chunk runs
+on one set of params, so every token of it carries that version.
 """
 
 import dataclasses
@@ -134,7 +137,7 @@ class GeneratorPool:
     return job.future
 
   def abort(self, request_id: Hashable) -> bool:
-    """Stops a request: its slots are freed before the next decode step and its
+    """Stops a request: its slots are freed before the next decode chunk and its
     future resolves with what was generated (unfinished samples: "aborted").
     Returns False if the request is unknown or already finished."""
     with self._cv:
@@ -147,7 +150,7 @@ class GeneratorPool:
       return True
 
   def pause(self) -> None:
-    """Stops decoding between two steps; returns once no step is running.
+    """Stops decoding between two chunks; returns once no chunk is running.
 
     Aborts and weight updates are still applied while paused (a "drain" update
     waits for `resume`, since draining needs decoding)."""
@@ -196,7 +199,12 @@ class GeneratorPool:
     return update.future
 
   def metrics(self) -> dict:
-    """Slot occupancy, throughput, queue length, pause time and swap latencies."""
+    """Slot occupancy, throughput, queue length, pause time and swap latencies.
+
+    `decode_steps` counts device steps, `decode_calls` the chunks that ran any;
+    `slot_occupancy` is the share of slot-steps that emitted a token and
+    `wasted_fraction` the share spent idle after a sample finished mid-chunk.
+    """
     with self._cv:
       s, b = self._stats, self._batch
       paused_s = s.paused_s + (time.perf_counter() - self._pause_started if self._paused else 0)
@@ -206,6 +214,10 @@ class GeneratorPool:
           "slot_occupancy": b.step_tokens / max(b.steps * len(b.slots), 1),
           "queue_length": len(self._queue),
           "decode_steps": b.steps,
+          "decode_calls": b.calls,
+          "steps_per_call": b.steps / max(b.calls, 1),
+          "wasted_slot_steps": b.wasted_slot_steps,
+          "wasted_fraction": b.wasted_slot_steps / max(b.steps * len(b.slots), 1),
           "generated_tokens": b.generated_tokens,
           "decode_tokens_per_s": b.step_tokens / s.decode_s if s.decode_s else 0.0,
           "time_paused_s": paused_s,
@@ -266,6 +278,7 @@ class GeneratorPool:
       halt = self._paused and not self._halted
       paused = self._paused
       update = self._updates[0] if self._updates else None
+      queued = bool(self._queue)
     if aborts or paused or update is not None:
       # Everything below needs every token produced so far.
       self._batch.flush()
@@ -284,36 +297,48 @@ class GeneratorPool:
       return True
     start, wall_start = time.perf_counter(), time.time()
     if update is None:
+      if queued:
+        # Reading the pending chunk first frees the slots it finished, so queued
+        # samples take them in the next chunk. With nothing queued a freed slot would
+        # stay empty anyway, so the next chunk is dispatched before the pending one
+        # is read (`add_chunk`), and the host's bookkeeping overlaps the device.
+        self._batch.flush()
       self._admit()
     if self._batch.num_active():
-      self._state, result = self.engine.generate(self._params, self._state)
-      self._batch.add_step(result, self._version)
+      self._state, result = self.engine.generate_chunk(self._params, self._state)
+      self._batch.add_chunk(result, self._version)
     self._stats.decode_s += time.perf_counter() - start
     self.timeline.record("generator", "decode", wall_start, time.time(), merge=True)
     return True
 
   def _admit(self):
-    for slot in self._batch.free_slots():
-      with self._cv:
-        if not self._queue:
-          return
-        job, index = self._queue.popleft()
-      self._start(job, index, slot)
-
-  def _start(self, job: Job, index: int, slot: int):
-    sampling = SlotSampling.create(job.request.sampling, job.seed, index)
-    if job.prefix is None or job.prefix_version != self._version:
-      padded_P, length = self.engine.pad_tokens(job.prompt_P)
-      prefix, result = self.engine.prefill(params=self._params, padded_tokens=padded_P,
-                                           true_length=length, sampling=sampling)
-      job.prefix, job.prefix_version = prefix, self._version
-    else:
-      prefix, result = self.engine.resample(job.prefix, sampling)
-    job.unstarted -= 1
-    if not job.unstarted:
-      job.prefix = None
-    self._state = self.engine.insert(prefix, self._state, slot)
-    self._batch.occupy(slot, job, index, sampling, result, self._version)
+    free = self._batch.free_slots()
+    with self._cv:
+      taken = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+    jobs = list(dict.fromkeys(job for job, _ in taken))
+    stale = [job for job in jobs if job.prefix is None or job.prefix_version != self._version]
+    if stale:
+      # The prefill's own first-token draw goes unused: insert_samples draws each.
+      refs = self.engine.prefill_many(
+          params=self._params, prompts=[job.prompt_P for job in stale],
+          samplings=[SlotSampling.create(job.request.sampling, job.seed, 0) for job in stale])
+      for job, ref in zip(stale, refs):
+        job.prefix, job.prefix_version = ref, self._version
+    # One insert_samples call per Prefix: prompts prefilled together start together.
+    starts = {}
+    for slot, (job, index) in zip(free, taken):
+      prefix, row = job.prefix
+      sampling = SlotSampling.create(job.request.sampling, job.seed, index)
+      starts.setdefault(id(prefix), (prefix, []))[1].append((slot, job, index, sampling, row))
+      job.unstarted -= 1
+    for job in jobs:
+      if not job.unstarted:
+        job.prefix = None
+    for prefix, entries in starts.values():
+      self._state, first = self.engine.insert_samples(
+          prefix, self._state, [e[4] for e in entries], [e[0] for e in entries],
+          [e[3] for e in entries])
+      self._batch.occupy([e[:4] for e in entries], first, self._version)
 
   def _complete(self, job: Job):
     job.done, job.prefix = True, None
@@ -339,7 +364,8 @@ class GeneratorPool:
       for slot, s in self._batch.occupied():
         padded, length = self.engine.pad_tokens(np.concatenate([s.job.prompt_P, s.tokens]))
         prefix, result = self.engine.prefill(params=self._params, padded_tokens=padded,
-                                             true_length=length, sampling=s.sampling)
+                                             true_length=length, sampling=s.sampling,
+                                             generated=len(s.tokens))
         self._state = self.engine.insert(prefix, self._state, slot)
         self._batch.restart(slot, result, self._version)
       self._batch.flush()

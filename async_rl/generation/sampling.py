@@ -1,7 +1,8 @@
 """Token sampling with per-slot temperature, top-k, top-p and greedy decoding.
 
 Every slot of the decode batch carries its own sampling parameters as arrays, so one
-compiled decode step serves requests with different settings.
+compiled decode step serves requests with different settings; the stop ids and the
+token budget travel with them, so a decode loop can end a sample on the device.
 
 Randomness: the key for the token at sequence position p of sample i of a request
 with seed s is `fold_in(fold_in(key(s), i), p)`. It depends on nothing else (not the
@@ -27,6 +28,7 @@ from flax import struct
 from async_rl.policy import token_logp
 
 _SEED_LIMIT = 2 ** 32
+MAX_STOP_IDS = 32  # Stop ids live in a fixed-width per-slot array (padded with -1).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,7 @@ class SamplingParams:
       (applied after top-k); 1 disables.
     max_new_tokens: generation stops with reason "length" after this many tokens.
     stop_token_ids: generation stops with reason "stop" after emitting any of these
-      (the stop token is part of the completion).
+      (the stop token is part of the completion); at most `MAX_STOP_IDS`.
     seed: PRNG seed in [0, 2**32); None lets the pool draw one.
   """
   temperature: float = 1.0
@@ -58,6 +60,9 @@ class SamplingParams:
       raise ValueError(f"sampling.top_k must be >= 0 (0 disables), got {self.top_k}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+    if len(self.stop_token_ids) > MAX_STOP_IDS:
+      raise ValueError(f"sampling.stop_token_ids holds at most {MAX_STOP_IDS} ids, got "
+                       f"{len(self.stop_token_ids)}")
     if self.max_new_tokens < 1:
       raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
     if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
@@ -69,28 +74,37 @@ class SlotSampling:
   """Sampling parameters of one slot (scalars) or of all slots (leading S axis).
 
   `seed` and `index` (the sample's index within its request) define the sample's
-  random stream; see the module docstring.
+  random stream; see the module docstring. `stop_ids` ([MAX_STOP_IDS], then [S,
+  MAX_STOP_IDS]) are the stop token ids padded with -1, which no token matches.
   """
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
   seed: jax.Array
   index: jax.Array
+  max_new_tokens: jax.Array
+  stop_ids: jax.Array
 
   @classmethod
   def create(cls, params: SamplingParams, seed: int, index: int) -> "SlotSampling":
+    stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
+    stop_ids[:len(params.stop_token_ids)] = params.stop_token_ids
     return cls(temperature=np.float32(params.temperature), top_k=np.int32(params.top_k),
-               top_p=np.float32(params.top_p), seed=np.uint32(seed), index=np.uint32(index))
+               top_p=np.float32(params.top_p), seed=np.uint32(seed), index=np.uint32(index),
+               max_new_tokens=np.int32(params.max_new_tokens), stop_ids=stop_ids)
 
   @classmethod
   def zeros(cls, num_slots: int) -> "SlotSampling":
     return cls(temperature=np.zeros(num_slots, np.float32), top_k=np.zeros(num_slots, np.int32),
                top_p=np.ones(num_slots, np.float32), seed=np.zeros(num_slots, np.uint32),
-               index=np.zeros(num_slots, np.uint32))
+               index=np.zeros(num_slots, np.uint32),
+               max_new_tokens=np.zeros(num_slots, np.int32),
+               stop_ids=np.full((num_slots, MAX_STOP_IDS), -1, np.int32))
 
 
 def _truncate(scaled_V, top_k, top_p):
-  """Masks `scaled_V` to its top-k, then to the top-p nucleus of what remains."""
+  """Masks `scaled_V` to its top-k, then to the top-p nucleus of what remains; an
+  identity when top_k is 0 and top_p 1."""
   V = scaled_V.shape[-1]
   sorted_V = jnp.sort(scaled_V)[::-1]
   rank_V = jnp.arange(V)
@@ -99,20 +113,14 @@ def _truncate(scaled_V, top_k, top_p):
   probs_V = jax.nn.softmax(jnp.where(in_k_V, sorted_V, -jnp.inf))
   # A token is in the nucleus if the mass strictly before it is below top_p, so the
   # most likely token is always kept and the kept set is a prefix of the ranking.
-  keep_V = in_k_V & (jnp.cumsum(probs_V) - probs_V < top_p)
+  # top_p = 1 keeps everything outright: rounding in the cumsum could drop the tail.
+  keep_V = in_k_V & ((jnp.cumsum(probs_V) - probs_V < top_p) | (top_p >= 1))
   threshold = sorted_V[jnp.sum(keep_V) - 1]
   return jnp.where(scaled_V >= threshold, scaled_V, -jnp.inf)
 
 
-def _sample_row(logits_V, sampling, position):
-  greedy = sampling.temperature == 0
-  temperature = jnp.where(greedy, 1.0, sampling.temperature)
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(sampling.seed), sampling.index),
-                           position)
-  masked_V = _truncate(logits_V.astype(jnp.float32) / temperature, sampling.top_k,
-                       sampling.top_p)
-  token = jnp.where(greedy, jnp.argmax(logits_V), jax.random.categorical(key, masked_V))
-  return token.astype(jnp.int32), temperature
+def _key(seed, index, position):
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), position)
 
 
 def sample(logits_SV, sampling_S: SlotSampling, positions_S):
@@ -121,5 +129,16 @@ def sample(logits_SV, sampling_S: SlotSampling, positions_S):
   `positions_S` are the sequence positions the drawn tokens will occupy (they key
   the random stream). The log-prob follows the module docstring's convention.
   """
-  tokens_S, temperature_S = jax.vmap(_sample_row)(logits_SV, sampling_S, positions_S)
+  greedy_S = sampling_S.temperature == 0
+  temperature_S = jnp.where(greedy_S, 1.0, sampling_S.temperature)
+  scaled_SV = logits_SV.astype(jnp.float32) / temperature_S[:, None]
+  # Sorting the vocabulary costs more than the rest of sampling (and on a CPU more
+  # than a small model's decode step), so it is skipped when no slot truncates; a
+  # slot's draw is the same either way, since `_truncate` is then an identity.
+  masked_SV = jax.lax.cond(jnp.any((sampling_S.top_k > 0) | (sampling_S.top_p < 1)),
+                           jax.vmap(_truncate), lambda x, *_: x,
+                           scaled_SV, sampling_S.top_k, sampling_S.top_p)
+  keys_S = jax.vmap(_key)(sampling_S.seed, sampling_S.index, positions_S)
+  drawn_S = jax.vmap(jax.random.categorical)(keys_S, masked_SV)
+  tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SV, axis=-1), drawn_S).astype(jnp.int32)
   return tokens_S, token_logp(logits_SV, tokens_S, temperature_S[:, None])

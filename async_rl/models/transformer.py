@@ -238,21 +238,29 @@ def decode(params: Params, cfg: ModelConfig, cache, tokens_S, positions_S):
   Returns (logits [S, V] float32, updated cache). Slots whose position is past the
   cache end write nowhere (the update is dropped), so idle slots are harmless.
   """
-  Tmax = cache["k"].shape[2]
+  S, Tmax = tokens_S.shape[0], cache["k"].shape[2]
+  slots_S = jnp.arange(S)
   positions_S1 = positions_S[:, None]
   mask_S1T = (jnp.arange(Tmax)[None, None, :] <= positions_S1[:, :, None])
-  write_ST = (jnp.arange(Tmax)[None, :] == positions_S1)
 
-  def layer(x, inputs):
-    lp, k_STKE, v_STKE = inputs
+  # The whole cache rides in the scan's carry and each layer scatters only its new
+  # row into it, so with a donated cache XLA updates it in place: no pass over the
+  # cache per step beyond what attention reads.
+  def layer(carry, inputs):
+    x, k_LSTKE, v_LSTKE = carry
+    lp, l = inputs
 
     def attend(q, k, v):
-      k_all = jnp.where(write_ST[:, :, None, None], k.astype(k_STKE.dtype), k_STKE)
-      v_all = jnp.where(write_ST[:, :, None, None], v.astype(v_STKE.dtype), v_STKE)
-      return _attention(q, k_all, v_all, mask_S1T), (k_all, v_all)
+      k_all = k_LSTKE.at[l, slots_S, positions_S].set(k[:, 0].astype(k_LSTKE.dtype),
+                                                      mode="drop")
+      v_all = v_LSTKE.at[l, slots_S, positions_S].set(v[:, 0].astype(v_LSTKE.dtype),
+                                                      mode="drop")
+      return _attention(q, k_all[l], v_all[l], mask_S1T), (k_all, v_all)
 
-    return _block(lp, cfg, x, positions_S1, attend)
+    x, (k_LSTKE, v_LSTKE) = _block(lp, cfg, x, positions_S1, attend)
+    return (x, k_LSTKE, v_LSTKE), None
 
-  x, (k, v) = jax.lax.scan(layer, _embed(params, cfg, tokens_S[:, None]),
-                           (params["layers"], cache["k"], cache["v"]))
+  x = _embed(params, cfg, tokens_S[:, None])
+  (x, k, v), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
+                              (params["layers"], jnp.arange(cfg.n_layers)))
   return _logits(params, cfg, x)[:, 0], {"k": k, "v": v}

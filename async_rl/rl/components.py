@@ -11,7 +11,8 @@ def make_engine(cfg: ExperimentConfig) -> Engine:
   g = cfg.generation
   longest = g.max_prompt_len + g.max_new_tokens
   return Engine(cfg.model, max_concurrent_decodes=g.num_slots,
-                max_prefill_length=longest - 1, max_target_length=longest)
+                max_prefill_length=longest - 1, max_target_length=longest,
+                steps_per_call=g.steps_per_call)
 
 
 def sampling_params(cfg: ExperimentConfig, task: Task) -> SamplingParams:

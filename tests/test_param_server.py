@@ -102,6 +102,26 @@ def test_sync_eta0_admits_exactly_one_batch_per_version():
   assert server.acquire() and server.acquire() and not server.acquire()
 
 
+def test_acquire_returns_when_a_newer_version_is_published():
+  # η = 0 and a generator still on v0: its gate stays shut after publish(1) until it
+  # applies v1, so acquire must hand control back at once rather than at its timeout.
+  server = _server(eta=0, b=1)
+  server.publish(0, _params())
+  server.offer(server.acquire(generator_version=0), _group([[0]]))
+  server.get_batch(timeout=1)
+  result = []
+  waiter = threading.Thread(
+      target=lambda: result.append(server.acquire(timeout=60, generator_version=0)))
+  waiter.start()
+  while not server._capacity_freed._waiters:  # noqa: SLF001 - publish once it waits
+    waiter.join(timeout=0.01)
+  server.publish(1, _params(1.0))
+  waiter.join(timeout=10)
+  assert not waiter.is_alive() and result == [None]
+  assert server.acquire(generator_version=0) is None  # still shut for the old weights
+  assert server.acquire(generator_version=1) is not None
+
+
 def test_gate_state_dict_and_rebase():
   gate = StalenessGate(max_staleness=1, batch_groups=2, max_concurrent=8, version=3,
                        running=2, accepted=7, rejected=1)

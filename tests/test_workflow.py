@@ -208,6 +208,25 @@ def test_the_runner_validates_what_a_workflow_returns():
     runner.close()
 
 
+def test_closing_the_runner_frees_workflows_waiting_on_a_pool_that_never_answers():
+  # A stalled generator: its futures never complete. A workflow thread waiting on one
+  # would otherwise outlive the run and keep the process from exiting.
+  pool = types.SimpleNamespace(submit=lambda request: Future())
+  runner = EpisodeRunner(pool)
+  episode = runner.submit(PROMPT, Request("r", [1, 5], n=2))
+  runner.close()
+  with pytest.raises(RuntimeError, match="episode runner was closed"):
+    episode.result(timeout=10)
+  answered = Future()
+  runner = EpisodeRunner(types.SimpleNamespace(submit=lambda request: answered))
+  episode = runner.submit(PROMPT, Request("r", [1, 5], n=1))
+  sample = Trajectory.from_completion(np.array([1, 5]), np.array([3]), np.zeros(1),
+                                      np.zeros(1, np.int32), "stop")
+  answered.set_result([sample])
+  assert episode.result(timeout=10)[0].completion_C.tolist() == [3]
+  runner.close()
+
+
 def test_single_turn_is_one_request_of_the_group():
   gen = Scripted({((1, 5), 0): ([3, EOS], "stop"), ((1, 5), 1): ([4, EOS], "stop")})
   out = SingleTurn().run(PROMPT, 2, gen)

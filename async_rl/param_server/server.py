@@ -155,12 +155,16 @@ class ParameterServer:
     (see `StalenessGate.capacity`). `position` is the group's prompt's place in
     `worker`'s stream and `next_position` the stream's state after it (see
     `PromptLedger.start`). Returns the group's ticket (an int >= 1), or None if no
-    group was started (never after `close`). Every ticket must end in exactly one
-    `offer` or `reject`.
+    group was started (never after `close`). It also returns None as soon as a version
+    newer than the one published at the call is published, so that a generator whose
+    own version holds the gate shut applies the new weights now, not at `timeout`.
+    Every ticket must end in exactly one `offer` or `reject`.
     """
     with self._lock:
+      published = self._gate.version
       self._capacity_freed.wait_for(
-          lambda: self._closed or self._gate.capacity(generator_version) > 0, timeout)
+          lambda: (self._closed or self._gate.capacity(generator_version) > 0
+                   or self._gate.version > published), timeout)
       if self._closed or not self._gate.acquire(generator_version):
         return None
       return self._ledger.start(worker, position, next_position)

@@ -3,13 +3,16 @@
 Each group's workflow runs on a thread of its own, so a multi-turn workflow may wait on
 the pool and call its environment without holding up the rollout controller or the
 pool's decode thread. What it returns enters the run here and is validated once
-(`trajectory.validate`).
+(`trajectory.validate`). A workflow waits on futures of the runner's own, which follow
+the pool's; `close` fails those still waiting, so a pool that never answers (a stalled
+generator) cannot keep a workflow thread, and with it the process, alive.
 """
 
 import dataclasses
 import itertools
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -38,6 +41,9 @@ class EpisodeRunner:
     self._workflow = SingleTurn() if workflow is None else workflow
     self._vocab_size = vocab_size
     self._executor = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="workflow")
+    self._lock = threading.Lock()
+    self._waiting: set[Future] = set()
+    self._closed = False
 
   def submit(self, prompt, request: Request) -> Future:
     """The future of the group's trajectories. `request` is the group's first request:
@@ -47,8 +53,33 @@ class EpisodeRunner:
     return self._executor.submit(self._run, prompt, request)
 
   def close(self) -> None:
-    """Cancels groups not yet started; running ones end with the pool's requests."""
+    """Cancels groups not yet started and fails the pool requests running ones wait on."""
     self._executor.shutdown(wait=False, cancel_futures=True)
+    with self._lock:
+      self._closed = True
+      waiting, self._waiting = self._waiting, set()
+    for future in waiting:
+      _settle(future, exception=RuntimeError("the episode runner was closed"))
+
+  def _follow(self, pool_future: Future) -> Future:
+    """A future that takes `pool_future`'s outcome, unless `close` fails it first."""
+    future = Future()
+    with self._lock:
+      if self._closed:
+        future.set_exception(RuntimeError("the episode runner was closed"))
+        return future
+      self._waiting.add(future)
+
+    def copy(done: Future):
+      with self._lock:
+        self._waiting.discard(future)
+      if done.exception() is not None:
+        _settle(future, exception=done.exception())
+      else:
+        _settle(future, result=done.result())
+
+    pool_future.add_done_callback(copy)
+    return future
 
   def _run(self, prompt, request: Request) -> list[Trajectory]:
     calls = itertools.count()
@@ -63,9 +94,9 @@ class EpisodeRunner:
       if k and request.sampling.seed is not None:
         changes["seed"] = int(np.random.SeedSequence([request.sampling.seed, k])
                               .generate_state(1)[0])
-      return self._pool.submit(Request(
+      return self._follow(self._pool.submit(Request(
           (request.request_id, k) if k else request.request_id, list(tokens), n,
-          dataclasses.replace(request.sampling, **changes)))
+          dataclasses.replace(request.sampling, **changes))))
 
     try:
       trajectories = list(self._workflow.run(prompt, request.n, generate))
@@ -73,6 +104,19 @@ class EpisodeRunner:
         raise ValueError(f"{type(self._workflow).__name__}.run returned no trajectories")
       return [validate(t, vocab_size=self._vocab_size) for t in trajectories]
     except Exception:
+      if self._closed:  # the run is ending; the waits were failed on purpose
+        raise
       logging.exception("workflow %s failed on request %r", type(self._workflow).__name__,
                         request.request_id)
       raise
+
+
+def _settle(future: Future, *, result=None, exception=None) -> None:
+  """Sets `future`'s outcome unless the other side (pool or `close`) already did."""
+  try:
+    if exception is not None:
+      future.set_exception(exception)
+    else:
+      future.set_result(result)
+  except InvalidStateError:
+    pass

@@ -3,8 +3,9 @@ r"""Fault injection: the micro config through a schedule of faults, and what sur
   python -m benchmarks.faults            # the seven faults below
   python -m benchmarks.faults --quick    # the five that run in this process (1-5)
 
-Deadlines are seconds here (`run.warn_after_s=2`, `run.stall_timeout_s=15`,
-`rollout.reward_timeout_s=1`), not the minutes of a real run. The faults:
+Deadlines are seconds here (`run.warn_after_s=2`, `run.stall_timeout_s=45`,
+`rollout.reward_timeout_s=1`), not the minutes of a real run; the stall timeout leaves
+room for the first compilations on a loaded CPU, which the deadlines count. The faults:
 
   in this process, one run of --steps steps, then its resume:
   1. non_finite_step       the batch of step 2 carries NaN behaviour log-probs;
@@ -75,7 +76,7 @@ def fault_config(cfg: ExperimentConfig, steps: int, reward_fn: str) -> Experimen
   return dataclasses.replace(
       cfg, num_steps=steps, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=1,
                                                            keep=steps + 1),
-      run=dataclasses.replace(cfg.run, warn_after_s=2.0, stall_timeout_s=15.0),
+      run=dataclasses.replace(cfg.run, warn_after_s=2.0, stall_timeout_s=45.0),
       rollout=dataclasses.replace(cfg.rollout, reward_fn=reward_fn, reward_timeout_s=1.0))
 
 
@@ -109,7 +110,7 @@ def _run_here(cfg, workdir, *, poison=None, stall_at=None):
   def stall():
     while server.version() < stall_at and not release.is_set():
       time.sleep(0.05)
-    worker.pool.engine.generate = lambda *args, **kwargs: release.wait()
+    worker.pool.engine.generate_chunk = lambda *args, **kwargs: release.wait()
 
   if stall_at is not None:
     threading.Thread(target=stall, daemon=True).start()
@@ -171,7 +172,7 @@ def _train(workdir, steps):
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/micro.py",
          f"--workdir={workdir}", f"--config.num_steps={steps}",
          f"--config.rollout.reward_fn={FLAKY}", "--config.rollout.reward_timeout_s=1",
-         "--config.run.warn_after_s=2", "--config.run.stall_timeout_s=15"]
+         "--config.run.warn_after_s=2", "--config.run.stall_timeout_s=45"]
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 

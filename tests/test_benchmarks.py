@@ -80,11 +80,21 @@ def test_tool_use_scores_each_chain_length_through_the_workflow():
 
 
 def test_multi_turn_times_prefills_and_both_workflows():
-  stdout, summary = _run("benchmarks.multi_turn", "--groups=2", "--reps=2", config=())
+  stdout, summary = _run("benchmarks.multi_turn", "--groups=2", "--reps=2", "--in_flight=1",
+                         config=())
   assert summary["matmul_gflops"] > 0 and set(summary["prefill_ms"]) == {"16", "32", "64", "80"}
-  single, multi = summary["runs"]["single_turn"], summary["runs"]["multi_turn"]
+  assert summary["extend_ms"] > 0
+  runs = summary["runs"]
+  single, multi, in_slot = (runs[f"{name}/1"] for name in (
+      "single_turn", "multi_turn", "multi_turn_in_slot"))
   assert single["turns"] == 1.0 and single["env_tokens"] == 0 and multi["turns"] > 1
   assert single["reprefill_share"] == 0 < multi["reprefill_share"]
+  # The same seeded episodes either way; one group of 8 fits the 16 slots.
+  assert in_slot["policy_tokens"] == multi["policy_tokens"] and in_slot["turns"] == multi["turns"]
+  assert in_slot["in_slot_share"] == 1.0 and in_slot["evictions"] == 0
+  assert multi["in_slot_share"] == 0.0 and set(runs) == {
+      f"{name}/{k}" for name in ("single_turn", "multi_turn", "multi_turn_in_slot")
+      for k in (1, 2)}
 
 
 def test_faults_survives_every_in_process_fault(tmp_path):

@@ -119,6 +119,29 @@ def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params)
   assert not np.any(np.asarray(state.cache["k"])[:, others])
 
 
+def test_extend_continues_a_slot_as_a_prefill_of_the_whole_sequence(engine, params):
+  seq = [3, 1, 4, 1, 5, *range(20, 28)]  # 13 tokens; the slot holds the first 6
+  sampling = SlotSampling.create(SamplingParams(temperature=1.0, max_new_tokens=6, seed=2), 2, 0)
+  head, _ = _prefill_one(engine, params, seq[:6], sampling)
+  state = engine.insert(head, engine.init_decode_state(), 1)
+  before = jax.tree.map(np.asarray, state.cache)
+  # The cache holds positions 0..5; the slot's last token (seq[6]) and the rest are fed.
+  state, first = engine.extend(params, state, 1, seq[6:], 6, sampling)
+  alone, draw = _prefill_one(engine, params, seq, sampling)
+  assert first.tokens_S[0] == draw.tokens_S[0] == state.tokens_S[1]
+  np.testing.assert_allclose(first.logp_S[0], draw.logp_S[0], atol=1e-5)
+  for name in ("k", "v"):
+    np.testing.assert_allclose(state.cache[name][:, 1, :len(seq)],
+                               alone.cache[name][:, 0, :len(seq)], atol=1e-5)
+    np.testing.assert_array_equal(state.cache[name][:, 1, len(seq):],
+                                  before[name][:, 1, len(seq):])
+    assert not np.any(np.asarray(state.cache[name])[:, [0, 2]])
+  assert state.positions_S[1] == first.positions_S[0] == len(seq)
+  assert state.end_S[1] == len(seq) + 6
+  with pytest.raises(ValueError, match="no room"):
+    engine.extend(params, state, 1, list(range(16)), T - 16, sampling)
+
+
 def test_greedy_pool_equals_argmax_of_full_reforward(engine, params):
   prompts = _prompts(1, 5)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -236,10 +259,10 @@ def test_no_recompilation_after_warmup(params):
   engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
-  # prefill and insert per bucket; prefill_many's batch and insert_samples (for one
-  # and for a batch of prompts) per prompt bucket; the draws of insert_samples (one,
+  # prefill and insert per bucket; prefill_many's batch, insert_samples (for one and
+  # for a batch of prompts) and extend per prompt bucket; the draws of insert_samples (one,
   # a batch), generate, generate_chunk and init_decode_state once.
-  buckets = 2 * len(engine.prefill_buckets) + 3 * len(engine.prompt_buckets)
+  buckets = 2 * len(engine.prefill_buckets) + 4 * len(engine.prompt_buckets)
   assert len(warmup_compiles) <= buckets + 5
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)

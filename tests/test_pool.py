@@ -294,3 +294,80 @@ def test_submit_after_shutdown_raises(engine, params):
   with pytest.raises(RuntimeError, match="shut down"):
     pool.update_weights(params, 1)
   pool.shutdown()
+
+
+# Held slots: a sample of a hold_slot request that ends on a stop id keeps its slot.
+_TURN = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3,
+                       stop_token_ids=tuple(range(5, 15)))
+
+
+def _hold(pool, request_id, prompt=(1, 2, 3)):
+  (s,) = pool.submit(Request(request_id, list(prompt), sampling=_TURN,
+                             hold_slot=True)).result(timeout=60)
+  assert s.finish_reason == "stop", "the test needs a sample that stops on a stop id"
+  return s, [*s.tokens_T.tolist(), 40, 41]
+
+
+def _wait_for(predicate):
+  deadline = time.monotonic() + 30
+  while not predicate():
+    assert time.monotonic() < deadline
+    time.sleep(0.001)
+
+
+def test_extend_continues_a_held_sample_as_a_new_request_would(engine, params):
+  with GeneratorPool(engine, params) as pool:
+    held, context = _hold(pool, "turn1")
+    handle = held.metadata["slot"]
+    assert handle.length == len(held) and pool.metrics()["held_slots"] == 1
+    (extended,) = pool.extend(handle, Request("turn2", context, sampling=_TURN)).result(timeout=60)
+    (fresh,) = pool.submit(Request("again", context, sampling=_TURN)).result(timeout=60)
+    assert extended.tokens_T.tolist() == fresh.tokens_T.tolist()
+    assert extended.prompt_len == len(context) and len(extended.completion_C) > 0
+    np.testing.assert_array_equal(_versions(extended), _versions(fresh))
+    np.testing.assert_allclose(_logp(extended), _logp(fresh), atol=1e-5)
+    np.testing.assert_allclose(_logp(extended), _recompute_logp(params, extended, 1.0),
+                               atol=1e-5)
+    metrics = pool.metrics()
+    assert metrics["extended_in_slot"] == 1 and metrics["held_slots"] == 0
+    # The handle was used up; a prompt that does not continue the held sample fails.
+    assert pool.extend(handle, Request("stale", context, sampling=_TURN)).result(timeout=60) is None
+    other, _ = _hold(pool, "turn1b")
+    wrong = pool.extend(other.metadata["slot"], Request("wrong", [1, 2, 4, 5], sampling=_TURN))
+    with pytest.raises(ValueError, match="does not continue"):
+      wrong.result(timeout=60)
+    with pytest.raises(ValueError, match="n=1"):
+      pool.extend(handle, Request("two", context, n=2, sampling=_TURN))
+
+
+def test_release_frees_a_held_slot_and_queued_samples_evict_the_oldest(engine, params):
+  with GeneratorPool(engine, params) as pool:
+    (first, context), (second, _) = _hold(pool, "a"), _hold(pool, "b")
+    assert pool.metrics()["held_slots"] == 2 == pool.engine.max_concurrent_decodes
+    pool.release(first.metadata["slot"])
+    _wait_for(lambda: pool.metrics()["held_slots"] == 1)
+    assert pool.extend(first.metadata["slot"], Request("a2", context)).result(timeout=60) is None
+    # Two queued samples, one free slot: the held one is evicted for the other.
+    (x,), (y,) = [f.result(timeout=60) for f in (pool.submit(_long("x")), pool.submit(_long("y")))]
+    metrics = pool.metrics()
+    assert metrics["evictions"] == 1 and metrics["held_slots"] == 0
+    assert x.finish_reason == y.finish_reason == "length"
+    evicted = pool.extend(second.metadata["slot"], Request("b2", [*second.tokens_T, 40]))
+    assert evicted.result(timeout=60) is None
+
+
+def test_abort_and_shutdown_resolve_extensions_and_free_held_slots(engine, params):
+  pool = GeneratorPool(engine, params)
+  (a, context_a), (b, context_b) = _hold(pool, "a"), _hold(pool, "b")
+  pool.pause()
+  pending_a = pool.extend(a.metadata["slot"], Request("a2", context_a, sampling=_TURN))
+  pending_b = pool.extend(b.metadata["slot"], Request("b2", context_b, sampling=_TURN))
+  assert pool.abort("a2")
+  (aborted,) = pending_a.result(timeout=60)
+  assert aborted.finish_reason == "aborted" and len(aborted.completion_C) == 0
+  _wait_for(lambda: pool.metrics()["held_slots"] == 1)
+  pool.shutdown()  # Still paused, with b's extension waiting.
+  (closed,) = pending_b.result(timeout=1)
+  assert closed.finish_reason == "aborted" and pool.metrics()["held_slots"] == 0
+  with pytest.raises(RuntimeError, match="shut down"):
+    pool.extend(b.metadata["slot"], Request("b3", context_b))

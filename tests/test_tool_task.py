@@ -61,7 +61,8 @@ def test_warm_start_targets_mask_the_tools_output():
 def _perfect_policy(solution):
   """A generator that writes the policy's next part of `solution`: a call or the answer."""
 
-  def generate(tokens, n=1, *, max_new_tokens=None, stop_ids=None):
+  def generate(tokens, n=1, *, max_new_tokens=None, stop_ids=None, hold_slot=False, slot=None):
+    assert slot is None, "these turns hold no slot"
     done = TOK.decode(tokens[len(PROMPT.tokens):])
     assert solution.startswith(done)
     rest = solution[len(done):]

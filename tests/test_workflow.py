@@ -1,7 +1,9 @@
 """Workflows: multi-turn episodes (hand-scripted and on a real pool), per-turn samples,
 and the runner that validates what a workflow returns."""
 
+import functools
 import threading
+import time
 import types
 from concurrent.futures import Future
 
@@ -25,7 +27,9 @@ class Scripted:
   def __init__(self, script):
     self.script, self.calls = script, []
 
-  def __call__(self, tokens, n=1, *, max_new_tokens=None, stop_ids=None):
+  def __call__(self, tokens, n=1, *, max_new_tokens=None, stop_ids=None, hold_slot=False,
+               slot=None):
+    assert slot is None, "a script's turns hold no slot"
     self.calls.append((tuple(tokens), n, max_new_tokens,
                        None if stop_ids is None else tuple(stop_ids)))
     version = len(self.calls) - 1
@@ -126,6 +130,12 @@ def params():
   return init(CFG, jax.random.key(0)), init(CFG, jax.random.key(1))
 
 
+@functools.cache
+def _engine(slots):
+  """Shared by the tests below, so that each compiles once."""
+  return Engine(CFG, max_concurrent_decodes=slots, max_prefill_length=T - 1, max_target_length=T)
+
+
 def _recompute_logp(p, traj):
   tokens_T = np.zeros(T, np.int32)
   tokens_T[:len(traj)] = traj.tokens_T
@@ -138,7 +148,7 @@ def _recompute_logp(p, traj):
 @pytest.mark.parametrize("mode", ["retract", "keep", "drain"])
 def test_episodes_on_a_pool_keep_exact_versions_across_a_weight_update(params, mode):
   old, new = params
-  engine = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=T - 1, max_target_length=T)
+  engine = _engine(4)
   updated = threading.Event()
   with GeneratorPool(engine, old) as pool:
 
@@ -154,7 +164,13 @@ def test_episodes_on_a_pool_keep_exact_versions_across_a_weight_update(params, m
     request = Request("g", [1, 9, 10], n=3, sampling=SamplingParams(temperature=1.0, seed=7))
     episodes = runner.submit(types.SimpleNamespace(tokens=(1, 9, 10)), request).result()
     runner.close()
+    metrics = pool.metrics()
   assert any(e.metadata["turns"] > 1 for e in episodes), "the test needs a second turn"
+  # Each episode held its slot; its turn 2 was re-prefilled there under the new params
+  # (its cache was computed by the old ones), later turns continued on the cache.
+  assert metrics["evictions"] == 0
+  assert metrics["extended_reprefilled"] == sum(e.metadata["turns"] > 1 for e in episodes)
+  assert metrics["extended_in_slot"] == sum(max(e.metadata["turns"] - 2, 0) for e in episodes)
   for e in episodes:
     policy_T = e.versions_T >= 0
     np.testing.assert_array_equal(e.loss_mask_T, policy_T)
@@ -172,8 +188,50 @@ def test_episodes_on_a_pool_keep_exact_versions_across_a_weight_update(params, m
       np.testing.assert_allclose(e.logp_T[at], _recompute_logp(p, e)[at], atol=1e-4)
 
 
+def _run_groups(params, *, hold_slots, slots, groups=2, n=2):
+  workflow = MultiTurn(lambda prompt, tokens_T: [12, 13], max_turns=4, max_tokens=24,
+                       turn_stop_ids=tuple(range(3, 9)), stop_ids=(EOS,), hold_slots=hold_slots)
+  with GeneratorPool(_engine(slots), params) as pool:
+    runner = EpisodeRunner(pool, workflow)
+    futures = [runner.submit(types.SimpleNamespace(tokens=(1, 9, 10)), Request(
+        g, [1, 9, 10], n=n, sampling=SamplingParams(temperature=1.0, seed=g)))
+        for g in range(groups)]
+    episodes = [e for f in futures for e in f.result(timeout=120)]
+    runner.close()
+    # Episodes release their slots as they end.
+    deadline = time.monotonic() + 30
+    while pool.metrics()["held_slots"] and time.monotonic() < deadline:
+      time.sleep(0.001)
+    return episodes, pool.metrics()
+
+
+@pytest.mark.parametrize("slots", [4, 2])  # Room for all 4 episodes; fewer slots than held.
+def test_an_episode_continued_in_its_slot_is_the_re_prefilled_episode(params, slots):
+  held, held_metrics = _run_groups(params[0], hold_slots=True, slots=slots)
+  again, again_metrics = _run_groups(params[0], hold_slots=False, slots=slots)
+  later_turns = sum(e.metadata["turns"] - 1 for e in held)
+  assert later_turns >= 4, "the test needs later turns"
+  for a, b in zip(held, again):
+    assert a.tokens_T.tolist() == b.tokens_T.tolist()
+    np.testing.assert_array_equal(a.versions_T, b.versions_T)
+    np.testing.assert_array_equal(a.loss_mask_T, b.loss_mask_T)
+    assert (a.finish_reason, a.metadata) == (b.finish_reason, b.metadata)
+    np.testing.assert_allclose(a.logp_T, b.logp_T, atol=1e-5)
+    policy_T = a.versions_T >= 0
+    np.testing.assert_allclose(a.logp_T[policy_T], _recompute_logp(params[0], a)[policy_T],
+                               atol=1e-4)
+  assert held_metrics["held_slots"] == 0 and held_metrics["extended_reprefilled"] == 0
+  assert again_metrics["extended_in_slot"] == again_metrics["evictions"] == 0
+  if slots == 4:
+    assert held_metrics["extended_in_slot"] == later_turns and held_metrics["evictions"] == 0
+  else:
+    # Evicted episodes were re-submitted whole (by the runner) and drew the same tokens.
+    assert held_metrics["evictions"] > 0
+    assert held_metrics["extended_in_slot"] < later_turns
+
+
 def test_a_seeded_group_repeats_exactly(params):
-  engine = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=T - 1, max_target_length=T)
+  engine = _engine(4)
   workflow = MultiTurn(lambda prompt, tokens_T: [12, 13], max_turns=4, max_tokens=24,
                        turn_stop_ids=tuple(range(3, 9)), stop_ids=(EOS,))
   prompt = types.SimpleNamespace(tokens=(1, 9, 10))

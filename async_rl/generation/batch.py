@@ -8,9 +8,15 @@ queued, and after it otherwise. A slot whose sample finished mid-chunk idles for
 rest of that chunk (at most k - 1 steps); `wasted_slot_steps` counts those steps. A
 result is credited to a slot only if the slot still holds the sample it held at
 dispatch.
+
+A sample of a `hold_slot` request that ends on a stop id leaves its slot held: its
+cache stays, nothing decodes there and no new sample takes it, until the pool
+continues it (`take_held`), frees it (`drop_held`) or evicts it (`evict`, oldest
+first). The slot's device state needs no change for that: a stopped slot is not live.
 """
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -18,7 +24,7 @@ import jax
 import numpy as np
 
 from async_rl.generation.decode_state import ChunkTokens, Prefix, ResultTokens
-from async_rl.generation.request import Request
+from async_rl.generation.request import Request, SlotHandle
 from async_rl.generation.sampling import SlotSampling
 from async_rl.trajectory import Trajectory
 
@@ -36,6 +42,7 @@ class Job:
   prefix_version: int = -1
   aborted: bool = False
   done: bool = False
+  handle: SlotHandle | None = None  # The held slot this job continues (`extend`).
 
 
 @dataclasses.dataclass(eq=False)
@@ -43,9 +50,18 @@ class _Occupant:
   job: Job
   index: int
   sampling: SlotSampling
+  cache_version: int  # The params that computed the slot's whole cache.
   tokens: list = dataclasses.field(default_factory=list)
   logp: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """A held slot: its handle, the sample's whole sequence and its cache's version."""
+  handle: SlotHandle
+  tokens_T: np.ndarray
+  cache_version: int
 
 
 class HostBatch:
@@ -60,6 +76,8 @@ class HostBatch:
 
   def __init__(self, num_slots: int, max_target_length: int, on_done: Callable[[Job], None]):
     self.slots: list[_Occupant | None] = [None] * num_slots
+    self.held: dict[int, Held] = {}  # By slot, oldest first.
+    self._keys = itertools.count()
     self._max_len = max_target_length
     self._on_done = on_done
     # (first tokens, the (slot, occupant) of each row, version), per device result.
@@ -72,7 +90,7 @@ class HostBatch:
     return sum(s is not None for s in self.slots)
 
   def free_slots(self) -> list[int]:
-    return [i for i, s in enumerate(self.slots) if s is None]
+    return [i for i, s in enumerate(self.slots) if s is None and i not in self.held]
 
   def occupied(self) -> list[tuple[int, _Occupant]]:
     return [(i, s) for i, s in enumerate(self.slots) if s is not None]
@@ -84,12 +102,13 @@ class HostBatch:
     (produced by params `version`)."""
     owners = []
     for slot, job, index, sampling in entries:
-      self.slots[slot] = _Occupant(job, index, sampling)
+      self.slots[slot] = _Occupant(job, index, sampling, version)
       owners.append((slot, self.slots[slot]))
     self._first.append((first, owners, version))
 
   def restart(self, slot: int, first: ResultTokens, version: int) -> None:
     """Records the next token of a re-prefilled slot (retract)."""
+    self.slots[slot].cache_version = version
     self._first.append((first, [(slot, self.slots[slot])], version))
 
   def add_chunk(self, result: ChunkTokens, version: int) -> None:
@@ -136,6 +155,25 @@ class HostBatch:
       if s.job is job:
         self._finish(slot, "aborted")
 
+  def take_held(self, handle: SlotHandle) -> Held | None:
+    """Stops holding `handle`'s slot and returns what it held; None if the slot is
+    no longer held for it (evicted, released)."""
+    held = self.held.get(handle.slot)
+    if held is None or held.handle != handle:
+      return None
+    return self.held.pop(handle.slot)
+
+  def drop_held(self, handle: SlotHandle) -> None:
+    """Frees `handle`'s slot if it is still held for it."""
+    self.take_held(handle)
+
+  def evict(self, count: int) -> int:
+    """Frees up to `count` held slots, oldest first; returns how many."""
+    evicted = list(self.held)[:count]
+    for slot in evicted:
+      del self.held[slot]
+    return len(evicted)
+
   def _emit(self, slot: int, tokens: list, logp: list, version: int) -> None:
     # The device stops a sample at its first stop id or at its length limit, so only
     # the last of `tokens` can end it.
@@ -153,8 +191,13 @@ class HostBatch:
 
   def _finish(self, slot: int, reason: str) -> None:
     s, self.slots[slot] = self.slots[slot], None
+    metadata = {"request_id": s.job.request.request_id, "index": s.index}
+    if reason == "stop" and s.job.request.hold_slot:
+      tokens_T = np.concatenate([s.job.prompt_P, np.asarray(s.tokens, np.int32)])
+      handle = SlotHandle(slot, next(self._keys), len(tokens_T))
+      self.held[slot] = Held(handle, tokens_T, s.cache_version)
+      metadata["slot"] = handle
     s.job.samples[s.index] = Trajectory.from_completion(
-        s.job.prompt_P, s.tokens, s.logp, s.versions, reason,
-        metadata={"request_id": s.job.request.request_id, "index": s.index})
+        s.job.prompt_P, s.tokens, s.logp, s.versions, reason, metadata=metadata)
     if all(x is not None for x in s.job.samples):
       self._on_done(s.job)

@@ -129,6 +129,40 @@ def insert_samples(prefix, state, rows_S, slots_S, tokens_S, sampling_S, count):
   return jax.lax.fori_loop(0, count, insert_one, state)
 
 
+def extend(params, state, tokens_P, count, slot, start, sampling, *, cfg):
+  """Continues a held sample in `slot`: feeds the first `count` tokens of `tokens_P`
+  through the decode step at positions `start ..` (attending to the slot's cached
+  keys and values, writing their own), then draws the slot's next token with
+  `sampling` at position `start + count`, as `prefill` would for the whole sequence.
+
+  Only the slot's rows of the cache are computed on; the tokens are fed one by one
+  because the decode step is the path that wrote the rest of the cache.
+  """
+  T = state.cache["k"].shape[2]
+  cache_1 = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1), state.cache)
+
+  def feed(i, carry):
+    cache_1, _ = carry
+    logits_1V, cache_1 = models.decode(params, cfg, cache_1, tokens_P[i][None],
+                                       (start + i)[None])
+    return cache_1, logits_1V
+
+  cache_1, logits_1V = jax.lax.fori_loop(
+      0, count, feed, (cache_1, jnp.zeros((1, cfg.vocab_size), jnp.float32)))
+  position = start + count
+  tokens_1, logp_1 = sampling_lib.sample(logits_1V, jax.tree.map(lambda x: x[None], sampling),
+                                         position[None])
+  sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, sampling)
+  cache = jax.tree.map(
+      lambda c, c1: jax.lax.dynamic_update_slice(c, c1.astype(c.dtype), (0, slot, 0, 0, 0)),
+      state.cache, cache_1)
+  new_state = DecodeState(
+      cache=cache, tokens_S=state.tokens_S.at[slot].set(tokens_1[0]),
+      positions_S=state.positions_S.at[slot].set(position), sampling_S=sampling_S,
+      end_S=state.end_S.at[slot].set(jnp.minimum(position + sampling.max_new_tokens, T)))
+  return new_state, ResultTokens(tokens_1, logp_1, position[None])
+
+
 def live(state: DecodeState) -> jax.Array:
   """Bool [S]: the slots whose sample goes on, i.e. whose last token is not a stop id
   and is not at the last allowed position. Idle slots (position T) are not live."""

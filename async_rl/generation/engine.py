@@ -23,8 +23,9 @@ tokens that as many single steps would.
 Compilation is bounded: prefill and insert compile once per length bucket (powers of
 two from 16, then `max_target_length`), prefill_many's batched prefill and
 insert_samples once per bucket a prompt can take and prefix size (1 or
-`PREFILL_ROWS` prompts), generate and generate_chunk once. Slot indices and sample
-counts are traced, so filling different slots never recompiles.
+`PREFILL_ROWS` prompts), extend once per bucket a prompt can take, generate and
+generate_chunk once. Slot indices, sample counts and extension lengths are traced, so
+filling different slots never recompiles.
 """
 
 import functools
@@ -102,6 +103,8 @@ class Engine:
     self._insert_samples_fn = jax.jit(ds.insert_samples, donate_argnums=(1,),
                                       out_shardings=replicated)
     self._draw_fn = jax.jit(ds.draw, out_shardings=replicated)
+    self._extend_fn = jax.jit(functools.partial(ds.extend, cfg=cfg), donate_argnums=(1,),
+                              out_shardings=replicated)
     self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg), donate_argnums=(1,),
                                 out_shardings=replicated)
     self._generate_chunk_fn = jax.jit(
@@ -219,6 +222,22 @@ class Engine:
                                     sampling_S, np.int32(n))
     return state, first
 
+  def extend(self, params, decode_state: DecodeState, slot: int, tokens, start: int,
+             sampling: SlotSampling) -> tuple[DecodeState, ResultTokens]:
+    """Continues the sample held in `slot`, whose cache holds positions before
+    `start`: writes the K/V of `tokens` (the slot's last token, not yet fed, then the
+    new ones) at positions `start ..` and draws the next token with `sampling`.
+    Returns the new state (the old one is donated) and that token (S = 1).
+
+    `tokens` are padded to a prefill bucket, so this compiles once per bucket.
+    """
+    padded, count = self.pad_tokens(tokens)
+    if start + count >= self.max_target_length:
+      raise ValueError(f"extending to {start + count} tokens leaves no room in the cache "
+                       f"of {self.max_target_length}")
+    return self._extend_fn(params, decode_state, padded, np.int32(count), np.int32(slot),
+                           np.int32(start), sampling)
+
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step over all slots; the old `decode_state` is donated."""
     return self._generate_fn(params, decode_state)
@@ -231,8 +250,8 @@ class Engine:
 
   def warmup(self, params) -> None:
     """Compiles every call the pool makes: prefill and insert for every bucket,
-    prefill_many and insert_samples for every bucket a prompt can take (one and
-    `PREFILL_ROWS` prompts), generate and generate_chunk.
+    prefill_many, insert_samples and extend for every bucket a prompt can take (one
+    and `PREFILL_ROWS` prompts), generate and generate_chunk.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -251,6 +270,9 @@ class Engine:
             samplings=[sampling] * PREFILL_ROWS)
         for p in (prefix, rows):
           state, _ = self.insert_samples(p, state, [0], [0], [sampling])
+        state, _ = self.extend(params, state, 0,
+                               np.zeros(min(bucket, self.max_prefill_length), np.int32), 0,
+                               sampling)
     state, result = self.generate(params, state)
     state, chunk = self.generate_chunk(params, state)
     jax.block_until_ready((result, chunk))

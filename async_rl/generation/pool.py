@@ -17,6 +17,15 @@ Weight updates (DESIGN.md, "Interruptible generation"), applied between two chun
     then the params are swapped and queued samples start.
 Each token is tagged with the version of the params that produced it: a chunk runs
 on one set of params, so every token of it carries that version.
+
+Held slots (`Request.hold_slot`, `extend`, `release`): a multi-turn episode's sample
+that ends its turn on a stop id keeps its slot and KV cache, and `extend` continues it
+there with the environment's tokens, computing only those. A held slot counts as
+occupied; when queued samples find no free slot, the oldest held slots are evicted
+and their `extend` resolves to None, so the caller re-submits the whole episode. A
+held cache is continued only under the params that computed all of it: after any
+weight update (or a "keep" swap mid-turn), `extend` re-prefills the whole episode in
+the slot instead, so that a turn starts from the cache a fresh request would have.
 """
 
 import dataclasses
@@ -29,10 +38,10 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
+from async_rl.generation import slots
 from async_rl.generation.batch import HostBatch, Job
 from async_rl.generation.engine import Engine
-from async_rl.generation.request import Request, empty_sample, validate
-from async_rl.generation.sampling import SlotSampling
+from async_rl.generation.request import Request, SlotHandle, empty_sample, validate
 from async_rl.timeline import Timeline
 
 UPDATE_MODES = ("retract", "keep", "drain")
@@ -57,6 +66,9 @@ class _Stats:
   swap_pause_s: float = 0.0
   swap_transfer_s_total: float = 0.0
   swap_pause_s_total: float = 0.0
+  extended_in_slot: int = 0
+  extended_reprefilled: int = 0
+  evictions: int = 0
 
 
 def _running_future() -> Future:
@@ -94,6 +106,8 @@ class GeneratorPool:
     self._cv = threading.Condition()
     self._update_lock = threading.Lock()
     self._queue: deque[tuple[Job, int]] = deque()
+    self._extends: deque[Job] = deque()
+    self._releases: list[SlotHandle] = []
     self._jobs: dict[Hashable, Job] = {}
     self._aborts: list[Job] = []
     self._updates: deque[_Update] = deque()
@@ -115,26 +129,59 @@ class GeneratorPool:
 
   def submit(self, request: Request) -> Future:
     """Queues `request`; the future resolves to its n `Trajectory`s, in index order
-    (each with `metadata` {"request_id", "index"}).
+    (each with `metadata` {"request_id", "index"}, and "slot" for a held sample).
 
     Raises:
       ValueError: a malformed request or a request_id already in flight.
       RuntimeError: the pool is shut down or its decode thread failed.
     """
-    prompt_P = validate(request, vocab_size=self.engine.cfg.vocab_size,
-                        max_prefill_length=self.engine.max_prefill_length)
     with self._cv:
-      self._check_open()
-      if request.request_id in self._jobs:
-        raise ValueError(f"request_id {request.request_id!r} is already in flight")
-      seed = request.sampling.seed
-      if seed is None:
-        seed = int(self._seeds.integers(2 ** 32))
-      job = Job(request, prompt_P, seed, _running_future(), [None] * request.n, request.n)
-      self._jobs[request.request_id] = job
+      job = self._new_job(request)
       self._queue.extend((job, i) for i in range(request.n))
       self._cv.notify_all()
     return job.future
+
+  def extend(self, handle: SlotHandle, request: Request) -> Future:
+    """Like `submit` for a request of one sample whose prompt continues the sample
+    that `handle` holds (its whole sequence, then new tokens): the sample continues
+    in its slot, so only the new tokens are computed (the whole prompt is prefilled
+    again in the slot if the params changed since its cache was computed). The
+    future resolves to [the Trajectory], or to None if the slot is no longer held
+    (evicted or released): submit the request then.
+
+    Raises:
+      ValueError: as `submit`, or `request.n` is not 1; the future fails with one if
+        the prompt does not start with the held sequence.
+      RuntimeError: as `submit`.
+    """
+    if request.n != 1:
+      raise ValueError(f"request {request.request_id!r}: extend takes n=1, got {request.n}")
+    with self._cv:
+      job = self._new_job(request)
+      job.handle = handle
+      self._extends.append(job)
+      self._cv.notify_all()
+    return job.future
+
+  def release(self, handle: SlotHandle) -> None:
+    """Frees the slot `handle` holds (the episode ended); a no-op if it is not held."""
+    with self._cv:
+      self._releases.append(handle)
+      self._cv.notify_all()
+
+  def _new_job(self, request: Request) -> Job:
+    """Validates `request` and registers its job; call under the lock."""
+    prompt_P = validate(request, vocab_size=self.engine.cfg.vocab_size,
+                        max_prefill_length=self.engine.max_prefill_length)
+    self._check_open()
+    if request.request_id in self._jobs:
+      raise ValueError(f"request_id {request.request_id!r} is already in flight")
+    seed = request.sampling.seed
+    if seed is None:
+      seed = int(self._seeds.integers(2 ** 32))
+    job = Job(request, prompt_P, seed, _running_future(), [None] * request.n, request.n)
+    self._jobs[request.request_id] = job
+    return job
 
   def abort(self, request_id: Hashable) -> bool:
     """Stops a request: its slots are freed before the next decode chunk and its
@@ -204,6 +251,9 @@ class GeneratorPool:
     `decode_steps` counts device steps, `decode_calls` the chunks that ran any;
     `slot_occupancy` is the share of slot-steps that emitted a token and
     `wasted_fraction` the share spent idle after a sample finished mid-chunk.
+    `held_slots` are slots kept for episodes between turns; `extended_in_slot` and
+    `extended_reprefilled` count `extend`s continued on their cache and re-prefilled
+    after a weight update, `evictions` held slots freed for queued samples.
     """
     with self._cv:
       s, b = self._stats, self._batch
@@ -211,6 +261,10 @@ class GeneratorPool:
       return {
           "version": self._version,
           "active_slots": b.num_active(),
+          "held_slots": len(b.held),
+          "extended_in_slot": s.extended_in_slot,
+          "extended_reprefilled": s.extended_reprefilled,
+          "evictions": s.evictions,
           "slot_occupancy": b.step_tokens / max(b.steps * len(b.slots), 1),
           "queue_length": len(self._queue),
           "decode_steps": b.steps,
@@ -254,11 +308,12 @@ class GeneratorPool:
                                     or not self._batch.num_active())
 
   def _has_work(self) -> bool:
-    if self._closing or self._aborts or (self._paused and not self._halted):
+    if self._closing or self._aborts or self._releases or (self._paused and not self._halted):
       return True
     if self._update_ready():
       return True
-    return not self._paused and (bool(self._queue) or self._batch.num_active() > 0)
+    return not self._paused and (bool(self._queue) or bool(self._extends)
+                                 or self._batch.num_active() > 0)
 
   def _run(self):
     try:
@@ -274,7 +329,9 @@ class GeneratorPool:
       if self._closing:
         return False
       aborts, self._aborts = self._aborts, []
+      releases, self._releases = self._releases, []
       self._queue = deque(item for item in self._queue if item[0] not in aborts)
+      self._extends = deque(job for job in self._extends if job not in aborts)
       halt = self._paused and not self._halted
       paused = self._paused
       update = self._updates[0] if self._updates else None
@@ -288,6 +345,8 @@ class GeneratorPool:
         self._cv.notify_all()
     for job in aborts:
       self._abort_job(job)
+    for handle in releases:
+      self._batch.drop_held(handle)
     if update is not None:
       if update.mode != "drain" or not self._batch.num_active():
         self._apply(update)
@@ -312,43 +371,55 @@ class GeneratorPool:
     return True
 
   def _admit(self):
+    self._start_extensions()
     free = self._batch.free_slots()
     with self._cv:
+      short = len(self._queue) - len(free)
+    if short > 0 and self._batch.held:
+      self._stats.evictions += self._batch.evict(short)
+      free = self._batch.free_slots()
+    with self._cv:
       taken = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
-    jobs = list(dict.fromkeys(job for job, _ in taken))
-    stale = [job for job in jobs if job.prefix is None or job.prefix_version != self._version]
-    if stale:
-      # The prefill's own first-token draw goes unused: insert_samples draws each.
-      refs = self.engine.prefill_many(
-          params=self._params, prompts=[job.prompt_P for job in stale],
-          samplings=[SlotSampling.create(job.request.sampling, job.seed, 0) for job in stale])
-      for job, ref in zip(stale, refs):
-        job.prefix, job.prefix_version = ref, self._version
-    # One insert_samples call per Prefix: prompts prefilled together start together.
-    starts = {}
-    for slot, (job, index) in zip(free, taken):
-      prefix, row = job.prefix
-      sampling = SlotSampling.create(job.request.sampling, job.seed, index)
-      starts.setdefault(id(prefix), (prefix, []))[1].append((slot, job, index, sampling, row))
-      job.unstarted -= 1
-    for job in jobs:
-      if not job.unstarted:
-        job.prefix = None
-    for prefix, entries in starts.values():
-      self._state, first = self.engine.insert_samples(
-          prefix, self._state, [e[4] for e in entries], [e[0] for e in entries],
-          [e[3] for e in entries])
-      self._batch.occupy([e[:4] for e in entries], first, self._version)
+    if taken:
+      self._state = slots.start_samples(self.engine, self._params, self._version, self._state,
+                                        self._batch, taken, free)
 
-  def _complete(self, job: Job):
+  def _start_extensions(self):
+    with self._cv:
+      jobs, self._extends = list(self._extends), deque()
+    for job in jobs:
+      held = self._batch.take_held(job.handle)
+      if held is None:
+        self._resolve(job, None)
+      elif not slots.continues(job, held):
+        self._resolve(job, error=ValueError(
+            f"request {job.request.request_id!r}: the prompt does not continue the "
+            f"{held.tokens_T.size} tokens its slot holds"))
+      else:
+        self._state, in_slot = slots.continue_held(self.engine, self._params, self._version,
+                                                   self._state, self._batch, job, held)
+        if in_slot:
+          self._stats.extended_in_slot += 1
+        else:
+          self._stats.extended_reprefilled += 1
+
+  def _resolve(self, job: Job, result=None, error: Exception | None = None):
     job.done, job.prefix = True, None
     with self._cv:
       del self._jobs[job.request.request_id]
-    job.future.set_result(list(job.samples))
+    if error is not None:
+      job.future.set_exception(error)
+    else:
+      job.future.set_result(result)
+
+  def _complete(self, job: Job):
+    self._resolve(job, list(job.samples))
 
   def _abort_job(self, job: Job):
     if job.done:
       return
+    if job.handle is not None:  # An extension aborted before it started frees its slot.
+      self._batch.drop_held(job.handle)
     self._batch.release(job)
     if not job.done:
       for i, x in enumerate(job.samples):
@@ -361,14 +432,8 @@ class GeneratorPool:
     wall_start = time.time()
     self._params, self._version = update.params, update.version
     if update.mode == "retract":
-      for slot, s in self._batch.occupied():
-        padded, length = self.engine.pad_tokens(np.concatenate([s.job.prompt_P, s.tokens]))
-        prefix, result = self.engine.prefill(params=self._params, padded_tokens=padded,
-                                             true_length=length, sampling=s.sampling,
-                                             generated=len(s.tokens))
-        self._state = self.engine.insert(prefix, self._state, slot)
-        self._batch.restart(slot, result, self._version)
-      self._batch.flush()
+      self._state = slots.restart_all(self.engine, self._params, self._version, self._state,
+                                      self._batch)
     pause_s = time.perf_counter() - blocked_since
     self.timeline.record("generator", "swap", wall_start, time.time())
     with self._cv:
@@ -384,8 +449,10 @@ class GeneratorPool:
     self._batch.flush()
     for job in list(self._jobs.values()):
       self._abort_job(job)
+    self._batch.held.clear()
     with self._cv:
       self._queue.clear()
+      self._extends.clear()
       updates, self._updates = list(self._updates), deque()
     for update in updates:
       update.future.set_exception(RuntimeError("the generator pool shut down before the update"))
@@ -396,6 +463,7 @@ class GeneratorPool:
       jobs, self._jobs = list(self._jobs.values()), {}
       updates, self._updates = list(self._updates), deque()
       self._queue.clear()
+      self._extends.clear()
       self._cv.notify_all()
     for waiter in [j.future for j in jobs if not j.done] + [u.future for u in updates]:
       waiter.set_exception(error)

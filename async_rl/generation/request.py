@@ -20,11 +20,30 @@ class Request:
     prompt: prompt token ids.
     n: number of independent samples.
     sampling: how to sample them.
+    hold_slot: a sample that ends on a stop id keeps its slot and KV cache, and its
+      trajectory's metadata carries the `SlotHandle` that `GeneratorPool.extend`
+      continues it with (or `release` frees it with).
   """
   request_id: Hashable
   prompt: Sequence[int]
   n: int = 1
   sampling: SamplingParams = SamplingParams()
+  hold_slot: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotHandle:
+  """A finished sample whose slot (and KV cache) the pool holds.
+
+  Attributes:
+    slot: the slot.
+    key: tells this holding of the slot from earlier and later ones.
+    length: the sample's length, prompt included; the cache holds all but its last
+      token.
+  """
+  slot: int
+  key: int
+  length: int
 
 
 def validate(request: Request, *, vocab_size: int, max_prefill_length: int) -> np.ndarray:

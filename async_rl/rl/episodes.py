@@ -6,6 +6,11 @@ pool's decode thread. What it returns enters the run here and is validated once
 (`trajectory.validate`). A workflow waits on futures of the runner's own, which follow
 the pool's; `close` fails those still waiting, so a pool that never answers (a stalled
 generator) cannot keep a workflow thread, and with it the process, alive.
+
+A turn that continues an episode in its held slot (`generate(..., slot=handle)`) goes
+to the pool's `extend`; if the pool no longer holds the slot, the runner submits the
+same request (id, seed and all) instead, so the turn draws the tokens it would have
+drawn in the slot, and the workflow sees one future either way.
 """
 
 import dataclasses
@@ -61,8 +66,9 @@ class EpisodeRunner:
     for future in waiting:
       _settle(future, exception=RuntimeError("the episode runner was closed"))
 
-  def _follow(self, pool_future: Future) -> Future:
-    """A future that takes `pool_future`'s outcome, unless `close` fails it first."""
+  def _follow(self, pool_future: Future, fallback=None) -> Future:
+    """A future that takes `pool_future`'s outcome, unless `close` fails it first. If
+    `pool_future` resolves to None, it follows the pool future `fallback()` returns."""
     future = Future()
     with self._lock:
       if self._closed:
@@ -70,35 +76,29 @@ class EpisodeRunner:
         return future
       self._waiting.add(future)
 
-    def copy(done: Future):
+    def copy(done: Future, fallback=fallback):
+      if done.exception() is None and done.result() is None and fallback is not None:
+        try:
+          fallback().add_done_callback(copy)
+        except Exception as e:  # noqa: BLE001 - the waiting workflow learns of it.
+          copy_outcome(exception=e)
+        return
+      if done.exception() is not None:
+        copy_outcome(exception=done.exception())
+      else:
+        copy_outcome(result=done.result())
+
+    def copy_outcome(**outcome):
       with self._lock:
         self._waiting.discard(future)
-      if done.exception() is not None:
-        _settle(future, exception=done.exception())
-      else:
-        _settle(future, result=done.result())
+      _settle(future, **outcome)
 
     pool_future.add_done_callback(copy)
     return future
 
   def _run(self, prompt, request: Request) -> list[Trajectory]:
-    calls = itertools.count()
-
-    def generate(tokens, n=1, *, max_new_tokens=None, stop_ids=None) -> Future:
-      k = next(calls)
-      changes = {}
-      if max_new_tokens is not None:
-        changes["max_new_tokens"] = max_new_tokens
-      if stop_ids is not None:
-        changes["stop_token_ids"] = tuple(stop_ids)
-      if k and request.sampling.seed is not None:
-        changes["seed"] = int(np.random.SeedSequence([request.sampling.seed, k])
-                              .generate_state(1)[0])
-      return self._follow(self._pool.submit(Request(
-          (request.request_id, k) if k else request.request_id, list(tokens), n,
-          dataclasses.replace(request.sampling, **changes))))
-
     try:
+      generate = _Generate(self._pool, self._follow, request)
       trajectories = list(self._workflow.run(prompt, request.n, generate))
       if not trajectories:
         raise ValueError(f"{type(self._workflow).__name__}.run returned no trajectories")
@@ -109,6 +109,33 @@ class EpisodeRunner:
       logging.exception("workflow %s failed on request %r", type(self._workflow).__name__,
                         request.request_id)
       raise
+
+
+class _Generate:
+  """The `generate` of one group's workflow (see `tasks.workflow.Generate`)."""
+
+  def __init__(self, pool, follow, request: Request):
+    self._pool, self._follow, self._request = pool, follow, request
+    self._calls = itertools.count()
+
+  def __call__(self, tokens, n=1, *, max_new_tokens=None, stop_ids=None, hold_slot=False,
+               slot=None) -> Future:
+    k, sampling = next(self._calls), self._request.sampling
+    changes = {}
+    if max_new_tokens is not None:
+      changes["max_new_tokens"] = max_new_tokens
+    if stop_ids is not None:
+      changes["stop_token_ids"] = tuple(stop_ids)
+    if k and sampling.seed is not None:
+      changes["seed"] = int(np.random.SeedSequence([sampling.seed, k]).generate_state(1)[0])
+    request = Request((self._request.request_id, k) if k else self._request.request_id,
+                      list(tokens), n, dataclasses.replace(sampling, **changes), hold_slot)
+    if slot is None:
+      return self._follow(self._pool.submit(request))
+    return self._follow(self._pool.extend(slot, request), lambda: self._pool.submit(request))
+
+  def release(self, slot) -> None:
+    self._pool.release(slot)
 
 
 def _settle(future: Future, *, result=None, exception=None) -> None:

@@ -2,10 +2,15 @@
 
 A workflow is a small object with `run(prompt, n, generate) -> list[Trajectory]`. It runs
 on a thread of its own (`rl.episodes`), so it may block on the futures `generate`
-returns: `generate(tokens, n=1, *, max_new_tokens=None, stop_ids=None)` submits one
-generator request whose prompt is `tokens` and returns a future of its n trajectories
-(each `tokens`, then what was generated); omitted arguments are the run's sampling
-parameters. What `run` returns is validated once, by the runner (`trajectory.validate`).
+returns: `generate(tokens, n=1, *, max_new_tokens=None, stop_ids=None, hold_slot=False,
+slot=None)` submits one generator request whose prompt is `tokens` and returns a future
+of its n trajectories (each `tokens`, then what was generated); omitted arguments are
+the run's sampling parameters. With `hold_slot`, a sample that ends on a stop id keeps
+its slot and KV cache, and its trajectory's `metadata["slot"]` is the handle; a later
+`generate(tokens, slot=handle)`, whose `tokens` continue that sample, decodes there
+(or, if the pool evicted the slot, as a new request: the result is the same), and
+`generate.release(handle)` frees a slot not continued. What `run` returns is
+validated once, by the runner (`trajectory.validate`).
 
 `SingleTurn` (the default) is one request of n samples. `MultiTurn` alternates policy
 turns with environment turns: a policy turn that ends in one of `turn_stop_ids` (a tool
@@ -14,12 +19,15 @@ behaviour log-prob and version -1; the next policy turn continues from the whole
 episode so far. The episode is one trajectory; `split_turns` makes one training sample
 per policy turn of it instead (`multi_turn.sample_per_turn`).
 
-Each policy turn is a new request holding the whole episode so far, so the generator
-prefills it again (its KV cache is not kept between turns; benchmarks/multi_turn.py
-measures the cost, and docs/architecture.md says what keeping it needs). Every turn is
-prefilled with the params current when it starts, and weight updates (retract, keep,
-drain) apply within a turn as for any request, so an episode's policy tokens may carry
-several versions; the staleness bound applies to each of them.
+Each policy turn after the first continues the episode in the slot its last turn
+held (`hold_slots`), so the generator computes only the environment's tokens; where
+the slot was evicted, or with `hold_slots=False`, the turn is a new request holding the
+whole episode so far, which the generator prefills again (benchmarks/multi_turn.py
+measures both). Either way every turn starts from a cache computed by the params
+current when it starts (the pool re-prefills a held slot after a weight update), and
+weight updates (retract, keep, drain) apply within a turn as for any request, so an
+episode's policy tokens may carry several versions; the staleness bound applies to
+each of them.
 """
 
 import dataclasses
@@ -34,7 +42,10 @@ from async_rl.trajectory import Trajectory
 
 class Generate(Protocol):
   def __call__(self, tokens: Sequence[int], n: int = 1, *, max_new_tokens: Optional[int] = None,
-               stop_ids: Optional[Sequence[int]] = None) -> Future: ...
+               stop_ids: Optional[Sequence[int]] = None, hold_slot: bool = False,
+               slot: Any = None) -> Future: ...
+
+  def release(self, slot: Any) -> None: ...
 
 
 class Workflow(Protocol):
@@ -58,6 +69,7 @@ class _Episode:
   tokens: list
   logp: list
   versions: list
+  slot: Any = None  # The handle of the slot that holds the episode between turns.
   used: int = 0
   turns: int = 0
   finish: Optional[str] = None
@@ -78,7 +90,8 @@ class MultiTurn:
   """Policy turns and environment turns, n episodes of a prompt in lockstep.
 
   Turn 1 of the n episodes is one request of n samples; later turns are one request
-  per unfinished episode, all submitted before any is waited for. An episode ends:
+  per unfinished episode, all submitted before any is waited for, each continuing in
+  the slot that holds its episode if `hold_slots`. An episode ends:
   "stop" when a policy turn stops on anything but a turn stop id (EOS, say) or
   `respond` returns None; "length" when its `max_tokens` are used up (an environment
   reply is cut to fit); "max_turns" when its `max_turns`-th policy turn asks for
@@ -91,12 +104,15 @@ class MultiTurn:
       environment tokens together (at most `generation.max_new_tokens`).
     turn_stop_ids: token ids that end a policy turn and hand over to `respond`.
     stop_ids: token ids that end the episode (the tokenizer's stop ids).
+    hold_slots: keep each episode's slot and KV cache between its turns; False
+      re-prefills the whole episode at every turn (the same tokens, more compute).
   """
   respond: Respond
   max_turns: int
   max_tokens: int
   turn_stop_ids: tuple[int, ...]
   stop_ids: tuple[int, ...]
+  hold_slots: bool = True
 
   def __post_init__(self):
     if self.max_turns < 1:
@@ -113,18 +129,32 @@ class MultiTurn:
                          [np.full(prompt_P.size, -1, np.int32)]) for _ in range(n)]
     stops = (*self.turn_stop_ids, *self.stop_ids)
     active = episodes
-    turns = generate(prompt_P, n, max_new_tokens=self.max_tokens, stop_ids=stops).result()
-    while True:
-      for ep, turn in zip(active, turns):
-        self._policy_turn(ep, turn)
-        if ep.finish is None:
-          self._environment_turn(prompt, ep)
-      active = [ep for ep in active if ep.finish is None]
-      if not active:
-        break
-      futures = [generate(ep.context(), 1, max_new_tokens=self.max_tokens - ep.used,
-                          stop_ids=stops) for ep in active]
-      turns = [f.result()[0] for f in futures]
+    kw = {"stop_ids": stops, "hold_slot": self.hold_slots}
+    try:
+      turns = generate(prompt_P, n, max_new_tokens=self.max_tokens, **kw).result()
+      while True:
+        for ep, turn in zip(active, turns):
+          ep.slot = turn.metadata.get("slot")
+        for ep, turn in zip(active, turns):
+          self._policy_turn(ep, turn)
+          if ep.finish is None:
+            self._environment_turn(prompt, ep)
+          if ep.finish is not None and ep.slot is not None:
+            generate.release(ep.slot)
+            ep.slot = None
+        active = [ep for ep in active if ep.finish is None]
+        if not active:
+          break
+        futures = []
+        for ep in active:
+          futures.append(generate(ep.context(), 1, max_new_tokens=self.max_tokens - ep.used,
+                                  slot=ep.slot, **kw))
+          ep.slot = None  # Handed on: the pool continues or has evicted it.
+        turns = [f.result()[0] for f in futures]
+    finally:
+      for ep in episodes:  # An episode cut short (a failed environment) frees its slot.
+        if ep.slot is not None:
+          generate.release(ep.slot)
     return [Trajectory(tokens_T=ep.context(), loss_mask_T=np.concatenate(ep.versions) >= 0,
                        logp_T=np.concatenate(ep.logp), versions_T=np.concatenate(ep.versions),
                        prompt_len=prompt_P.size, finish_reason=ep.finish,

@@ -21,6 +21,7 @@ Writes --out_dir/runs.jsonl (a rerun skips the runs already there). Last line: o
 JSON object.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,16 +34,11 @@ from ml_collections import config_flags
 from async_rl import sharding
 from async_rl.config import ExperimentConfig
 from async_rl.config_dict import from_config_dict, parse_flags
-from async_rl.generation import GeneratorPool
 from async_rl.param_server.buffer import length_summary
-from async_rl.rewards import RewardService, RewardTask
 from async_rl.rl.checkpoint import restore_params
-from async_rl.rl.components import make_engine, reward_fn
-from async_rl.rl.evaluate import evaluate
 from async_rl.rl.run import run_in_process
-from async_rl.rl.run_stats import measured_config
+from async_rl.rl.run_stats import HeldoutEval, longest_heldout, measured_config
 from async_rl.sft import warm_start
-from async_rl.tasks.registry import make_task
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_long_tail.py",
                                           "The experiment every run shares.")
@@ -80,26 +76,6 @@ def by_decile(generated, num, den) -> list[float]:
   return [float(n / m) if m else 0.0 for n, m in sums.T]
 
 
-def longest_heldout(cfg: ExperimentConfig, n: int, longest: int):
-  task = make_task(cfg)
-  prompts = task.heldout(n)
-  return task, prompts, sorted(prompts, key=lambda p: -len(p.target))[:longest]
-
-
-def accuracy(cfg: ExperimentConfig, params, prompts, task) -> float:
-  """Greedy accuracy of `params` on `prompts`."""
-  with GeneratorPool(make_engine(cfg), params) as pool, RewardService(
-      num_workers=1, timeout_s=cfg.rollout.reward_timeout_s) as rewards:
-    fn = reward_fn(cfg, task)
-
-    def score(pairs):
-      return rewards.score_batch([RewardTask(fn, text, task.reference(p)) for p, text in pairs])
-    # Held-out accuracy counts fully correct solutions only (reward >= 1).
-    return evaluate(pool, prompts, score=score, decode=task.tokenizer.decode,
-                    max_new_tokens=cfg.generation.max_new_tokens,
-                    stop_token_ids=task.tokenizer.stop_ids, pass_k=1, seed=cfg.seed)["accuracy"]
-
-
 def figures(hist: dict[str, list[int]]) -> dict:
   generated = hist["generated"]
   size = len(generated)
@@ -128,34 +104,38 @@ def main(argv):
   task, heldout, longest = longest_heldout(cfg, _HELDOUT.value, _LONGEST.value)
   t0 = time.perf_counter()
   params = warm_start(cfg, sharding.make_mesh(cfg.mesh), echo=lambda _: None) if todo else None
-  if todo and "warm_start" not in rows:
-    rows["warm_start"] = {"accuracy_longest": accuracy(cfg, params, longest, task),
-                          "accuracy": accuracy(cfg, params, heldout, task)}
-    with open(results, "a") as f:
-      f.write(json.dumps({"eta": None, "policy": "warm_start", **rows["warm_start"]}) + "\n")
-  for eta, policy in todo:
-    run_cfg = variant(cfg, eta, policy)
-    workdir = os.path.join(_OUT_DIR.value, f"eta{eta}_{policy}")
-    started = time.perf_counter()
-    summary = run_in_process(run_cfg, workdir, init_params=params, echo=lambda _: None,
-                             progress=False)
-    server = summary["server"]
-    trained = restore_params(os.path.join(workdir, "checkpoints"), run_cfg.model)
-    row = {"eta": eta, "policy": policy, "steps": _STEPS.value,
-           "run_s": round(time.perf_counter() - started, 1),
-           "dropped_groups": server["dropped"], "admitted_groups": server["admitted"],
-           "masked_tokens": server["masked_tokens"], "trained_stale": server["trained_stale"],
-           "staleness_max": max(m["staleness_max"] for m in summary["history"]),
-           **figures(server["length_hist"]),
-           "accuracy_longest": accuracy(run_cfg, trained, longest, task),
-           "accuracy": accuracy(run_cfg, trained, heldout, task)}
-    rows[(eta, policy)] = row
-    with open(results, "a") as f:
-      f.write(json.dumps(row) + "\n")
-    print(f"[{time.perf_counter() - t0:.0f}s] η={eta} {policy}: dropped {row['dropped_groups']}"
-          f"/{row['dropped_groups'] + row['admitted_groups']} groups, mean length generated "
-          f"{row['generated']['mean']:.1f} trained {row['trained']['mean']:.1f}, accuracy on "
-          f"the longest {row['accuracy_longest']:.3f}", flush=True)
+  with HeldoutEval(cfg, task, params) if todo else contextlib.nullcontext() as held_out:
+
+    def evaluate(trained) -> dict:
+      held_out.load(trained)
+      return {"accuracy_longest": held_out.accuracy(longest),
+              "accuracy": held_out.accuracy(heldout)}
+
+    if todo and "warm_start" not in rows:
+      rows["warm_start"] = evaluate(params)
+      with open(results, "a") as f:
+        f.write(json.dumps({"eta": None, "policy": "warm_start", **rows["warm_start"]}) + "\n")
+    for eta, policy in todo:
+      run_cfg = variant(cfg, eta, policy)
+      workdir = os.path.join(_OUT_DIR.value, f"eta{eta}_{policy}")
+      started = time.perf_counter()
+      summary = run_in_process(run_cfg, workdir, init_params=params, echo=lambda _: None,
+                               progress=False)
+      server = summary["server"]
+      trained = restore_params(os.path.join(workdir, "checkpoints"), run_cfg.model)
+      row = {"eta": eta, "policy": policy, "steps": _STEPS.value,
+             "run_s": round(time.perf_counter() - started, 1),
+             "dropped_groups": server["dropped"], "admitted_groups": server["admitted"],
+             "masked_tokens": server["masked_tokens"], "trained_stale": server["trained_stale"],
+             "staleness_max": max(m["staleness_max"] for m in summary["history"]),
+             **figures(server["length_hist"]), **evaluate(trained)}
+      rows[(eta, policy)] = row
+      with open(results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+      print(f"[{time.perf_counter() - t0:.0f}s] η={eta} {policy}: dropped {row['dropped_groups']}"
+            f"/{row['dropped_groups'] + row['admitted_groups']} groups, mean length generated "
+            f"{row['generated']['mean']:.1f} trained {row['trained']['mean']:.1f}, accuracy on "
+            f"the longest {row['accuracy_longest']:.3f}", flush=True)
   ordered = [rows[k] for k in sorted(k for k in rows if k != "warm_start")]
   before = rows.get("warm_start", {})
   print(f"warm start: accuracy on the longest {before.get('accuracy_longest', float('nan')):.3f}"

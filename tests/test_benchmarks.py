@@ -40,23 +40,31 @@ def test_sync_vs_async_measures_both_modes_and_checks_the_simulator(tmp_path):
 
 
 def test_staleness_ablation_runs_the_grid_and_resumes(tmp_path):
-  args = ("--quick", "--steps=2", f"--out_dir={tmp_path}")
+  args = ("--quick", "--steps=2", "--heldout=6", "--longest=2", f"--out_dir={tmp_path}")
   _, summary = _run("benchmarks.staleness_ablation", *args)
-  runs = [json.loads(l) for l in (tmp_path / "runs.jsonl").read_text().splitlines()]
-  # η ∈ {0, 4, ∞} × two losses, η = 0 once: five runs of the same trained samples.
-  assert len(runs) == 5 and {r["steps"] for r in runs} == {2}
-  assert {(r["loss"], r["eta"]) for r in runs} == {
-      ("decoupled_ppo", 0), ("naive_ppo", 4), ("decoupled_ppo", 4), ("naive_ppo", None),
-      ("decoupled_ppo", None)}
-  assert all(r["eta"] is None or r["staleness_max"] <= r["eta"] for r in runs)
-  assert set(summary["accuracy"]) == {f"{loss}/{eta}" for loss in ("naive_ppo", "decoupled_ppo")
-                                      for eta in ("0", "4", "inf")}
+  rows = [json.loads(l) for l in (tmp_path / "runs.jsonl").read_text().splitlines()]
+  before, runs = rows[0], rows[1:]
+  assert before["prox_logp"] == "warm_start"
+  # η ∈ {0, 2} × three proximal policies, η = 0 once: four runs of the same trained samples.
+  assert {r["steps"] for r in runs} == {2}
+  assert [(r["prox_logp"], r["eta"]) for r in runs] == [
+      ("recompute", 0), ("behav", 2), ("recompute", 2), ("loglinear", 2)]
+  assert all(r["staleness_max"] <= r["eta"] for r in runs)
+  assert all(0 <= r[k] <= 1 for r in rows for k in ("accuracy", "accuracy_longest"))
+  cells = summary["cells"]
+  assert set(cells) == {f"{p}/{eta}" for p in ("behav", "recompute", "loglinear")
+                        for eta in ("0", "2")}
+  # η = 0's run fills the three rows; one seed gives a mean and no sd.
+  assert {cells[f"{p}/0"]["accuracy"] for p in ("behav", "recompute", "loglinear")} == {
+      round(runs[0]["accuracy"], 4)}
+  assert cells["behav/0"]["ran_as"] == "recompute" and cells["behav/2"]["ran_as"] == "behav"
+  assert all(c["seeds"] == 1 and c["accuracy_sd"] is None for c in cells.values())
   assert (tmp_path / "staleness_ablation.png").stat().st_size > 0
   # A rerun finds every run done: it trains nothing and reports the same table.
   stdout, again = _run("benchmarks.staleness_ablation", *args)
-  assert again["accuracy"] == summary["accuracy"]
+  assert again["cells"] == summary["cells"]
   assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 5
-  assert "[1/" not in stdout
+  assert "[1/" not in stdout and "| behav (as recompute) | 0 | 1 |" in stdout
 
 
 def test_memory_reads_the_compiler_and_its_flop_count_checks_out():

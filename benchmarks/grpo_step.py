@@ -45,10 +45,13 @@ new tokens):
                 + 3 F_fwd (train forward and backward),
   F_fwd = sum over the 64 x 80 tokens of 2 N + 4 L H E (p + 1),
 
+(the generation term is the issue's count: the pool prefills a prompt once for its
+group and feeds back 63 of the new tokens, 4,288 token forwards instead of 5,120),
 and floor_s = floor FLOPs / the best float32 1024^3 matmul FLOP/s measured in this
 run (`train_step.matmul_peak`, before each variant and after the last), so
 floor_ratio = s/step / floor_s. Issue 16's targets: floor_ratio <= 1.75 for sync
-naive, <= 2.5 decoupled with recompute.
+naive, <= 2.5 decoupled with recompute. "gen ratio" and "train ratio" divide each
+part's seconds by its own floor (F_fwd; the rest), to show which part is far off.
 
 Prints a table, then, as the last line, one JSON object: `sec_per_step`, `floor_s`,
 `floor_ratio` of sync_naive, `matmul_gflops`, and `variants` with each variant's
@@ -201,11 +204,11 @@ def experiment(name: str, steps: int, seed: int) -> ExperimentConfig:
   return measured_config(cfg, steps)
 
 
-def step_flops(cfg: models.ModelConfig, prox_logp: str) -> float:
-  """The floor FLOPs of one RL step (module docstring)."""
+def step_flops(cfg: models.ModelConfig, prox_logp: str) -> tuple[float, float]:
+  """The floor FLOPs of one RL step's generation and of its training (module docstring)."""
   positions = np.tile(np.arange(PROMPT_LEN + NEW_TOKENS), SEQUENCES)
   forward = flops.train_flops(cfg, positions) / 3
-  return forward * (5 if prox_logp == "recompute" else 4)
+  return forward, forward * (4 if prox_logp == "recompute" else 3)
 
 
 def step_figures(summary: dict) -> dict[str, np.ndarray]:
@@ -238,7 +241,7 @@ def run_variant(name: str, steps: int, seed: int) -> dict:
   return {
       **{k: float(np.median(v)) for k, v in per_step.items()},
       "timed_steps": len(per_step["step_s"]),
-      "flops": step_flops(cfg.model, cfg.ppo.prox_logp),
+      **dict(zip(("gen_flops", "train_flops"), step_flops(cfg.model, cfg.ppo.prox_logp))),
       "staleness_max": max(m["staleness_max"] for m in history),
       "skipped_steps": history[-1]["skipped_steps"],
       "trained_tokens": sorted({m["trained_tokens"] for m in history}),
@@ -269,8 +272,10 @@ def main(argv):
     print(f"{name}: {results[name]['step_s']:.3f} s/step", flush=True)
   peak = max(peaks)
   for r in results.values():
-    r["floor_s"] = r["flops"] / peak
+    r["floor_s"] = (r["gen_flops"] + r["train_flops"]) / peak
     r["floor_ratio"] = r["step_s"] / r["floor_s"]
+    r["gen_floor_ratio"] = r["gen_s"] * peak / r["gen_flops"]
+    r["train_floor_ratio"] = r["train_s"] * peak / r["train_flops"]
   _print_table(results, peak, peaks)
   head = results[HEADLINE]
   print(json.dumps({
@@ -291,13 +296,15 @@ def _print_table(results, peak, peaks):
   cols = [("step_s", "s/step", ".3f"), ("gen_s", "gen s", ".3f"), ("train_s", "train s", ".3f"),
           ("wait_s", "wait s", ".3f"), ("decode_steps", "dec steps", ".0f"),
           ("floor_s", "floor s", ".3f"),
-          ("floor_ratio", "ratio", ".2f"), ("staleness_max", "stale max", "d")]
+          ("floor_ratio", "ratio", ".2f"), ("gen_floor_ratio", "gen ratio", ".2f"),
+          ("train_floor_ratio", "train ratio", ".2f"), ("staleness_max", "stale max", "d")]
   print(f"{'variant':20}" + "".join(f"{h:>11}" for _, h, _ in cols))
   for name, r in results.items():
     print(f"{name:20}" + "".join(format(r[k], fmt).rjust(11) for k, _, fmt in cols))
   print(f"\nmedians over {next(iter(results.values()))['timed_steps']} steps; floor: model "
-        f"FLOPs of generation, recompute (decoupled) and train at the best matmul rate. "
-        f"Targets (issue 16): sync_naive <= 1.75x, decoupled with recompute <= 2.5x\n")
+        f"FLOPs of generation, recompute (decoupled) and train at the best matmul rate; gen "
+        f"and train ratios: each part's seconds over its own floor. Targets (issue 16): "
+        f"sync_naive <= 1.75x, decoupled with recompute <= 2.5x\n")
 
 
 if __name__ == "__main__":

@@ -94,8 +94,8 @@ def test_grpo_step_times_the_workload_against_its_flop_floor():
   # Generation, then the train forward and backward: 4 forwards of 64 sequences of 16 + 64
   # tokens, 2 N + 4 L H E (p + 1) FLOPs each, N = 1,015,808 and L H E = 512.
   forward = 64 * (80 * 2 * 1_015_808 + 4 * 512 * sum(range(1, 81)))
-  assert run["flops"] == 4 * forward
-  assert summary["floor_s"] == pytest.approx(run["flops"] / (summary["matmul_gflops"] * 1e9),
+  assert run["gen_flops"] == forward and run["train_flops"] == 3 * forward
+  assert summary["floor_s"] == pytest.approx(4 * forward / (summary["matmul_gflops"] * 1e9),
                                              rel=1e-3)
   assert summary["sec_per_step"] == run["step_s"] and summary["floor_ratio"] > 1
   assert summary["floor_ratio"] == pytest.approx(summary["sec_per_step"] / summary["floor_s"],

@@ -105,6 +105,28 @@ def test_multi_turn_times_prefills_and_both_workflows():
       for k in (1, 2)}
 
 
+def test_grpo_step_times_the_workload_against_its_flop_floor():
+  stdout, summary = _run("benchmarks.grpo_step", "--quick", config=())
+  run = summary["variants"]["sync_naive"]
+  assert set(summary["variants"]) == {"sync_naive"} and run["timed_steps"] == 1
+  # Generation, then the train forward and backward: 4 forwards of 64 sequences of 16 + 64
+  # tokens, 2 N + 4 L H E (p + 1) FLOPs each, N = 1,015,808 and L H E = 512.
+  forward = 64 * (80 * 2 * 1_015_808 + 4 * 512 * sum(range(1, 81)))
+  assert run["gen_flops"] == forward and run["train_flops"] == 3 * forward
+  assert summary["floor_s"] == pytest.approx(4 * forward / (summary["matmul_gflops"] * 1e9),
+                                             rel=1e-3)
+  assert summary["sec_per_step"] == run["step_s"] and summary["floor_ratio"] > 1
+  assert summary["floor_ratio"] == pytest.approx(summary["sec_per_step"] / summary["floor_s"],
+                                                 rel=1e-3)
+  assert 0 < run["gen_s"] < run["step_s"] and 0 < run["train_s"] < run["step_s"]
+  # Every sample ran to exactly 64 new tokens (no stop id), all of them trained.
+  assert list(run["completion_lengths"]) == ["64"] and run["completion_lengths"]["64"] >= 3 * 64
+  assert run["trained_tokens"] == [64 * 64]
+  assert 0 <= run["reward_mean"][0] <= run["reward_mean"][1] <= 1
+  assert run["staleness_max"] == 0 and run["skipped_steps"] == 0
+  assert "sync_naive " in stdout  # the table
+
+
 def test_faults_survives_every_in_process_fault(tmp_path):
   stdout, summary = _run("benchmarks.faults", "--quick", f"--out_dir={tmp_path}")
   assert summary["faults"] == {name: True for name in (

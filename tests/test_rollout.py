@@ -56,6 +56,9 @@ class FakePool:
   def update_weights(self, params, version, mode):
     self.updates.append((params, version, mode))
     self.version = version
+    future = Future()
+    future.set_result({})
+    return future
 
   def submit(self, request):
     self.requests.append(request)
@@ -163,6 +166,37 @@ def test_new_weights_reach_the_pool_before_the_next_acquire():
   controller.stop()
   assert pool.updates == [("p3", 3, "keep")]
   assert server.acquire_versions and set(server.acquire_versions) == {3}
+
+
+class LaggingPool(FakePool):
+  """Applies a weight update on another thread a little later, as the real pool's
+  decode thread does between two chunks."""
+
+  def update_weights(self, params, version, mode):
+    self.updates.append((params, version, mode))
+    future = Future()
+
+    def apply():
+      self.version = version
+      future.set_result({})
+
+    threading.Timer(0.02, apply).start()
+    return future
+
+
+def test_the_first_acquire_after_new_weights_waits_for_the_pool_to_apply_them():
+  # Acquiring at the pool's old version would find no room at η = 0 and hold the
+  # loop for a whole poll; the controller gives the swap up to that poll instead.
+  server = FakeServer(1)
+  server.version_published, server.params = 3, "p3"
+  pool = LaggingPool({"p0": [1.0, 0.0]})
+  controller = _controller(server, pool, {"p0": [1.0, 0.0]}, poll_s=5.0).start()
+  deadline = time.time() + 10
+  while not server.acquire_versions and time.time() < deadline:
+    time.sleep(0.01)
+  controller.stop()
+  assert pool.updates == [("p3", 3, "keep")]
+  assert server.acquire_versions[0] == 3
 
 
 def test_groups_carry_their_stream_position_and_a_seed_derived_from_it():

@@ -1,11 +1,11 @@
 """The rollout controller: keeps the generator pool fed within the staleness gate.
 
-One thread loops: apply the newest published weights to the pool, draw a prompt,
-acquire a ticket for its group from the gate (at the pool's version, so a lagging
-generator never starts a group whose tokens would arrive too stale), hand it to the
-task's workflow (`rl.episodes`; single-turn by default). Trajectories are scored
-asynchronously by the reward service and offered to the parameter server as one
-group; nothing here blocks the pool's decode thread.
+One thread loops: hand the newest published weights to the pool (and give it up to a
+poll to apply them), draw a prompt, acquire a ticket for its group from the gate (at
+the pool's version, so a lagging generator never starts a group whose tokens would
+arrive too stale), hand it to the task's workflow (`rl.episodes`; single-turn by
+default). Trajectories are scored asynchronously by the reward service and offered
+to the parameter server as one group; nothing here blocks the pool's decode thread.
 
 Failures: an exception in the loop, in the workflow or in a completion callback
 rejects the group it concerned (so its capacity is freed), is logged with its
@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent import futures
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -79,6 +80,7 @@ class RolloutController:
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._requested_version = pool.version
+    self._swap = None  # The future of the newest weight update until the pool applies it.
     self._drawn = None
     # ticket -> (the part it waits on: "generator", "rewards" or "server", since when)
     self._in_flight: dict[int, tuple[str, float]] = {}
@@ -162,8 +164,15 @@ class RolloutController:
     got = self.server.fetch(self._requested_version)
     if got is not None:
       version, params = got
-      self.pool.update_weights(params, version, self._update_mode)
+      self._swap = self.pool.update_weights(params, version, self._update_mode)
       self._requested_version = version
+    if self._swap is not None:
+      # Until the pool applies the weights, `acquire` counts at its old version, where
+      # the gate may have no room (with η = 0 it has none) and would hold the loop for
+      # a whole poll; a swap with nothing to drain is live within a decode chunk.
+      futures.wait([self._swap], timeout=self._poll_s)
+      if self._swap.done():
+        self._swap = None
 
   def _submit(self, ticket, prompt, position):
     sampling = dataclasses.replace(self._sampling,

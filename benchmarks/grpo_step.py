@@ -298,9 +298,9 @@ def _print_table(results, peak, peaks):
           ("floor_s", "floor s", ".3f"),
           ("floor_ratio", "ratio", ".2f"), ("gen_floor_ratio", "gen ratio", ".2f"),
           ("train_floor_ratio", "train ratio", ".2f"), ("staleness_max", "stale max", "d")]
-  print(f"{'variant':20}" + "".join(f"{h:>11}" for _, h, _ in cols))
+  print(f"{'variant':20}" + "".join(f"{h:>12}" for _, h, _ in cols))
   for name, r in results.items():
-    print(f"{name:20}" + "".join(format(r[k], fmt).rjust(11) for k, _, fmt in cols))
+    print(f"{name:20}" + "".join(format(r[k], fmt).rjust(12) for k, _, fmt in cols))
   print(f"\nmedians over {next(iter(results.values()))['timed_steps']} steps; floor: model "
         f"FLOPs of generation, recompute (decoupled) and train at the best matmul rate; gen "
         f"and train ratios: each part's seconds over its own floor. Targets (issue 16): "

@@ -188,10 +188,23 @@ def test_episodes_on_a_pool_keep_exact_versions_across_a_weight_update(params, m
       np.testing.assert_allclose(e.logp_T[at], _recompute_logp(p, e)[at], atol=1e-4)
 
 
-def _run_groups(params, *, hold_slots, slots, groups=2, n=2):
-  workflow = MultiTurn(lambda prompt, tokens_T: [12, 13], max_turns=4, max_tokens=24,
-                       turn_stop_ids=tuple(range(3, 9)), stop_ids=(EOS,), hold_slots=hold_slots)
+def _run_groups(params, *, hold_slots, slots, groups=2, n=2, await_eviction=False):
+  """Runs `groups` seeded groups of `n` episodes. With `await_eviction`, the first
+  environment step waits (up to 30 s) for the pool to evict a held slot, so that queued
+  samples meet held slots however the threads are scheduled."""
   with GeneratorPool(_engine(slots), params) as pool:
+    waited = threading.Event()
+
+    def respond(prompt, tokens_T):
+      if await_eviction and not waited.is_set():
+        waited.set()
+        deadline = time.monotonic() + 30
+        while not pool.metrics()["evictions"] and time.monotonic() < deadline:
+          time.sleep(0.001)
+      return [12, 13]
+
+    workflow = MultiTurn(respond, max_turns=4, max_tokens=24, turn_stop_ids=tuple(range(3, 9)),
+                         stop_ids=(EOS,), hold_slots=hold_slots)
     runner = EpisodeRunner(pool, workflow)
     futures = [runner.submit(types.SimpleNamespace(tokens=(1, 9, 10)), Request(
         g, [1, 9, 10], n=n, sampling=SamplingParams(temperature=1.0, seed=g)))
@@ -207,7 +220,10 @@ def _run_groups(params, *, hold_slots, slots, groups=2, n=2):
 
 @pytest.mark.parametrize("slots", [4, 2])  # Room for all 4 episodes; fewer slots than held.
 def test_an_episode_continued_in_its_slot_is_the_re_prefilled_episode(params, slots):
-  held, held_metrics = _run_groups(params[0], hold_slots=True, slots=slots)
+  # With fewer slots than episodes, the second group's samples queue behind the first
+  # group's held slots, which are evicted for them.
+  held, held_metrics = _run_groups(params[0], hold_slots=True, slots=slots,
+                                   await_eviction=slots < 4)
   again, again_metrics = _run_groups(params[0], hold_slots=False, slots=slots)
   later_turns = sum(e.metadata["turns"] - 1 for e in held)
   assert later_turns >= 4, "the test needs later turns"

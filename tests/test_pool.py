@@ -11,6 +11,7 @@ import pytest
 from async_rl import models, policy
 from async_rl.generation import (FINISH_REASONS, Engine, GeneratorPool, Request,
                                  SamplingParams)
+from async_rl.generation import pool as pool_lib
 
 CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, d_ff=64)
@@ -124,6 +125,32 @@ def test_chunks_end_samples_on_device_and_count_the_waste(engine, params):
   assert m["slot_occupancy"] == pytest.approx((2 + 19) / (2 * 19))
   assert m["wasted_fraction"] == pytest.approx(6 / (2 * 19))
   assert m["decode_calls"] >= 3
+
+
+def test_an_idle_pool_admits_a_burst_of_submissions_together(engine, params, monkeypatch):
+  # Submissions 50 ms apart count as one burst under a 30 s quiet window, so both
+  # samples start in one chunk (19 steps, as above) rather than "short" alone (2 steps
+  # that end when it does, then "long"'s 19).
+  monkeypatch.setattr(pool_lib, "SETTLE_S", 30.0)
+  monkeypatch.setattr(pool_lib, "SETTLE_MAX_S", 30.0)
+  with GeneratorPool(engine, params) as pool:
+    short = pool.submit(Request("short", [5], sampling=SamplingParams(max_new_tokens=3)))
+    time.sleep(0.05)
+    start = time.monotonic()
+    long = pool.submit(Request("long", [6], sampling=SamplingParams(max_new_tokens=20)))
+    short.result(timeout=60), long.result(timeout=60)
+    # The second filled both slots, so the pool did not wait out the window.
+    assert time.monotonic() - start < 10.0
+    assert pool.metrics()["decode_steps"] == 19
+
+
+def test_an_idle_pool_waits_for_a_burst_at_most_settle_max_s(engine, params, monkeypatch):
+  monkeypatch.setattr(pool_lib, "SETTLE_S", 60.0)
+  monkeypatch.setattr(pool_lib, "SETTLE_MAX_S", 0.05)
+  with GeneratorPool(engine, params) as pool:
+    (sample,) = pool.submit(Request("alone", [5], sampling=SamplingParams(
+        max_new_tokens=3))).result(timeout=30)
+  assert len(sample.completion_C) == 3
 
 
 def test_retract_recomputes_kv_under_new_params(engine, params, new_params):

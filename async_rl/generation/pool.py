@@ -45,6 +45,9 @@ from async_rl.generation.request import Request, SlotHandle, empty_sample, valid
 from async_rl.timeline import Timeline
 
 UPDATE_MODES = ("retract", "keep", "drain")
+# An idle pool admits a burst of submissions together: it starts once none came for
+# SETTLE_S (or the queue fills its slots), at most SETTLE_MAX_S after the first.
+SETTLE_S, SETTLE_MAX_S = 0.005, 0.05
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,7 +116,7 @@ class GeneratorPool:
     self._updates: deque[_Update] = deque()
     self._requested_version = version
     self._paused = self._halted = self._closing = False
-    self._pause_started = 0.0
+    self._pause_started = self._last_submit = 0.0
     self._error: BaseException | None = None
     self._seeds = np.random.default_rng(seed)
     self._stats = _Stats()
@@ -138,6 +141,7 @@ class GeneratorPool:
     with self._cv:
       job = self._new_job(request)
       self._queue.extend((job, i) for i in range(request.n))
+      self._last_submit = time.perf_counter()
       self._cv.notify_all()
     return job.future
 
@@ -356,6 +360,8 @@ class GeneratorPool:
       return True
     start, wall_start = time.perf_counter(), time.time()
     if update is None:
+      if queued and not self._batch.num_active():
+        self._settle()
       if queued:
         # Reading the pending chunk first frees the slots it finished, so queued
         # samples take them in the next chunk. With nothing queued a freed slot would
@@ -369,6 +375,19 @@ class GeneratorPool:
     self._stats.decode_s += time.perf_counter() - start
     self.timeline.record("generator", "decode", wall_start, time.time(), merge=True)
     return True
+
+  def _settle(self):
+    """Waits, with no sample running, for a burst of submissions to end (SETTLE_S):
+    a step's groups arrive one by one from the workflows' threads, and a chunk
+    started for the first alone would run every slot for its few samples."""
+    first, free = time.perf_counter(), len(self._batch.free_slots())
+    with self._cv:
+      while not (self._closing or self._aborts or self._updates or self._paused
+                 or self._extends or len(self._queue) >= free):
+        wait = min(self._last_submit + SETTLE_S, first + SETTLE_MAX_S) - time.perf_counter()
+        if wait <= 0:
+          return
+        self._cv.wait(wait)
 
   def _admit(self):
     self._start_extensions()

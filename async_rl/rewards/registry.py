@@ -9,10 +9,10 @@ instead of a name (`RewardService` ships it to the workers by value, so one defi
 in a notebook cell works too).
 """
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from async_rl import named
 from async_rl.rewards.code_tests import code_tests_all_reward, code_tests_reward
 from async_rl.tasks.arithmetic import step_credit
 from async_rl.tasks.arithmetic import verify as arithmetic_reward
@@ -38,16 +38,8 @@ def resolve_reward_fn(name: str | RewardFn) -> RewardFn:
     raise ValueError(f"a reward function must be a name or a callable, got {name!r}")
   if name in REWARD_FNS:
     return REWARD_FNS[name]
-  module_name, sep, attr = name.partition(":")
-  if not (sep and module_name and attr):
+  fn = named.load_named(name, "reward function")
+  if fn is None:
     raise ValueError(f"unknown reward function {name!r}: use one of "
                      f"{sorted(REWARD_FNS)} or 'module:function'")
-  try:
-    fn = importlib.import_module(module_name)
-    for part in attr.split("."):
-      fn = getattr(fn, part)
-  except (ImportError, AttributeError) as e:
-    raise ValueError(f"cannot load reward function {name!r}: {e}") from e
-  if not callable(fn):
-    raise ValueError(f"reward function {name!r} is not callable")
   return fn

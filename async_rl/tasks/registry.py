@@ -7,10 +7,10 @@ options from `cfg.task_options` and checks them itself. A built-in task also has
 (`config_check`), so that a bad value stops a binary at once.
 """
 
-import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from async_rl import named
 from async_rl.tasks import arithmetic_task, code_task, math_task, tool_task
 
 
@@ -33,18 +33,10 @@ def resolve_task(name: str) -> Callable[[Any], Any]:
   """The factory of the task called `name`; raises ValueError for an unknown one."""
   if name in TASKS:
     return TASKS[name].make
-  module_name, sep, attr = name.partition(":")
-  if not (sep and module_name and attr):
+  factory = named.load_named(name, "task_kind")
+  if factory is None:
     raise ValueError(f"task_kind must be one of {sorted(TASKS)} or 'module:attr' naming a "
                      f"task factory, got {name!r}")
-  try:
-    factory = importlib.import_module(module_name)
-    for part in attr.split("."):
-      factory = getattr(factory, part)
-  except (ImportError, AttributeError) as e:
-    raise ValueError(f"task_kind {name!r}: cannot load the task factory: {e}") from e
-  if not callable(factory):
-    raise ValueError(f"task_kind {name!r} is not callable")
   return factory
 
 

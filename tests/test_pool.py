@@ -11,7 +11,7 @@ import pytest
 from async_rl import models, policy
 from async_rl.generation import (FINISH_REASONS, Engine, GeneratorPool, Request,
                                  SamplingParams)
-from async_rl.generation import pool as pool_lib
+from async_rl.generation import decode_thread
 
 CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, d_ff=64)
@@ -131,8 +131,8 @@ def test_an_idle_pool_admits_a_burst_of_submissions_together(engine, params, mon
   # Submissions 50 ms apart count as one burst under a 30 s quiet window, so both
   # samples start in one chunk (19 steps, as above) rather than "short" alone (2 steps
   # that end when it does, then "long"'s 19).
-  monkeypatch.setattr(pool_lib, "SETTLE_S", 30.0)
-  monkeypatch.setattr(pool_lib, "SETTLE_MAX_S", 30.0)
+  monkeypatch.setattr(decode_thread, "SETTLE_S", 30.0)
+  monkeypatch.setattr(decode_thread, "SETTLE_MAX_S", 30.0)
   with GeneratorPool(engine, params) as pool:
     short = pool.submit(Request("short", [5], sampling=SamplingParams(max_new_tokens=3)))
     time.sleep(0.05)
@@ -145,8 +145,8 @@ def test_an_idle_pool_admits_a_burst_of_submissions_together(engine, params, mon
 
 
 def test_an_idle_pool_waits_for_a_burst_at_most_settle_max_s(engine, params, monkeypatch):
-  monkeypatch.setattr(pool_lib, "SETTLE_S", 60.0)
-  monkeypatch.setattr(pool_lib, "SETTLE_MAX_S", 0.05)
+  monkeypatch.setattr(decode_thread, "SETTLE_S", 60.0)
+  monkeypatch.setattr(decode_thread, "SETTLE_MAX_S", 0.05)
   with GeneratorPool(engine, params) as pool:
     (sample,) = pool.submit(Request("alone", [5], sampling=SamplingParams(
         max_new_tokens=3))).result(timeout=30)

@@ -38,7 +38,7 @@ def resolve_reward_fn(name: str | RewardFn) -> RewardFn:
     raise ValueError(f"a reward function must be a name or a callable, got {name!r}")
   if name in REWARD_FNS:
     return REWARD_FNS[name]
-  fn = named.load_named(name, "reward function")
+  fn = named.load_named(name, "reward_fn", "reward function")
   if fn is None:
     raise ValueError(f"unknown reward function {name!r}: use one of "
                      f"{sorted(REWARD_FNS)} or 'module:function'")

@@ -33,7 +33,7 @@ def resolve_task(name: str) -> Callable[[Any], Any]:
   """The factory of the task called `name`; raises ValueError for an unknown one."""
   if name in TASKS:
     return TASKS[name].make
-  factory = named.load_named(name, "task_kind")
+  factory = named.load_named(name, "task_kind", "task factory")
   if factory is None:
     raise ValueError(f"task_kind must be one of {sorted(TASKS)} or 'module:attr' naming a "
                      f"task factory, got {name!r}")

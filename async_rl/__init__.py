@@ -8,6 +8,6 @@ Array names carry their shape letters, defined once here:
   S generator slots      G samples per group     N samples (flat)
   M micro-batches        R rows per micro-batch  P prompt tokens
 
-So `logp_BT` is [batch, tokens] and `kv_LSTKE` is [layers, slots, tokens, kv heads,
+So `logp_BT` is [batch, tokens] and `kv_LSKTE` is [layers, slots, kv heads, tokens,
 head dim].
 """

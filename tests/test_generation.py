@@ -110,7 +110,7 @@ def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params)
     alone, draw = _prefill_one(engine, params, prompts[row], sampling)
     assert first.tokens_S[i] == draw.tokens_S[0] == state.tokens_S[slot]
     np.testing.assert_allclose(first.logp_S[i], draw.logp_S[0], atol=1e-5)
-    np.testing.assert_allclose(state.cache["k"][:, slot, :16], alone.cache["k"][:, 0],
+    np.testing.assert_allclose(state.cache["k"][:, slot, :, :16], alone.cache["k"][:, 0],
                                atol=1e-5)
     assert state.positions_S[slot] == len(prompts[row])
     assert state.end_S[slot] == len(prompts[row]) + 5
@@ -131,10 +131,10 @@ def test_extend_continues_a_slot_as_a_prefill_of_the_whole_sequence(engine, para
   assert first.tokens_S[0] == draw.tokens_S[0] == state.tokens_S[1]
   np.testing.assert_allclose(first.logp_S[0], draw.logp_S[0], atol=1e-5)
   for name in ("k", "v"):
-    np.testing.assert_allclose(state.cache[name][:, 1, :len(seq)],
-                               alone.cache[name][:, 0, :len(seq)], atol=1e-5)
-    np.testing.assert_array_equal(state.cache[name][:, 1, len(seq):],
-                                  before[name][:, 1, len(seq):])
+    np.testing.assert_allclose(state.cache[name][:, 1, :, :len(seq)],
+                               alone.cache[name][:, 0, :, :len(seq)], atol=1e-5)
+    np.testing.assert_array_equal(state.cache[name][:, 1, :, len(seq):],
+                                  before[name][:, 1, :, len(seq):])
     assert not np.any(np.asarray(state.cache[name])[:, [0, 2]])
   assert state.positions_S[1] == first.positions_S[0] == len(seq)
   assert state.end_S[1] == len(seq) + 6

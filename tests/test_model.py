@@ -49,7 +49,8 @@ def test_kv_cached_decode_matches_full_forward():
   lengths = np.array([len(p) for p in prompts])
   logits_BPV, prompt_cache = models.prefill(params, cfg, tokens_BP, lengths)
   cache = models.init_cache(cfg, num_slots=2, max_len=16)
-  cache = jax.tree.map(lambda c, p: c.at[:, :, :P].set(p), cache, prompt_cache)
+  # The prompts' K/V go to positions 0..P-1 of each slot's [L, K, T, E] cache.
+  cache = jax.tree.map(lambda c, p: c.at[:, :, :, :P].set(p), cache, prompt_cache)
   for i, p in enumerate(prompts):
     np.testing.assert_allclose(logits_BPV[i, len(p) - 1], _full_logits(params, cfg, p)[-1],
                                atol=1e-5, rtol=1e-5)
@@ -72,10 +73,11 @@ def test_decode_past_cache_end_leaves_cache_untouched():
   _, new = models.decode(params, cfg, cache, jnp.array([3, 4]), jnp.array([4, 2]))
   for name in ("k", "v"):
     np.testing.assert_array_equal(new[name][:, 0], cache[name][:, 0])
-    # Slot 1 writes its row at position 2 in every layer, and nothing else.
-    assert not np.allclose(new[name][:, 1, 2], cache[name][:, 1, 2])
-    np.testing.assert_array_equal(np.delete(new[name][:, 1], 2, axis=1),
-                                  np.delete(cache[name][:, 1], 2, axis=1))
+    # Slot 1 writes its row at position 2 in every layer and head, and nothing else
+    # (a slot's cache is [L, K, T, E]).
+    assert not np.allclose(new[name][:, 1, :, 2], cache[name][:, 1, :, 2])
+    np.testing.assert_array_equal(np.delete(new[name][:, 1], 2, axis=2),
+                                  np.delete(cache[name][:, 1], 2, axis=2))
 
 
 def test_presets_have_documented_sizes():

@@ -18,7 +18,7 @@ from async_rl.generation.sampling import SlotSampling
 class Prefix:
   """B prefilled prompts, ready to be inserted into slots.
 
-  `cache` holds k and v of shape [L, B, P, K, E] for the padded prompts; `logits_BV`
+  `cache` holds k and v of shape [L, B, K, P, E] for the padded prompts; `logits_BV`
   are the logits after each prompt's last real token (kept so more samples of a
   prompt can be drawn by `insert_samples` without recomputing it); `tokens_B` and
   `logp_B` are each prompt's first generated token, drawn with `sampling_B`, which
@@ -41,10 +41,10 @@ class DecodeState:
 
   `tokens_S` is each slot's last generated token, not yet fed to the model;
   `positions_S` its sequence position. The cache holds k and v of shape
-  [L, S, T, K, E]. An idle slot sits at position T, where decoding writes nothing.
-  `end_S` is one past the position of a slot's last allowed token (prompt length
-  plus `max_new_tokens`, capped by T); `generate_chunk` advances only live slots
-  (see `live`).
+  [L, S, K, T, E] (`models.init_cache`). An idle slot sits at position T, where
+  decoding writes nothing. `end_S` is one past the position of a slot's last allowed
+  token (prompt length plus `max_new_tokens`, capped by T); `generate_chunk` advances
+  only live slots (see `live`).
   """
   cache: dict
   tokens_S: jax.Array
@@ -94,7 +94,7 @@ def _insert_row(prefix, row, token, sampling, state, slot):
     p_row = jax.lax.dynamic_slice_in_dim(p, row, 1, axis=1)
     return jax.lax.dynamic_update_slice(c, p_row.astype(c.dtype), (0, slot, 0, 0, 0))
 
-  T = state.cache["k"].shape[2]
+  T = models.cache_len(state.cache)
   end = jnp.minimum(prefix.starts_B[row] + sampling.max_new_tokens, T)
   sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, sampling)
   return DecodeState(cache=jax.tree.map(put, state.cache, prefix.cache),
@@ -138,7 +138,7 @@ def extend(params, state, tokens_P, count, slot, start, sampling, *, cfg):
   Only the slot's rows of the cache are computed on; the tokens are fed one by one
   because the decode step is the path that wrote the rest of the cache.
   """
-  T = state.cache["k"].shape[2]
+  T = models.cache_len(state.cache)
   cache_1 = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1), state.cache)
 
   def feed(i, carry):
@@ -174,7 +174,7 @@ def generate(params, state, *, cfg):
   """One decode step of every slot, as JetStream's `generate`: no slot stops."""
   logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, state.positions_S)
   # Idle slots stay parked at position T (past the cache end) instead of counting up.
-  positions_S = jnp.minimum(state.positions_S + 1, state.cache["k"].shape[2])
+  positions_S = jnp.minimum(state.positions_S + 1, models.cache_len(state.cache))
   tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
   new_state = state.replace(cache=cache, tokens_S=tokens_S, positions_S=positions_S)
   return new_state, ResultTokens(tokens_S, logp_S, positions_S)
@@ -187,7 +187,7 @@ def generate_chunk(params, state, *, cfg, steps):
   the loop exits early once no slot is live. Keys depend only on (seed, sample
   index, position), so the tokens do not depend on `steps`.
   """
-  S, T = state.tokens_S.shape[0], state.cache["k"].shape[2]
+  S, T = state.tokens_S.shape[0], models.cache_len(state.cache)
 
   def cond(carry):
     step, state, _ = carry

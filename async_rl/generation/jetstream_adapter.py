@@ -112,7 +112,7 @@ class JetStreamDecodeState:
 @jax.jit
 def _emit_pending(state: engine_lib.DecodeState, emitted_S):
   """JetStream's packed [S, 3] (token, valid, length) of the pending tokens."""
-  valid_S = state.positions_S < state.cache["k"].shape[2]
+  valid_S = state.positions_S < models.cache_len(state.cache)
   emitted_S = emitted_S + 1
   data_S3 = jnp.stack([state.tokens_S, valid_S.astype(jnp.int32), emitted_S], axis=1)
   return data_S3, emitted_S

@@ -1,5 +1,5 @@
 """Decoder-only transformers as pure functions of a params pytree."""
 
 from async_rl.models.config import ModelConfig, PRESETS, preset
-from async_rl.models.transformer import (decode, forward, hidden, init_cache, init_params,
-                                         prefill, unembed)
+from async_rl.models.transformer import (cache_len, decode, forward, hidden, init_cache,
+                                         init_params, prefill, unembed)

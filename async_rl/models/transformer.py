@@ -96,6 +96,18 @@ def _attention(q_BTHE, k_BSKE, v_BSKE, mask_BTS):
   return out.reshape(B, T, H, E)
 
 
+def _decode_attention(q_S1HE, k_SKTE, v_SKTE, mask_ST):
+  """`_attention` of one query per slot against a cache laid out [S, K, T, E]."""
+  S, _, H, E = q_S1HE.shape
+  K = k_SKTE.shape[1]
+  q_SKGE = q_S1HE.reshape(S, K, H // K, E)
+  scores = jnp.einsum("skge,skte->skgt", q_SKGE, k_SKTE,
+                      preferred_element_type=jnp.float32) * (E ** -0.5)
+  scores = jnp.where(mask_ST[:, None, None], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_SKTE.dtype)
+  return jnp.einsum("skgt,skte->skge", probs, v_SKTE).reshape(S, 1, H, E)
+
+
 @jax.custom_vjp
 def _matmul(x_NI, w_IO):
   return x_NI @ w_IO
@@ -207,9 +219,19 @@ def _remat(fn, cfg):
 
 
 def init_cache(cfg: ModelConfig, num_slots: int, max_len: int):
-  """Empty KV cache: k and v are [L, S, T, K, E] in the compute dtype."""
-  shape = (cfg.n_layers, num_slots, max_len, cfg.n_kv_heads, cfg.head_dim)
+  """Empty KV cache: k and v are [L, S, K, T, E] in the compute dtype.
+
+  Heads before positions: decoding's attention contracts each (slot, head)'s keys,
+  and with (slot, head) leading they are batch dimensions XLA needs no copy for
+  (with T before K, XLA:CPU transposed each layer's cache on every decode step).
+  """
+  shape = (cfg.n_layers, num_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
   return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+
+
+def cache_len(cache) -> int:
+  """The positions T a KV cache (`init_cache`, `prefill`) holds per slot."""
+  return cache["k"].shape[3]
 
 
 def prefill(params: Params, cfg: ModelConfig, tokens_BT, lengths_B):
@@ -229,7 +251,8 @@ def prefill(params: Params, cfg: ModelConfig, tokens_BT, lengths_B):
 
   x, (k_LBTKE, v_LBTKE) = jax.lax.scan(layer, _embed(params, cfg, tokens_BT),
                                        params["layers"])
-  return _logits(params, cfg, x), {"k": k_LBTKE, "v": v_LBTKE}
+  heads_first = lambda c: jnp.transpose(c, (0, 1, 3, 2, 4))  # The cache's [L, B, K, T, E].
+  return _logits(params, cfg, x), {"k": heads_first(k_LBTKE), "v": heads_first(v_LBTKE)}
 
 
 def decode(params: Params, cfg: ModelConfig, cache, tokens_S, positions_S):
@@ -238,27 +261,28 @@ def decode(params: Params, cfg: ModelConfig, cache, tokens_S, positions_S):
   Returns (logits [S, V] float32, updated cache). Slots whose position is past the
   cache end write nowhere (the update is dropped), so idle slots are harmless.
   """
-  S, Tmax = tokens_S.shape[0], cache["k"].shape[2]
+  S, Tmax = tokens_S.shape[0], cache_len(cache)
   slots_S = jnp.arange(S)
   positions_S1 = positions_S[:, None]
-  mask_S1T = (jnp.arange(Tmax)[None, None, :] <= positions_S1[:, :, None])
+  mask_ST = jnp.arange(Tmax)[None, :] <= positions_S1
 
   # The whole cache rides in the scan's carry and each layer scatters only its new
   # row into it, so with a donated cache XLA updates it in place: no pass over the
   # cache per step beyond what attention reads.
   def layer(carry, inputs):
-    x, k_LSTKE, v_LSTKE = carry
+    x, k_LSKTE, v_LSKTE = carry
     lp, l = inputs
 
     def attend(q, k, v):
-      k_all = k_LSTKE.at[l, slots_S, positions_S].set(k[:, 0].astype(k_LSTKE.dtype),
-                                                      mode="drop")
-      v_all = v_LSTKE.at[l, slots_S, positions_S].set(v[:, 0].astype(v_LSTKE.dtype),
-                                                      mode="drop")
-      return _attention(q, k_all[l], v_all[l], mask_S1T), (k_all, v_all)
+      # k[:, 0] is [S, K, E]: slot s's new row goes to [l, s, :, positions_S[s]].
+      k_all = k_LSKTE.at[l, slots_S, :, positions_S].set(k[:, 0].astype(k_LSKTE.dtype),
+                                                         mode="drop")
+      v_all = v_LSKTE.at[l, slots_S, :, positions_S].set(v[:, 0].astype(v_LSKTE.dtype),
+                                                         mode="drop")
+      return _decode_attention(q, k_all[l], v_all[l], mask_ST), (k_all, v_all)
 
-    x, (k_LSTKE, v_LSTKE) = _block(lp, cfg, x, positions_S1, attend)
-    return (x, k_LSTKE, v_LSTKE), None
+    x, (k_LSKTE, v_LSKTE) = _block(lp, cfg, x, positions_S1, attend)
+    return (x, k_LSKTE, v_LSKTE), None
 
   x = _embed(params, cfg, tokens_S[:, None])
   (x, k, v), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),

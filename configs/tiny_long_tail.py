@@ -8,7 +8,10 @@ typical one, the tail that stalls synchronous RL. Run from the repository root (
 builds on `configs/tiny.py`). On a 2-core CPU, async (η = 4, retract) trained 1.34x
 the samples/s of sync here, against 1.09x on `configs/tiny.py` (BENCHMARKS.md). The
 ratio depends on the slot count: 1.03-1.15x at 16 slots, where both modes run
-fastest on a CPU, and up to 1.98x at 128, where sync is slowest.
+fastest on a CPU, and up to 1.98x at 128, where sync is slowest. Re-measured at 16
+slots after the train-step work: 1.61-1.80x the samples/s, but 1.04-1.09x per trained
+token (that sync run wrote longer completions); the async trainer is still the
+bottleneck (BENCHMARKS.md).
 
   python -m benchmarks.admission --config.batch_groups=16 --steps=10
 

@@ -139,12 +139,17 @@ def in_process_faults(cfg, workdir):
   steps = {s["step"]: s for s in step_lines(workdir)}
   last = steps.get(cfg.num_steps, {})
   finished = summary is not None and summary["end_version"] == cfg.num_steps
-  rewards = last.get("rewards", {})
+  # Which completions raise or hang depends on what was sampled, and with async
+  # batches that depends on timing: count them over both runs (every logged line,
+  # the first run's included), not over the resume alone.
+  logged = [json.loads(line) for line in
+            (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  counted = lambda key: any(line.get("rewards", {}).get(key, 0) > 0 for line in logged)
   return {
       "non_finite_step": finished and steps[POISONED_STEP]["skipped"] == 1
                          and last["skipped_steps"] == 1,
-      "raising_reward": finished and rewards["errors"] > 0,
-      "hanging_reward": finished and rewards["timeouts"] > 0,
+      "raising_reward": finished and counted("errors"),
+      "hanging_reward": finished and counted("timeouts"),
       "stalled_generator": (stall is not None and "rollout worker 0 generator" in str(stall)
                             and "holds the params" in str(stall) and finished),
       "truncated_checkpoint": finished and summary["damaged_checkpoints"] == 1

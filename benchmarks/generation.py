@@ -269,7 +269,8 @@ def _static_sampler(params, prompts_BP, sampling_N, *, cfg, new_tokens, share_pr
     logits_NV = logits_NPV[:, -1]
   lengths_N = jnp.full(N, P, jnp.int32)
   first_N, _ = sample(logits_NV, sampling_N, lengths_N)
-  cache = jax.tree.map(lambda c, p: c.at[:, :, :P].set(p),
+  # The prompts' K/V go to positions 0..P-1 of each row's [L, K, T, E] cache.
+  cache = jax.tree.map(lambda c, p: c.at[:, :, :, :P].set(p),
                        models.init_cache(cfg, N, P + new_tokens), prompt_cache)
   tokens_NT = jnp.zeros((N, new_tokens), jnp.int32).at[:, 0].set(first_N)
 

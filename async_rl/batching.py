@@ -161,22 +161,32 @@ def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[Sequenc
       versions=to_mrt(versions) if with_versions else None)
 
 
-def default_row_buckets(max_tokens_per_mb: int, smallest: int = 64) -> tuple[int, ...]:
-  """Row lengths max, max/2, max/4, ... down to `smallest`, each rounded up to a multiple of 8.
+def default_row_buckets(max_tokens_per_mb: int, smallest: int = 64,
+                        longest: Optional[int] = None) -> tuple[int, ...]:
+  """Row lengths max, max/2, max/4, ... down to `smallest`, and `longest`; multiples of 8.
 
   Halving keeps a row's padding under half its length once a row holds its longest
   sequence; rows as short as the sequences keep attention (which grows with the row
-  length) cheap. Multiples of 8 keep the shapes friendly to the accelerator's tiling.
+  length) cheap. `longest`, the longest sequence a run can produce (a trainer passes
+  `generation.max_prompt_len + generation.max_new_tokens`), adds the row that one such
+  sequence fills: in a batch that holds one, rows of that length carry no padding
+  (issue 16's workload, all sequences 80 tokens long: rows of 80 instead of 128 or
+  three to a row of 256, 0.78x the train step's time). It is dropped when over the
+  max. Each length is rounded up to a multiple of 8, to suit the accelerator's tiling.
   Only the lengths a run meets are compiled. Duplicates (for a small max) are dropped.
   """
   if max_tokens_per_mb < 1 or smallest < 1:
     raise ValueError(f"max_tokens_per_mb and smallest must be >= 1, got "
                      f"{max_tokens_per_mb} and {smallest}")
+  if longest is not None and longest < 1:
+    raise ValueError(f"longest must be >= 1, got {longest}")
   round8 = lambda n: -(-n // 8) * 8
   buckets, k = {round8(max_tokens_per_mb)}, 1
   while -(-max_tokens_per_mb // 2**k) >= smallest:
     buckets.add(round8(-(-max_tokens_per_mb // 2**k)))
     k += 1
+  if longest is not None and longest <= max_tokens_per_mb:
+    buckets.add(round8(longest))
   return tuple(sorted(buckets))
 
 

@@ -249,6 +249,27 @@ def test_default_row_buckets():
   assert batching.default_row_buckets(100, smallest=16) == (32, 56, 104)  # 13 < 16
   assert batching.default_row_buckets(8) == (8,)
   assert batching.default_row_buckets(16384, smallest=4096) == (4096, 8192, 16384)
+  # The longest sequence a run can produce adds its own row length (rounded to 8).
+  assert batching.default_row_buckets(1024, longest=80) == (64, 80, 128, 256, 512, 1024)
+  assert batching.default_row_buckets(1024, longest=77) == (64, 80, 128, 256, 512, 1024)
+  assert batching.default_row_buckets(1024, longest=256) == (64, 128, 256, 512, 1024)
+  assert batching.default_row_buckets(1024, longest=2000) == (64, 128, 256, 512, 1024)
+  with pytest.raises(ValueError, match="longest"):
+    batching.default_row_buckets(1024, longest=0)
+
+
+def test_sequences_that_fill_the_longest_bucket_get_rows_of_their_own():
+  # Issue 16's workload: 64 sequences of 80 tokens. Without the 80 bucket they sit
+  # three to a row of 256 (or one to a row of 128); with it, one per row, no padding.
+  seqs = [_seq(range(3, 19), range(20, 84)) for _ in range(64)]
+  kw = dict(max_tokens_per_mb=1024, num_shards=1)
+  without = batching.pack_dynamic(seqs, np.zeros(64), **kw,
+                                  row_buckets=batching.default_row_buckets(1024))
+  assert without.tokens.shape[2] == 256
+  batch = batching.pack_dynamic(seqs, np.zeros(64), **kw,
+                                row_buckets=batching.default_row_buckets(1024, longest=80))
+  assert batch.tokens.shape[1:] == (12, 80)
+  assert (batch.segment_ids <= 1).all() and int((batch.segment_ids > 0).sum()) == 64 * 80
 
 
 def test_rows_per_mb():

@@ -60,7 +60,8 @@ class Trainer:
     self._batch_sharding = train_step.batch_shardings(mesh)
     self._advantage_fn = advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
     b = cfg.batching
-    self._row_buckets = b.row_buckets or batching.default_row_buckets(b.max_tokens_per_mb)
+    self._row_buckets = b.row_buckets or batching.default_row_buckets(
+        b.max_tokens_per_mb, longest=cfg.generation.max_prompt_len + cfg.generation.max_new_tokens)
     self._num_shards = sharding.num_batch_shards(mesh)
     self._attention_len = flops.attention_break_even_len(cfg.model)
 

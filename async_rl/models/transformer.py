@@ -142,11 +142,23 @@ def _linear(x, w, n_in=1):
 
 
 def _project_qkv(lp, cfg, h_BTD, positions_BT):
-  q, k, v = (_linear(h_BTD, lp[name]) for name in ("q", "k", "v"))
+  """q, k and v in one matmul: each kv head's query group, key and value side by side.
+
+  The weights are joined per call as [D, K, G + 2, E] (G = H / K query heads per kv
+  head): joining along G keeps the K axis, which tensor parallelism shards, where it
+  was. On a 2-core CPU one matmul instead of three (and one input gradient instead of
+  a sum of three) took issue 16's train step to 0.91x its time and a decode step to
+  0.95x. (Gate and up joined the same way were slower: 1.04x.)
+  """
+  H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  G = H // K
+  join = lambda q, k, v: jnp.concatenate(
+      [q.reshape(*q.shape[:-2], K, G, E), k[..., None, :], v[..., None, :]], axis=-2)
+  qkv = _linear(h_BTD, join(lp["q"], lp["k"], lp["v"]))
   if cfg.qkv_bias:
-    q = q + lp["q_bias"].astype(q.dtype)
-    k = k + lp["k_bias"].astype(k.dtype)
-    v = v + lp["v_bias"].astype(v.dtype)
+    qkv = qkv + join(lp["q_bias"], lp["k_bias"], lp["v_bias"]).astype(qkv.dtype)
+  q = qkv[..., :G, :].reshape(*qkv.shape[:-3], H, E)
+  k, v = qkv[..., G, :], qkv[..., G + 1, :]
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_eps)

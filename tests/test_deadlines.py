@@ -95,10 +95,18 @@ def test_the_watchdog_records_a_probe_that_stalls():
 
 
 # Whole runs, in process. Deadlines of seconds (the config's defaults are minutes), but
-# long enough for the first compilations on a loaded CPU.
+# long enough for the first compilations on a loaded CPU. The held-out set is one
+# prompt, one sample: these runs check the deadlines, not the evaluation, and each
+# held-out reward call of `hangs` costs its timeout.
 
 _FAST = {"run.warn_after_s": 1.0, "run.stall_timeout_s": 45.0, "rollout.reward_timeout_s": 1.0,
-         "rollout.reward_fn": "reward_fns_for_tests:length", "num_steps": 2}
+         "rollout.reward_fn": "reward_fns_for_tests:length", "num_steps": 2,
+         "eval.num_prompts": 1, "eval.pass_k": 1}
+# The generator test waits the stall timeout out. Before the hang, the waits that may
+# stall are the held-out generation's first compilation (about 3 s on 2 idle cores, with
+# the held-out set above) and the rollout worker's first weight fetch: 15 s leaves them
+# a 5x margin.
+_STALL_S = 15.0
 
 
 def _run(tmp_path, cfg, inject):
@@ -122,13 +130,13 @@ def _hang_generator(worker, release):
 
 
 def test_a_generator_that_never_returns_stops_the_run_checkpointed_and_named(tmp_path):
-  cfg = small_config(**_FAST)
+  cfg = small_config(**{**_FAST, "run.stall_timeout_s": _STALL_S})
   started = time.monotonic()
   with pytest.raises(StallError) as stall:
     _run(tmp_path, cfg, _hang_generator)
   assert time.monotonic() - started < 180
   message = str(stall.value)
-  assert "for rollout worker 0 generator (run.stall_timeout_s=45)" in message
+  assert f"for rollout worker 0 generator (run.stall_timeout_s={_STALL_S:g})" in message
   assert "checkpoint 0 holds the params; rerun the same command to resume" in message
   assert checkpoint_meta(tmp_path)["version"] == 0
 

@@ -12,8 +12,21 @@ import pytest
 
 pytest.importorskip("ray", reason="the ray placement needs ray (pip install -e .[ray])")
 
-from async_rl.rl.ray_placement import run_on_ray  # noqa: E402 (after the skip)
+import ray  # noqa: E402
+from async_rl.rl import ray_placement  # noqa: E402
+from async_rl.rl.ray_placement import run_on_ray  # noqa: E402
 from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+  """One local Ray instance, started as `run_on_ray` starts its own, for the runs that
+  need nothing of their own from it: `run_on_ray` uses it and leaves it up (starting
+  and stopping one takes seconds)."""
+  if not ray.is_initialized():
+    ray_placement._init_ray(None)
+  yield
+  ray.shutdown()
 
 
 def _steps(workdir):
@@ -30,14 +43,19 @@ def _checkpoints(workdir):
 
 def _run(workdir, stop=None, trainer_cpus=None, rollout_cpus=None, **overrides):
   # A reward function from a test module: the actors must import what the driver does.
+  # A held-out set of one prompt, one sample: these tests do not check the evaluation.
   cfg = small_config(**{"staleness.max_staleness": 1,
-                        "rollout.reward_fn": "reward_fns_for_tests:length", **overrides})
+                        "rollout.reward_fn": "reward_fns_for_tests:length",
+                        "eval.num_prompts": 1, "eval.pass_k": 1, **overrides})
   return run_on_ray(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None,
                     trainer_cpus=trainer_cpus, rollout_cpus=rollout_cpus)
 
 
-def test_actors_train_within_the_bound_and_resume(tmp_path):
+def test_actors_train_within_the_bound_and_resume(tmp_path, request):
+  # The first run starts and stops its own Ray instance (run first, as it is in this
+  # file); the resume uses the shared one.
   summary = _run(tmp_path, num_steps=3)
+  request.getfixturevalue("shared_ray")
   assert summary["start_version"] == 0 and summary["end_version"] == 3
   pids = summary["pids"]
   assert pids["driver"] == os.getpid()
@@ -56,7 +74,7 @@ def test_actors_train_within_the_bound_and_resume(tmp_path):
   assert _checkpoints(tmp_path)[-1] == 5
 
 
-def test_stop_checkpoints_and_returns(tmp_path):
+def test_stop_checkpoints_and_returns(tmp_path, shared_ray):
   stop = threading.Event()
 
   def stop_after_first_step():
@@ -75,6 +93,9 @@ def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_p
   # The rollout worker's reward subprocess SIGKILLs it while scoring its 7th group (2
   # samples each), which is running then; with η = 1 and B = 2 that group can start
   # only once version 2 is published, after step 1 is logged.
+  # Its own Ray instance: the actors take the environment of the one that starts them.
+  if ray.is_initialized():
+    ray.shutdown()
   monkeypatch.setenv("FAULTS_KILL_COUNT", str(tmp_path / "calls"))
   monkeypatch.setenv("FAULTS_KILL_AT", "13")
   summary = _run(tmp_path, num_steps=5,

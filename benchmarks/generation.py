@@ -259,18 +259,19 @@ def _static_sampler(params, prompts_BP, sampling_N, *, cfg, new_tokens, share_pr
   the same seeds and sample indices draw the same tokens.
   """
   (B, P), N = prompts_BP.shape, sampling_N.seed.shape[0]
+  params = models.split_layers(params)  # The layout the pool's engine decodes with.
   if share_prefill:
     logits_BPV, prompt_cache = models.prefill(params, cfg, prompts_BP, jnp.full(B, P))
     logits_NV = jnp.repeat(logits_BPV[:, -1], N // B, axis=0)
-    prompt_cache = jax.tree.map(lambda c: jnp.repeat(c, N // B, axis=1), prompt_cache)
+    prompt_cache = jax.tree.map(lambda c: jnp.repeat(c, N // B, axis=0), prompt_cache)
   else:
     logits_NPV, prompt_cache = models.prefill(params, cfg, jnp.repeat(prompts_BP, N // B, axis=0),
                                               jnp.full(N, P))
     logits_NV = logits_NPV[:, -1]
   lengths_N = jnp.full(N, P, jnp.int32)
   first_N, _ = sample(logits_NV, sampling_N, lengths_N)
-  # The prompts' K/V go to positions 0..P-1 of each row's [L, K, T, E] cache.
-  cache = jax.tree.map(lambda c, p: c.at[:, :, :, :P].set(p),
+  # The prompts' K/V go to positions 0..P-1 of each layer's [N, K, T, E] cache.
+  cache = jax.tree.map(lambda c, p: c.at[:, :, :P].set(p),
                        models.init_cache(cfg, N, P + new_tokens), prompt_cache)
   tokens_NT = jnp.zeros((N, new_tokens), jnp.int32).at[:, 0].set(first_N)
 

@@ -47,7 +47,9 @@ def main():
     tensor_mesh = Mesh(np.array(devices[6:]).reshape(1, 1, 2), sharding.AXES)
     split = sharding.reshard(params, sharding.param_shardings(params, tensor_mesh))
   trained = jax.device_get(trainer.state.params)
+  # The pool keeps the engine's serving layout: one dict per layer.
   live = jax.device_get(pool._params)
+  live = dict(live, layers=jax.tree.map(lambda *ls: np.stack(ls), *live["layers"]))
   sample = pool.submit(Request("r", [1, 2, 3], sampling=SamplingParams(
       max_new_tokens=4, seed=0))).result(timeout=60)[0]
   pool.shutdown()

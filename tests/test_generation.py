@@ -93,7 +93,8 @@ def test_prefill_many_equals_prefill_one_by_one(engine, params):
     assert int(got.lengths_B[row]) == int(got.starts_B[row]) == len(prompt)
     assert int(got.tokens_B[row]) == int(want.tokens_B[0])
     np.testing.assert_allclose(got.logits_BV[row], want.logits_BV[0], atol=1e-5)
-    np.testing.assert_allclose(got.cache["k"][:, row], want.cache["k"][:, 0], atol=1e-5)
+    np.testing.assert_allclose(np.stack(got.cache["k"])[:, row], np.stack(want.cache["k"])[:, 0],
+                               atol=1e-5)
 
 
 def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params):
@@ -110,13 +111,18 @@ def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params)
     alone, draw = _prefill_one(engine, params, prompts[row], sampling)
     assert first.tokens_S[i] == draw.tokens_S[0] == state.tokens_S[slot]
     np.testing.assert_allclose(first.logp_S[i], draw.logp_S[0], atol=1e-5)
-    np.testing.assert_allclose(state.cache["k"][:, slot, :, :16], alone.cache["k"][:, 0],
-                               atol=1e-5)
+    np.testing.assert_allclose(np.stack(state.cache["k"])[:, slot, :, :16],
+                               np.stack(alone.cache["k"])[:, 0], atol=1e-5)
     assert state.positions_S[slot] == len(prompts[row])
     assert state.end_S[slot] == len(prompts[row]) + 5
   others = [0, 2, 3, 4, 7]
   assert all(state.positions_S[s] == T and state.end_S[s] == 0 for s in others)
-  assert not np.any(np.asarray(state.cache["k"])[:, others])
+  assert not np.any(np.stack(state.cache["k"])[:, others])
+
+
+def _stacked(cache):
+  """The per-layer cache as [L, S, K, T, E] arrays."""
+  return {name: np.stack(cache[name]) for name in ("k", "v")}
 
 
 def test_extend_continues_a_slot_as_a_prefill_of_the_whole_sequence(engine, params):
@@ -124,18 +130,18 @@ def test_extend_continues_a_slot_as_a_prefill_of_the_whole_sequence(engine, para
   sampling = SlotSampling.create(SamplingParams(temperature=1.0, max_new_tokens=6, seed=2), 2, 0)
   head, _ = _prefill_one(engine, params, seq[:6], sampling)
   state = engine.insert(head, engine.init_decode_state(), 1)
-  before = jax.tree.map(np.asarray, state.cache)
+  before = _stacked(state.cache)
   # The cache holds positions 0..5; the slot's last token (seq[6]) and the rest are fed.
   state, first = engine.extend(params, state, 1, seq[6:], 6, sampling)
   alone, draw = _prefill_one(engine, params, seq, sampling)
   assert first.tokens_S[0] == draw.tokens_S[0] == state.tokens_S[1]
   np.testing.assert_allclose(first.logp_S[0], draw.logp_S[0], atol=1e-5)
+  got, alone = _stacked(state.cache), _stacked(alone.cache)
   for name in ("k", "v"):
-    np.testing.assert_allclose(state.cache[name][:, 1, :, :len(seq)],
-                               alone.cache[name][:, 0, :, :len(seq)], atol=1e-5)
-    np.testing.assert_array_equal(state.cache[name][:, 1, :, len(seq):],
-                                  before[name][:, 1, :, len(seq):])
-    assert not np.any(np.asarray(state.cache[name])[:, [0, 2]])
+    np.testing.assert_allclose(got[name][:, 1, :, :len(seq)], alone[name][:, 0, :, :len(seq)],
+                               atol=1e-5)
+    np.testing.assert_array_equal(got[name][:, 1, :, len(seq):], before[name][:, 1, :, len(seq):])
+    assert not np.any(got[name][:, [0, 2]])
   assert state.positions_S[1] == first.positions_S[0] == len(seq)
   assert state.end_S[1] == len(seq) + 6
   with pytest.raises(ValueError, match="no room"):

@@ -49,8 +49,8 @@ def test_kv_cached_decode_matches_full_forward():
   lengths = np.array([len(p) for p in prompts])
   logits_BPV, prompt_cache = models.prefill(params, cfg, tokens_BP, lengths)
   cache = models.init_cache(cfg, num_slots=2, max_len=16)
-  # The prompts' K/V go to positions 0..P-1 of each slot's [L, K, T, E] cache.
-  cache = jax.tree.map(lambda c, p: c.at[:, :, :, :P].set(p), cache, prompt_cache)
+  # The prompts' K/V go to positions 0..P-1 of each layer's [S, K, T, E] cache.
+  cache = jax.tree.map(lambda c, p: c.at[:, :, :P].set(p), cache, prompt_cache)
   for i, p in enumerate(prompts):
     np.testing.assert_allclose(logits_BPV[i, len(p) - 1], _full_logits(params, cfg, p)[-1],
                                atol=1e-5, rtol=1e-5)
@@ -65,12 +65,18 @@ def test_kv_cached_decode_matches_full_forward():
     positions = positions + 1
 
 
+def _stacked(cache):
+  """The per-layer cache as [L, S, K, T, E] arrays."""
+  return {name: np.stack(cache[name]) for name in ("k", "v")}
+
+
 def test_decode_past_cache_end_leaves_cache_untouched():
   cfg = _cfg()
   params = models.init_params(cfg, jax.random.key(2))
   cache = models.init_cache(cfg, num_slots=2, max_len=4)
   cache = jax.tree.map(lambda c: c + 1.0, cache)
   _, new = models.decode(params, cfg, cache, jnp.array([3, 4]), jnp.array([4, 2]))
+  new, cache = _stacked(new), _stacked(cache)
   for name in ("k", "v"):
     np.testing.assert_array_equal(new[name][:, 0], cache[name][:, 0])
     # Slot 1 writes its row at position 2 in every layer and head, and nothing else
@@ -78,6 +84,24 @@ def test_decode_past_cache_end_leaves_cache_untouched():
     assert not np.allclose(new[name][:, 1, :, 2], cache[name][:, 1, :, 2])
     np.testing.assert_array_equal(np.delete(new[name][:, 1], 2, axis=2),
                                   np.delete(cache[name][:, 1], 2, axis=2))
+
+
+def test_the_serving_layout_prefills_and_decodes_as_the_stacked_one():
+  cfg = _cfg()
+  params = models.init_params(cfg, jax.random.key(3))
+  split = models.split_layers(params)
+  assert isinstance(split["layers"], tuple) and len(split["layers"]) == cfg.n_layers
+  np.testing.assert_array_equal(split["layers"][1]["q"], params["layers"]["q"][1])
+  assert models.split_layers(split) is split
+  tokens_BP, lengths = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4])
+  results = []
+  for p in (params, split):
+    logits, prompt_cache = models.prefill(p, cfg, tokens_BP, lengths)
+    cache = jax.tree.map(lambda c, pc: c.at[:, :, :4].set(pc),
+                         models.init_cache(cfg, num_slots=2, max_len=8), prompt_cache)
+    step_logits, cache = models.decode(p, cfg, cache, jnp.array([12, 13]), jnp.array(lengths))
+    results.append((logits, step_logits, cache))
+  jax.tree.map(np.testing.assert_array_equal, *results)
 
 
 def test_presets_have_documented_sizes():

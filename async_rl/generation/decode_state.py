@@ -18,7 +18,7 @@ from async_rl.generation.sampling import SlotSampling
 class Prefix:
   """B prefilled prompts, ready to be inserted into slots.
 
-  `cache` holds k and v of shape [L, B, K, P, E] for the padded prompts; `logits_BV`
+  `cache` holds k and v, L arrays [B, K, P, E] each, for the padded prompts; `logits_BV`
   are the logits after each prompt's last real token (kept so more samples of a
   prompt can be drawn by `insert_samples` without recomputing it); `tokens_B` and
   `logp_B` are each prompt's first generated token, drawn with `sampling_B`, which
@@ -40,8 +40,8 @@ class DecodeState:
   """Everything one decode step transforms, for all S slots.
 
   `tokens_S` is each slot's last generated token, not yet fed to the model;
-  `positions_S` its sequence position. The cache holds k and v of shape
-  [L, S, K, T, E] (`models.init_cache`). An idle slot sits at position T, where
+  `positions_S` its sequence position. The cache holds k and v, L arrays [S, K, T, E]
+  each (`models.init_cache`). An idle slot sits at position T, where
   decoding writes nothing. `end_S` is one past the position of a slot's last allowed
   token (prompt length plus `max_new_tokens`, capped by T); `generate_chunk` advances
   only live slots (see `live`).
@@ -91,8 +91,8 @@ def prefill(params, tokens_BP, lengths_B, generated_B, sampling_B, *, cfg):
 def _insert_row(prefix, row, token, sampling, state, slot):
   """Puts prompt `row` of `prefix` into `slot`, with first token `token`."""
   def put(c, p):
-    p_row = jax.lax.dynamic_slice_in_dim(p, row, 1, axis=1)
-    return jax.lax.dynamic_update_slice(c, p_row.astype(c.dtype), (0, slot, 0, 0, 0))
+    p_row = jax.lax.dynamic_slice_in_dim(p, row, 1, axis=0)
+    return jax.lax.dynamic_update_slice(c, p_row.astype(c.dtype), (slot, 0, 0, 0))
 
   T = models.cache_len(state.cache)
   end = jnp.minimum(prefix.starts_B[row] + sampling.max_new_tokens, T)
@@ -139,7 +139,7 @@ def extend(params, state, tokens_P, count, slot, start, sampling, *, cfg):
   because the decode step is the path that wrote the rest of the cache.
   """
   T = models.cache_len(state.cache)
-  cache_1 = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1), state.cache)
+  cache_1 = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0), state.cache)
 
   def feed(i, carry):
     cache_1, _ = carry
@@ -154,7 +154,7 @@ def extend(params, state, tokens_P, count, slot, start, sampling, *, cfg):
                                          position[None])
   sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, sampling)
   cache = jax.tree.map(
-      lambda c, c1: jax.lax.dynamic_update_slice(c, c1.astype(c.dtype), (0, slot, 0, 0, 0)),
+      lambda c, c1: jax.lax.dynamic_update_slice(c, c1.astype(c.dtype), (slot, 0, 0, 0)),
       state.cache, cache_1)
   new_state = DecodeState(
       cache=cache, tokens_S=state.tokens_S.at[slot].set(tokens_1[0]),

@@ -97,6 +97,7 @@ class Engine:
     self._mesh = mesh
     replicated = NamedSharding(mesh, PartitionSpec())
     self._param_sharding = replicated if param_sharding is None else param_sharding
+    self._split_fn = jax.jit(models.split_layers)
     self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg), out_shardings=replicated)
     # Donating the decode state lets XLA update the KV cache in place.
     self._insert_fn = jax.jit(ds.insert, donate_argnums=(1,), out_shardings=replicated)
@@ -136,13 +137,14 @@ class Engine:
     return self._mesh
 
   def load_params(self, params):
-    """A copy of `params` on this engine's devices and sharding.
+    """A copy of `params` on this engine's devices and sharding, in the serving layout.
 
     Never aliases the input, so the caller may donate or delete its buffers. Device
     arrays from other devices (a trainer's) move device to device
-    (`sharding.reshard`).
+    (`sharding.reshard`), then split into one dict per layer on the device
+    (`models.split_layers`), which decoding reads without slicing.
     """
-    return sharding.reshard(params, self._param_sharding)
+    return self._split_fn(sharding.reshard(params, self._param_sharding))
 
   def init_decode_state(self) -> DecodeState:
     return self._init_fn()

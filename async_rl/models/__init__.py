@@ -2,4 +2,4 @@
 
 from async_rl.models.config import ModelConfig, PRESETS, preset
 from async_rl.models.transformer import (cache_len, decode, forward, hidden, init_cache,
-                                         init_params, prefill, unembed)
+                                         init_params, prefill, split_layers, unembed)

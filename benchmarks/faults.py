@@ -3,9 +3,10 @@ r"""Fault injection: the micro config through a schedule of faults, and what sur
   python -m benchmarks.faults            # the seven faults below
   python -m benchmarks.faults --quick    # the five that run in this process (1-5)
 
-Deadlines are seconds here (`run.warn_after_s=2`, `run.stall_timeout_s=45`,
-`rollout.reward_timeout_s=1`), not the minutes of a real run; the stall timeout leaves
-room for the first compilations on a loaded CPU, which the deadlines count. The faults:
+Deadlines are seconds here (`run.warn_after_s=2`, `run.stall_timeout_s` from
+--stall_timeout_s, 45 by default, `rollout.reward_timeout_s=1`), not the minutes of a
+real run; the stall timeout leaves room for the first compilations on a loaded CPU,
+which the deadlines count, and the stalled generator (fault 4) is reported after it. The faults:
 
   in this process, one run of --steps steps, then its resume:
   1. non_finite_step       the batch of step 2 carries NaN behaviour log-probs;
@@ -65,6 +66,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "Only the faults that run in this pro
 _STEPS = flags.DEFINE_integer("steps", 6, "Training steps of each run (at least 6: with "
                               "η = 1 the stall at version 3 must leave groups to generate).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/async_rl_faults", "Workdirs go here.")
+_STALL_TIMEOUT_S = flags.DEFINE_float("stall_timeout_s", 45.0, "run.stall_timeout_s of every run.")
 
 ROOT = Path(__file__).parents[1]
 FLAKY = "async_rl.rewards.injected:flaky"
@@ -76,7 +78,7 @@ def fault_config(cfg: ExperimentConfig, steps: int, reward_fn: str) -> Experimen
   return dataclasses.replace(
       cfg, num_steps=steps, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=1,
                                                            keep=steps + 1),
-      run=dataclasses.replace(cfg.run, warn_after_s=2.0, stall_timeout_s=45.0),
+      run=dataclasses.replace(cfg.run, warn_after_s=2.0, stall_timeout_s=_STALL_TIMEOUT_S.value),
       rollout=dataclasses.replace(cfg.rollout, reward_fn=reward_fn, reward_timeout_s=1.0))
 
 
@@ -177,7 +179,7 @@ def _train(workdir, steps):
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/micro.py",
          f"--workdir={workdir}", f"--config.num_steps={steps}",
          f"--config.rollout.reward_fn={FLAKY}", "--config.rollout.reward_timeout_s=1",
-         "--config.run.warn_after_s=2", "--config.run.stall_timeout_s=45"]
+         "--config.run.warn_after_s=2", f"--config.run.stall_timeout_s={_STALL_TIMEOUT_S.value}"]
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 

@@ -149,8 +149,8 @@ def _project_qkv(lp, cfg, h_BTD, positions_BT):
   The weights are joined per call as [D, K, G + 2, E] (G = H / K query heads per kv
   head): joining along G keeps the K axis, which tensor parallelism shards, where it
   was. On a 2-core CPU one matmul instead of three (and one input gradient instead of
-  a sum of three) took issue 16's train step to 0.91x its time and a decode step to
-  0.95x. (Gate and up joined the same way were slower: 1.04x.)
+  a sum of three) took the forward and backward of issue 16's micro-batches to 0.91x
+  their time and a decode step to 0.95x. (Gate and up joined the same way: 1.04x.)
   """
   H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   G = H // K

@@ -10,6 +10,7 @@ import pytest
 from async_rl import models, policy
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling
 from async_rl.generation import prefill_buckets, sample
+from async_rl.generation import sampling as sampling_lib
 
 CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, d_ff=64)
@@ -208,6 +209,33 @@ def test_sample_truncation_and_greedy():
   tokens, logp = draw(0.0, 0, 1.0)
   assert set(tokens) == {0}
   np.testing.assert_allclose(logp, logits_V[0], atol=1e-6)
+
+
+def test_argmax_is_the_first_index_of_the_maximum():
+  x = np.array([[1., 3., 3., 2.], [-np.inf, -np.inf, 0., -np.inf], [5., 5., 5., 5.],
+                [np.nan, 1., 2., 0.]], np.float32)
+  np.testing.assert_array_equal(sampling_lib.argmax(x), [1, 2, 0, 3])  # NaN: the last
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 5, (64, 256)).astype(np.float32)  # many ties
+  np.testing.assert_array_equal(sampling_lib.argmax(x), np.argmax(x, axis=-1))
+
+
+def test_sample_draws_what_jax_random_categorical_draws():
+  # The contract of the module docstring: the key fold_in(fold_in(key(s), i), p), and
+  # the token jax.random.categorical draws with it from the (truncated) logits.
+  S, V = 64, 256
+  logits_SV = 3 * jax.random.normal(jax.random.key(0), (S, V))
+  sp = [SamplingParams(temperature=t, top_k=k, top_p=p)
+        for t, k, p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8))]
+  sampling_S = jax.tree.map(lambda *x: np.stack(x),
+                            *[SlotSampling.create(sp[i % 3], 11, i) for i in range(S)])
+  positions_S = np.arange(S) + 3
+  tokens_S, _ = sample(logits_SV, sampling_S, positions_S)
+  for i in range(S):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(11), i), positions_S[i])
+    scaled_V = logits_SV[i] / sp[i % 3].temperature
+    truncated_V = sampling_lib._truncate(scaled_V, sp[i % 3].top_k, sp[i % 3].top_p)
+    assert tokens_S[i] == jax.random.categorical(key, truncated_V)
 
 
 def test_fixed_seed_reproduces_samples_whatever_the_batching(engine, params):

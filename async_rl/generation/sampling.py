@@ -102,6 +102,16 @@ class SlotSampling:
                stop_ids=np.full((num_slots, MAX_STOP_IDS), -1, np.int32))
 
 
+def argmax(x_SV):
+  """`jnp.argmax` over the last axis (the first index of the maximum), as a max and a
+  min: XLA:CPU runs argmax's paired (value, index) reduction element by element,
+  0.6 ms of a 4.5 ms decode step for 64 x 256 logits. A row holding NaN, which has
+  no maximum to match, gives its last index."""
+  V = x_SV.shape[-1]
+  is_max_SV = x_SV == jnp.max(x_SV, axis=-1, keepdims=True)
+  return jnp.min(jnp.where(is_max_SV, jnp.arange(V, dtype=jnp.int32), V - 1), axis=-1)
+
+
 def _truncate(scaled_V, top_k, top_p):
   """Masks `scaled_V` to its top-k, then to the top-p nucleus of what remains; an
   identity when top_k is 0 and top_p 1."""
@@ -139,6 +149,9 @@ def sample(logits_SV, sampling_S: SlotSampling, positions_S):
                            jax.vmap(_truncate), lambda x, *_: x,
                            scaled_SV, sampling_S.top_k, sampling_S.top_p)
   keys_S = jax.vmap(_key)(sampling_S.seed, sampling_S.index, positions_S)
-  drawn_S = jax.vmap(jax.random.categorical)(keys_S, masked_SV)
-  tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SV, axis=-1), drawn_S).astype(jnp.int32)
+  # Gumbel-max, as `jax.random.categorical` draws (the same tokens), with its argmax
+  # as two plain reductions.
+  gumbel_SV = jax.vmap(lambda k: jax.random.gumbel(k, scaled_SV.shape[-1:], jnp.float32))(keys_S)
+  drawn_S = argmax(masked_SV + gumbel_SV)
+  tokens_S = jnp.where(greedy_S, argmax(logits_SV), drawn_S).astype(jnp.int32)
   return tokens_S, token_logp(logits_SV, tokens_S, temperature_S[:, None])

@@ -1,0 +1,18 @@
+"""Session-wide test setup: one persistent JAX compilation cache for the whole run.
+
+Many tests compile the same programs (the micro config's train step, prefill and
+decode chunks, in this process and in the binaries and benchmarks they start), so a
+cache in a fresh temporary directory, set through the environment before jax is
+imported, lets the later ones load what an earlier one compiled. Nothing is read
+from outside this session's own cache.
+"""
+
+import os
+import tempfile
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      tempfile.mkdtemp(prefix="async_rl_tests_jax_cache_"))
+# Cache every program that took at least a tenth of a second to compile, whatever
+# its size (jax's defaults skip programs under a second).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

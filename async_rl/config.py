@@ -42,12 +42,19 @@ class GenerationConfig:
   num_slots: int = 32
   update_mode: str = "retract"
   steps_per_call: int = 8  # Decode steps per host round trip; see BENCHMARKS.md.
+  # Slot groups decoded at once, each from its own thread (`generation.engine`); 0 picks
+  # `engine.default_decode_threads`: one per core on the CPU backend, 1 on accelerators.
+  decode_threads: int = 0
 
   def __post_init__(self):
     for name in ("max_prompt_len", "max_new_tokens", "group_size", "num_slots",
                  "steps_per_call"):
       if getattr(self, name) < 1:
         _fail(f"generation.{name}", getattr(self, name), "must be >= 1")
+    if self.decode_threads < 0 or (self.decode_threads
+                                   and self.num_slots % self.decode_threads):
+      _fail("generation.decode_threads", self.decode_threads,
+            f"must be 0 (automatic) or divide generation.num_slots ({self.num_slots})")
     if self.temperature < 0:
       _fail("generation.temperature", self.temperature, "must be >= 0")
     if self.top_k < 0:

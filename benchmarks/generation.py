@@ -34,8 +34,11 @@ does it: prefill the 64 rows, then one jitted `while_loop` over the new tokens, 
 host visit between; static_shared prefills each prompt once and copies its cache to
 its 4 rows, as the pool does; pool and pool_k<k> run the 64-slot pool on the same
 requests, which draw the same random streams, so all generate the same tokens
-(`token_agreement`). Each reports its fastest run (others' load on a shared machine
-only adds time). Steps: decode steps per host round trip (`generate_chunk` call).
+(`token_agreement`). These decode from one thread, as the static samplers do; on the
+CPU pool_g<G> is the pool as a run builds it (`generation.decode_threads` automatic):
+its slots in G groups decoded at once from G threads (`engine.default_decode_threads`,
+one per core). Each reports its fastest run (others' load on a shared machine only
+adds time). Steps: decode steps per host round trip (`generate_chunk` call).
 
 Weight updates: the pool on the same workload while another thread publishes new
 params `--updates` times, each time a further 1 / (updates + 1) of the workload's
@@ -58,6 +61,7 @@ from async_rl import models
 from async_rl.config import GenerationConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling
 from async_rl.generation import sample
+from async_rl.generation.engine import default_decode_threads
 
 _QUICK = flags.DEFINE_bool("quick", False, "Reduced run (< ~3 minutes on a 2-core CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths, prompts and params.")
@@ -333,6 +337,14 @@ def _bench_workload(seed, repeats):
               "pool": lambda: run_pool(_DEFAULT_STEPS)}
   for k in _swept():
     variants[f"pool_k{k}"] = lambda k=k: run_pool(k)
+  threads = default_decode_threads(N)
+  if threads > 1:  # The pool as a run builds it here: its slots in groups, one per core.
+    engines["threads"] = Engine(_W_CFG, max_concurrent_decodes=N,
+                                max_prefill_length=_W_PROMPT_LEN,
+                                max_target_length=_W_PROMPT_LEN + _W_NEW,
+                                decode_threads=threads)
+    engines["threads"].warmup(params)
+    variants[f"pool_g{threads}"] = lambda: run_pool("threads")
   rows = _medians(variants, repeats, fastest=True)
   for share, name in ((False, "static_sampler"), (True, "static_shared")):
     rows[name]["token_agreement"] = float(np.mean(pool_tokens[_DEFAULT_STEPS]

@@ -57,6 +57,8 @@ def test_conversion_types_and_defaults():
     ({"rollout": {"reward_timeout_s": 600.0}}, "rollout.reward_timeout_s must be below"),
     ({"batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
     ({"generation": {"top_p": 0.0}}, "generation.top_p"),
+    ({"generation": {"num_slots": 6, "decode_threads": 4}}, "generation.decode_threads"),
+    ({"generation": {"decode_threads": -1}}, "generation.decode_threads"),
     ({"generation": {"update_mode": "swap"}}, "generation.update_mode"),
     ({"advantage": {"std_level": "prompt"}}, "advantage.std_level"),
     ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads"),

@@ -10,6 +10,7 @@ import pytest
 from async_rl import models, policy
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling
 from async_rl.generation import prefill_buckets, sample
+from async_rl.generation import engine as engine_lib
 from async_rl.generation import sampling as sampling_lib
 
 CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -251,26 +252,71 @@ def test_fixed_seed_reproduces_samples_whatever_the_batching(engine, params):
   assert not np.array_equal(alone[0].completion_C, alone[1].completion_C)
 
 
-def test_samples_do_not_depend_on_steps_per_call(engine, params):
-  # Stops, length limits, top-k/top-p and greedy, with more samples than slots, so
-  # samples start and end at every offset within a chunk.
+def _varied_requests():
+  """Stops, length limits, top-k/top-p and greedy, with more samples than slots, so
+  samples start and end at every offset within a chunk."""
   rng = np.random.default_rng(8)
-  requests = [Request(i, p, n=2, sampling=SamplingParams(
+  return [Request(i, p, n=2, sampling=SamplingParams(
       temperature=float(rng.choice([0.0, 0.8, 1.0])), top_k=int(rng.choice([0, 4])),
       top_p=float(rng.choice([0.7, 1.0])), max_new_tokens=int(rng.integers(1, 24)),
       stop_token_ids=[int(rng.integers(CFG.vocab_size))], seed=i))
-              for i, p in enumerate(_prompts(9, 6))]
+          for i, p in enumerate(_prompts(9, 6))]
+
+
+def _assert_same_samples(a_results, b_results):
+  for a_samples, b_samples in zip(a_results, b_results, strict=True):
+    for a, b in zip(a_samples, b_samples, strict=True):
+      assert a.finish_reason == b.finish_reason
+      np.testing.assert_array_equal(a.tokens_T, b.tokens_T)
+      np.testing.assert_allclose(a.logp_T, b.logp_T, atol=1e-5)
+
+
+def test_samples_do_not_depend_on_steps_per_call(engine, params):
+  requests = _varied_requests()
   chunked = _run(engine, params, requests)
   for steps in (1, 3):
     other = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T,
                    steps_per_call=steps)
-    for a_samples, b_samples in zip(chunked, _run(other, params, requests)):
-      for a, b in zip(a_samples, b_samples):
-        assert a.finish_reason == b.finish_reason
-        np.testing.assert_array_equal(a.tokens_T, b.tokens_T)
-        np.testing.assert_allclose(a.logp_T, b.logp_T, atol=1e-5)
+    _assert_same_samples(chunked, _run(other, params, requests))
   reasons = {s.finish_reason for samples in chunked for s in samples}
   assert reasons == {"stop", "length"}
+
+
+def test_samples_do_not_depend_on_decode_threads(engine, params):
+  # The same requests on 4 slots in 1, 2 and 4 groups, each decoded from its own thread.
+  requests = _varied_requests()
+  expected = _run(engine, params, requests)
+  for threads in (1, 2, 4):
+    other = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=T,
+                   decode_threads=threads)
+    _assert_same_samples(expected, _run(other, params, requests))
+
+
+def test_decode_threads_split_the_slots_into_groups(params, monkeypatch):
+  engine = Engine(CFG, max_concurrent_decodes=6, max_prefill_length=16, max_target_length=T,
+                  decode_threads=3)
+  state = engine.init_decode_state()
+  assert len(state) == 3 and all(s.tokens_S.shape == (2,) for s in state)
+  assert [engine.group_of(s) for s in range(6)] == [0, 0, 1, 1, 2, 2]
+  # Free slots are taken from the group with the most of them left.
+  assert engine.spread([0, 1, 2, 3, 4, 5]) == [0, 2, 4, 1, 3, 5]
+  assert engine.spread([1, 2, 3, 5]) == [2, 1, 3, 5]
+  prefix, _ = engine.prefill(params=params, padded_tokens=np.zeros(16, np.int32),
+                             true_length=3, sampling=SlotSampling.create(SamplingParams(), 0, 0))
+  sampling = SlotSampling.create(SamplingParams(), 0, 0)
+  with pytest.raises(ValueError, match="one slot group"):
+    engine.insert_samples(prefix, state, [0, 0], [1, 2], [sampling] * 2)
+  state, _ = engine.insert_samples(prefix, state, [0, 0], [2, 3], [sampling] * 2)
+  # Group 1 holds the samples (at the prompt's length); the other groups stay idle.
+  assert [np.asarray(s.positions_S).tolist() for s in state] == [[T, T], [3, 3], [T, T]]
+  with pytest.raises(ValueError, match="divide"):
+    Engine(CFG, max_concurrent_decodes=6, max_prefill_length=16, max_target_length=T,
+           decode_threads=4)
+  # One group per core on the CPU, in groups of at least MIN_GROUP_SLOTS; one elsewhere.
+  monkeypatch.setattr(engine_lib.os, "sched_getaffinity", lambda _: set(range(4)))
+  assert [engine_lib.default_decode_threads(s, "cpu") for s in (64, 48, 24, 12, 8)] == [
+      4, 4, 3, 1, 1]
+  assert engine_lib.default_decode_threads(64, "gpu") == 1
 
 
 @contextlib.contextmanager
@@ -288,16 +334,19 @@ def _count_compilations():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_no_recompilation_after_warmup(params):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_no_recompilation_after_warmup(params, threads):
   # A fresh engine, so that only its own warmup has compiled anything.
-  engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
+  engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T,
+                  decode_threads=threads)
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
   # prefill and insert per bucket; prefill_many's batch, insert_samples (for one and
   # for a batch of prompts) and extend per prompt bucket; the draws of insert_samples (one,
-  # a batch), generate, generate_chunk and init_decode_state once.
+  # a batch), generate, generate_chunk and init_decode_state once; with slot groups,
+  # the joins of generate's and generate_chunk's results.
   buckets = 2 * len(engine.prefill_buckets) + 4 * len(engine.prompt_buckets)
-  assert len(warmup_compiles) <= buckets + 5
+  assert len(warmup_compiles) <= buckets + 5 + 2 * (threads > 1)
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

@@ -31,10 +31,11 @@ def new_params():
   return _init(CFG, jax.random.key(1))
 
 
-@pytest.fixture(scope="module")
-def engine(params):
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda g: f"{g}_decode_threads")
+def engine(params, request):
+  # Every pool behaviour with the two slots in one group and in one group each.
   engine = Engine(CFG, max_concurrent_decodes=2, max_prefill_length=16, max_target_length=T,
-                  steps_per_call=8)
+                  steps_per_call=8, decode_threads=request.param)
   engine.warmup(params)
   return engine
 

@@ -142,7 +142,7 @@ class DecodeThread:
       taken = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
     if taken:
       self._state = slots.start_samples(self.engine, self._params, self._version, self._state,
-                                        self._batch, taken, free)
+                                        self._batch, taken, self.engine.spread(free))
 
   def _start_extensions(self):
     with self._cv:

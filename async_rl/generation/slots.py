@@ -28,12 +28,14 @@ def start_samples(engine: Engine, params, version: int, state: DecodeState, batc
         samplings=[SlotSampling.create(job.request.sampling, job.seed, 0) for job in stale])
     for job, ref in zip(stale, refs):
       job.prefix, job.prefix_version = ref, version
-  # One insert_samples call per Prefix: prompts prefilled together start together.
+  # One insert_samples call per Prefix and slot group: prompts prefilled together
+  # start together.
   starts = {}
   for slot, (job, index) in zip(free, taken):
     prefix, row = job.prefix
     sampling = SlotSampling.create(job.request.sampling, job.seed, index)
-    starts.setdefault(id(prefix), (prefix, []))[1].append((slot, job, index, sampling, row))
+    starts.setdefault((id(prefix), engine.group_of(slot)), (prefix, []))[1].append(
+        (slot, job, index, sampling, row))
     job.unstarted -= 1
   for job in jobs:
     if not job.unstarted:

@@ -2,6 +2,7 @@
 
 from async_rl.config import ExperimentConfig
 from async_rl.generation import Engine, SamplingParams
+from async_rl.generation.engine import default_decode_threads
 from async_rl.tasks.protocol import RewardFnLike, Task
 
 
@@ -12,7 +13,8 @@ def make_engine(cfg: ExperimentConfig) -> Engine:
   longest = g.max_prompt_len + g.max_new_tokens
   return Engine(cfg.model, max_concurrent_decodes=g.num_slots,
                 max_prefill_length=longest - 1, max_target_length=longest,
-                steps_per_call=g.steps_per_call)
+                steps_per_call=g.steps_per_call,
+                decode_threads=g.decode_threads or default_decode_threads(g.num_slots))
 
 
 def sampling_params(cfg: ExperimentConfig, task: Task) -> SamplingParams:

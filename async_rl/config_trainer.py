@@ -155,7 +155,12 @@ class TrainConfig:
   """The training loop: after `max_consecutive_skips` non-finite steps in a row the run
   stops with an error (each skipped step leaves the params as they were)."""
   max_consecutive_skips: int = 5
+  # Threads that share each update's micro-batches (`train_step.ThreadedTrainStep`);
+  # 0 picks `train_step.default_grad_threads`: one per core on one CPU device, else 1.
+  grad_threads: int = 0
 
   def __post_init__(self):
     if self.max_consecutive_skips < 1:
       fail("train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 1")
+    if self.grad_threads < 0:
+      fail("train.grad_threads", self.grad_threads, "must be >= 0 (0: automatic)")

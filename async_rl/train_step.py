@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from async_rl import off_policy, policy, sharding
+from async_rl import cpu_threads, off_policy, policy, sharding
 from async_rl.batching import PackedBatch
 from async_rl.config import OptimizerConfig
 from async_rl.models import ModelConfig, init_params
@@ -113,6 +113,80 @@ def _minibatches(x, n):
   return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
 
 
+def _grad_fn(model_cfg, loss_fn, temperature):
+  return jax.value_and_grad(functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
+                                              temperature=temperature), has_aux=True)
+
+
+def accumulate_grads(params, micro_batches: PackedBatch, prox_logp, num_tokens, version,
+                     theta_version, *, model_cfg: ModelConfig, loss_fn: Callable,
+                     temperature: float = 1.0):
+  """Loss, metrics and float32 gradients summed over [m, R, T] micro-batches, each loss
+  divided by `num_tokens` (its update's valid tokens); empty micro-batches add zeros."""
+  grad_fn = _grad_fn(model_cfg, loss_fn, temperature)
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  first = jax.tree.map(lambda x: x[0], (micro_batches, prox_logp))
+  _, metrics_shape = jax.eval_shape(grad_fn, params, *first, 1.0, version, version)[0]
+  zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
+
+  def one(mb, prox):
+    (loss, metrics), grads = grad_fn(params, mb, prox, num_tokens, version, theta_version)
+    return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+  def skip(mb, prox):
+    return jnp.zeros((), jnp.float32), zero_metrics, zeros
+
+  def body(carry, xs):
+    loss_acc, metrics_acc, grads_acc = carry
+    loss, metrics, grads = jax.lax.cond(xs[0].loss_mask.sum() > 0, one, skip, *xs)
+    return (loss_acc + loss, _combine(metrics_acc, metrics),
+            jax.tree.map(jnp.add, grads_acc, grads)), None
+
+  return jax.lax.scan(body, (jnp.zeros(()), zero_metrics, zeros), (micro_batches, prox_logp))[0]
+
+
+def apply_grads(state: TrainState, loss, metrics, grads, num_tokens):
+  """One update from summed gradients; (state, the update's metrics). A non-finite loss
+  or gradient leaves the state as it was; an empty update (no token) is none."""
+  grad_norm = optax.tree.norm(grads)
+  # A non-finite loss poisons the gradient, so that apply_if_finite skips the update.
+  grads = jax.tree.map(
+      lambda g, p: jnp.where(jnp.isfinite(loss), g, jnp.nan).astype(p.dtype),
+      grads, state.params)
+
+  def apply(state):
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    return (state.replace(params=optax.apply_updates(state.params, updates),
+                          opt_state=opt_state), opt_state.last_finite)
+
+  nonempty = num_tokens > 0
+  state, finite = jax.lax.cond(nonempty, apply, lambda s: (s, jnp.array(True)), state)
+  weight = num_tokens.astype(jnp.float32)
+  metrics = {k: v if k.endswith("_max") or k == "num_tokens" else v * weight
+             for k, v in metrics.items()}
+  metrics.update(loss=loss * weight, grad_norm=grad_norm, skipped=~finite,
+                 applied_updates=nonempty & finite)
+  return state, metrics
+
+
+def finish_step(state: TrainState, per_update):
+  """The step's end: `state.step` advances; metrics over its updates (`per_update`, each
+  metric stacked over them): token means weighted by each update's tokens."""
+  total = jnp.maximum(per_update["num_tokens"].sum(), 1.0)
+  metrics = {k: v.max() if k.endswith("_max") else v.sum() if k == "num_tokens"
+             else v.sum() / total for k, v in per_update.items()}
+  metrics.update(grad_norm=per_update["grad_norm"].mean(),
+                 skipped=per_update["skipped"].any().astype(jnp.int32),
+                 applied_updates=per_update["applied_updates"].sum(dtype=jnp.int32))
+  return state.replace(step=state.step + 1), metrics
+
+
+def _check_splits(batch, n):
+  if batch.tokens.shape[0] % n:
+    raise ValueError(f"the batch's {batch.tokens.shape[0]} micro-batches do not split into "
+                     f"{n} minibatches (pad with batching.pad_micro_batches)")
+
+
 def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: ModelConfig,
                loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1):
   """One training step on a [M, R, T] batch: `num_minibatches` updates; (state, metrics).
@@ -134,69 +208,95 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
   each minibatch's tokens, `skipped` 1 if any update was skipped, `applied_updates`.
   """
   n = num_minibatches
-  grad_fn = jax.value_and_grad(
-      functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
-                        temperature=temperature), has_aux=True)
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
   version = state.step
-  first = jax.tree.map(lambda x: x[0], (batch, prox_logp))
-  _, metrics_shape = jax.eval_shape(grad_fn, state.params, *first, 1.0, version, version)[0]
-  zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
 
   def update(state, xs):
     k, minibatch, prox = xs
     num_tokens = minibatch.loss_mask.sum()
-    theta_version = version + k / n
+    sums = accumulate_grads(state.params, minibatch, prox, num_tokens, version,
+                            version + k / n, model_cfg=model_cfg, loss_fn=loss_fn,
+                            temperature=temperature)
+    return apply_grads(state, *sums, num_tokens)
 
-    def one(mb, prox):
-      (loss, metrics), grads = grad_fn(state.params, mb, prox, num_tokens, version,
-                                       theta_version)
-      return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-
-    def skip(mb, prox):
-      return jnp.zeros((), jnp.float32), zero_metrics, zeros
-
-    def body(carry, xs):
-      loss_acc, metrics_acc, grads_acc = carry
-      loss, metrics, grads = jax.lax.cond(xs[0].loss_mask.sum() > 0, one, skip, *xs)
-      return (loss_acc + loss, _combine(metrics_acc, metrics),
-              jax.tree.map(jnp.add, grads_acc, grads)), None
-
-    (loss, metrics, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zero_metrics, zeros),
-                                             (minibatch, prox))
-    grad_norm = optax.tree.norm(grads)
-    # A non-finite loss poisons the gradient, so that apply_if_finite skips the update.
-    grads = jax.tree.map(
-        lambda g, p: jnp.where(jnp.isfinite(loss), g, jnp.nan).astype(p.dtype),
-        grads, state.params)
-
-    def apply(state):
-      updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-      return (state.replace(params=optax.apply_updates(state.params, updates),
-                            opt_state=opt_state), opt_state.last_finite)
-
-    nonempty = num_tokens > 0
-    state, finite = jax.lax.cond(nonempty, apply, lambda s: (s, jnp.array(True)), state)
-    weight = num_tokens.astype(jnp.float32)
-    metrics = {k: v if k.endswith("_max") or k == "num_tokens" else v * weight
-               for k, v in metrics.items()}
-    metrics.update(loss=loss * weight, grad_norm=grad_norm, skipped=~finite,
-                   applied_updates=nonempty & finite)
-    return state, metrics
-
-  if batch.tokens.shape[0] % n:
-    raise ValueError(f"the batch's {batch.tokens.shape[0]} micro-batches do not split into "
-                     f"{n} minibatches (pad with batching.pad_micro_batches)")
+  _check_splits(batch, n)
   split = functools.partial(_minibatches, n=n)
   state, per_update = jax.lax.scan(
       update, state, (jnp.arange(n), jax.tree.map(split, batch), jax.tree.map(split, prox_logp)))
-  total = jnp.maximum(per_update["num_tokens"].sum(), 1.0)
-  metrics = {k: v.max() if k.endswith("_max") else v.sum() if k == "num_tokens"
-             else v.sum() / total for k, v in per_update.items()}
-  metrics.update(grad_norm=per_update["grad_norm"].mean(),
-                 skipped=per_update["skipped"].any().astype(jnp.int32),
-                 applied_updates=per_update["applied_updates"].sum(dtype=jnp.int32))
-  return state.replace(step=state.step + 1), metrics
+  return finish_step(state, per_update)
+
+
+def _update_part(x, n, threads, k, j):
+  """The micro-batches of update k that thread j takes: k + n (j + G i), i = 0, 1, ..."""
+  return x.reshape(x.shape[0] // (n * threads), threads, n, *x.shape[1:])[:, j, k]
+
+
+def _accumulate_part(params, batch, prox_logp, k, j, version, *, n, threads, **policy_kw):
+  """`accumulate_grads` over thread j's share of update k's micro-batches, and the
+  update's valid-token count."""
+  loss_mask = batch.loss_mask
+  num_tokens = loss_mask.reshape(loss_mask.shape[0] // n, n, *loss_mask.shape[1:])[:, k].sum()
+  part = jax.tree.map(lambda x: _update_part(x, n, threads, k, j), (batch, prox_logp))
+  sums = accumulate_grads(params, *part, num_tokens, version, version + k / n, **policy_kw)
+  return sums, num_tokens
+
+
+def _apply_parts(state, parts):
+  """`apply_grads` with the threads' sums added up."""
+  (loss, metrics, grads), num_tokens = parts[0]
+  for (more_loss, more_metrics, more_grads), _ in parts[1:]:
+    loss, metrics = loss + more_loss, _combine(metrics, more_metrics)
+    grads = jax.tree.map(jnp.add, grads, more_grads)
+  return apply_grads(state, loss, metrics, grads, num_tokens)
+
+
+def default_grad_threads(mesh: Mesh) -> int:
+  """`train.grad_threads` when automatic: one per core for a trainer on one CPU device
+  (`cpu_threads`), else 1: a program over several devices already runs on each."""
+  devices = mesh.devices.flat
+  if mesh.devices.size == 1 and devices[0].platform == "cpu":
+    return cpu_threads.cores()
+  return 1
+
+
+def _finish_stacked(state, per_update):
+  return finish_step(state, jax.tree.map(lambda *x: jnp.stack(x), *per_update))
+
+
+class ThreadedTrainStep:
+  """`train_step` with each update's micro-batches shared among G threads, for one
+  CPU device (`cpu_threads`): each thread dispatches the gradient sum over its share,
+  then one program adds them up and applies the update. Micro-batch k + n (j + G i)
+  of the batch (n updates) goes to thread j in update k, so the batch's M must be a
+  multiple of n G (`batching.pad_micro_batches`). The result equals `train_step`'s
+  but for the order in which gradients are summed.
+
+  Called as `jit_train_step`'s function: (state, batch, prox_logp) -> (state,
+  metrics); the state is donated.
+  """
+
+  def __init__(self, mesh: Mesh, state_shardings: TrainState, *, threads: int,
+               model_cfg: ModelConfig, loss_fn: Callable, temperature: float = 1.0,
+               num_minibatches: int = 1):
+    self._n, self._dispatchers = num_minibatches, cpu_threads.Dispatchers(threads, "grads")
+    out_shardings = (state_shardings, NamedSharding(mesh, P()))
+    self._accumulate = jax.jit(functools.partial(
+        _accumulate_part, n=num_minibatches, threads=threads, model_cfg=model_cfg,
+        loss_fn=loss_fn, temperature=temperature))
+    self._apply = jax.jit(_apply_parts, donate_argnums=0, out_shardings=out_shardings)
+    self._finish = jax.jit(_finish_stacked, donate_argnums=0, out_shardings=out_shardings)
+
+  def __call__(self, state: TrainState, batch: PackedBatch, prox_logp):
+    n, threads = self._n, len(self._dispatchers)
+    _check_splits(batch, n * threads)
+    per_update = []
+    for k in range(n):
+      # The step count (the version) stays until `finish_step`; each update donates it.
+      parts = self._dispatchers.map(self._accumulate, [
+          (state.params, batch, prox_logp, np.int32(k), np.int32(j), state.step)
+          for j in range(threads)])
+      state, metrics = self._apply(state, parts)
+      per_update.append(metrics)
+    return self._finish(state, per_update)
 
 
 def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,

@@ -59,6 +59,7 @@ def test_conversion_types_and_defaults():
     ({"generation": {"top_p": 0.0}}, "generation.top_p"),
     ({"generation": {"num_slots": 6, "decode_threads": 4}}, "generation.decode_threads"),
     ({"generation": {"decode_threads": -1}}, "generation.decode_threads"),
+    ({"train": {"grad_threads": -1}}, "train.grad_threads"),
     ({"generation": {"update_mode": "swap"}}, "generation.update_mode"),
     ({"advantage": {"std_level": "prompt"}}, "advantage.std_level"),
     ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads"),

@@ -313,7 +313,7 @@ def test_decode_threads_split_the_slots_into_groups(params, monkeypatch):
     Engine(CFG, max_concurrent_decodes=6, max_prefill_length=16, max_target_length=T,
            decode_threads=4)
   # One group per core on the CPU, in groups of at least MIN_GROUP_SLOTS; one elsewhere.
-  monkeypatch.setattr(engine_lib.os, "sched_getaffinity", lambda _: set(range(4)))
+  monkeypatch.setattr(engine_lib.cpu_threads, "cores", lambda: 4)
   assert [engine_lib.default_decode_threads(s, "cpu") for s in (64, 48, 24, 12, 8)] == [
       4, 4, 3, 1, 1]
   assert engine_lib.default_decode_threads(64, "gpu") == 1

@@ -213,3 +213,37 @@ def test_loglinear_second_minibatch_interpolates_from_the_moved_params():
   ref, _ = step(ref, second, prox2)
   for x, y in zip(jax.tree.leaves(got.params), jax.tree.leaves(ref.params)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads, n, prox_mode", [(2, 1, "recompute"), (3, 2, "loglinear"),
+                                                   (2, 2, "behav"), (1, 1, "behav")])
+def test_threaded_step_equals_the_fused_step(threads, n, prox_mode):
+  # train.grad_threads: each update's micro-batches shared among threads, then summed.
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = batching.pad_micro_batches(_versioned_batch(14, num_shards=1, budget=24), n * threads)
+  assert batch.tokens.shape[0] >= 2 * n * threads and not batch.loss_mask[-1].any()
+  tx = train_step.make_optimizer(OptimizerConfig())
+  state = _at_version(_state(mesh, tx), 2)
+  shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
+  prox = {"recompute": _prox(batch, state.params), "behav": batch.behav_logp,
+          "loglinear": None}[prox_mode]
+  fused = train_step.jit_train_step(mesh, shardings, model_cfg=CFG, loss_fn=LOSS,
+                                    num_minibatches=n)
+  threaded = train_step.ThreadedTrainStep(mesh, shardings, threads=threads, model_cfg=CFG,
+                                          loss_fn=LOSS, num_minibatches=n)
+  copy = functools.partial(jax.tree.map, jnp.copy)  # Each step donates its state.
+  bad = batch.replace(advantages=np.where(batch.loss_mask, np.inf, 0.0).astype(np.float32))
+  for b in (batch, bad, batch):
+    (want, want_m), (got, got_m) = fused(copy(state), b, prox), threaded(copy(state), b, prox)
+    assert int(got.step) == int(want.step) == 3
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert got_m.keys() == want_m.keys()
+    for k in want_m:
+      np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert int(got_m["skipped"]) == (b is bad)
+    state = got.replace(step=state.step)
+  assert int(want_m["applied_updates"]) == n
+  if n * threads > 1:
+    with pytest.raises(ValueError, match="do not split"):
+      threaded(state, jax.tree.map(lambda x: x[:-1], batch), None)

@@ -38,15 +38,13 @@ tokens are the same whatever G (keys depend only on (seed, sample index, positio
 """
 
 import functools
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from async_rl import models, sharding
+from async_rl import cpu_threads, models, sharding
 from async_rl.generation import decode_state as ds
 from async_rl.generation import sampling as sampling_lib
 from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
@@ -67,8 +65,7 @@ def default_decode_threads(num_slots: int, backend: str | None = None) -> int:
   `MIN_GROUP_SLOTS`; 1 on accelerators (one program keeps the device busy)."""
   if (backend or jax.default_backend()) != "cpu":
     return 1
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return max([g for g in range(1, (cores or 1) + 1)
+  return max([g for g in range(1, cpu_threads.cores() + 1)
               if num_slots % g == 0 and num_slots // g >= MIN_GROUP_SLOTS] or [1])
 
 
@@ -115,10 +112,7 @@ class Engine:
     self._num_slots = max_concurrent_decodes
     self.decode_threads = decode_threads
     self._group_slots = max_concurrent_decodes // decode_threads
-    # One thread per group dispatches its chunks: programs dispatched from one thread
-    # run one after another, from several threads at once.
-    self._dispatchers = [ThreadPoolExecutor(1, thread_name_prefix="decode-group")
-                         for _ in range(decode_threads if decode_threads > 1 else 0)]
+    self._dispatchers = cpu_threads.Dispatchers(decode_threads, "decode-group")
     self._max_prefill_length = max_prefill_length
     self._max_target_length = max_target_length
     self.steps_per_call = steps_per_call
@@ -324,8 +318,7 @@ class Engine:
     thread; returns the new state and the groups' results joined over the slots."""
     if self.decode_threads == 1:
       return fn(params, decode_state)
-    calls = [d.submit(fn, params, state) for d, state in zip(self._dispatchers, decode_state)]
-    states, results = zip(*(call.result() for call in calls))
+    states, results = zip(*self._dispatchers.map(fn, [(params, s) for s in decode_state]))
     return states, self._join_fn(results)
 
   def warmup(self, params) -> None:

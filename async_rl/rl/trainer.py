@@ -50,10 +50,15 @@ class Trainer:
     self.state_shardings = train_step.train_state_shardings(
         jax.eval_shape(lambda: self.state), mesh)
     self.loss_fn = loss.from_config(cfg.ppo)
-    self._step = train_step.jit_train_step(mesh, self.state_shardings, model_cfg=cfg.model,
-                                           loss_fn=self.loss_fn,
-                                           temperature=cfg.generation.logp_temperature,
-                                           num_minibatches=cfg.ppo.num_minibatches)
+    step_kw = dict(model_cfg=cfg.model, loss_fn=self.loss_fn,
+                   temperature=cfg.generation.logp_temperature,
+                   num_minibatches=cfg.ppo.num_minibatches)
+    self.grad_threads = cfg.train.grad_threads or train_step.default_grad_threads(mesh)
+    if self.grad_threads > 1:
+      self._step = train_step.ThreadedTrainStep(mesh, self.state_shardings,
+                                                threads=self.grad_threads, **step_kw)
+    else:
+      self._step = train_step.jit_train_step(mesh, self.state_shardings, **step_kw)
     self._prox = train_step.jit_recompute_logp(mesh, self.state_shardings.params,
                                                model_cfg=cfg.model,
                                                temperature=cfg.generation.logp_temperature)
@@ -80,7 +85,7 @@ class Trainer:
                                   num_shards=self._num_shards, row_buckets=self._row_buckets,
                                   attention_len=self._attention_len,
                                   with_versions=self.cfg.ppo.prox_logp == "loglinear")
-    return batching.pad_micro_batches(batch, self.cfg.ppo.num_minibatches)
+    return batching.pad_micro_batches(batch, self.cfg.ppo.num_minibatches * self.grad_threads)
 
   def train(self, groups: SequenceOf) -> dict:
     """One training step on `groups`; returns host metrics, with staleness and timings.

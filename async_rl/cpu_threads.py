@@ -4,7 +4,10 @@ XLA:CPU runs the programs dispatched from one thread one after another, and a sm
 program's ops mostly one at a time on one core; programs dispatched from different
 threads run at the same time. The generator engine's slot groups
 (`generation.decode_threads`) and the trainer's gradient threads
-(`train.grad_threads`) each dispatch one group's calls from one of these threads.
+(`train.grad_threads`) each dispatch one group's calls from one of these threads, one
+per core by default. When generation and training overlap in one process the two
+sides' threads share the cores; side by side that was no slower than one thread each
+(BENCHMARKS.md, "Both cores for decoding and for the gradients").
 """
 
 import os

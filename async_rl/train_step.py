@@ -252,8 +252,7 @@ def _apply_parts(state, parts):
 def default_grad_threads(mesh: Mesh) -> int:
   """`train.grad_threads` when automatic: one per core for a trainer on one CPU device
   (`cpu_threads`), else 1: a program over several devices already runs on each."""
-  devices = mesh.devices.flat
-  if mesh.devices.size == 1 and devices[0].platform == "cpu":
+  if mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu":
     return cpu_threads.cores()
   return 1
 
@@ -335,3 +334,36 @@ def jit_recompute_logp(mesh: Mesh, params_shardings, *, model_cfg: ModelConfig,
   fn = functools.partial(recompute_logp, model_cfg=model_cfg, temperature=temperature)
   return jax.jit(fn, in_shardings=(params_shardings, batch_shardings(mesh)),
                  out_shardings=sharding.batch_sharding(mesh, leading_axes=1))
+
+
+def _recompute_part(params, batch, j, *, threads, **policy_kw):
+  """`recompute_logp` of thread j's micro-batches: j, j + G, j + 2G, ..."""
+  part = jax.tree.map(lambda x: x.reshape(x.shape[0] // threads, threads, *x.shape[1:])[:, j],
+                      batch)
+  return recompute_logp(params, part, **policy_kw)
+
+
+def _interleave(parts):
+  """Thread j's [M / G, R, T] log-probs back at micro-batches j, j + G, ... of [M, R, T]."""
+  stacked = jnp.stack(parts, axis=1)
+  return stacked.reshape(-1, *stacked.shape[2:])
+
+
+class ThreadedRecompute:
+  """`recompute_logp` with the micro-batches shared among G threads (one CPU device, as
+  `ThreadedTrainStep`); M must be a multiple of G. Called as `jit_recompute_logp`'s
+  function: (params, batch) -> [M, R, T]."""
+
+  def __init__(self, *, threads: int, model_cfg: ModelConfig, temperature: float = 1.0):
+    self._threads = cpu_threads.Dispatchers(threads, "recompute")
+    self._part = jax.jit(functools.partial(_recompute_part, threads=threads,
+                                           model_cfg=model_cfg, temperature=temperature))
+    self._interleave = jax.jit(_interleave)
+
+  def __call__(self, params, batch: PackedBatch):
+    G = len(self._threads)
+    if batch.tokens.shape[0] % G:
+      raise ValueError(f"the batch's {batch.tokens.shape[0]} micro-batches do not split "
+                       f"among {G} threads (pad with batching.pad_micro_batches)")
+    return self._interleave(self._threads.map(
+        self._part, [(params, batch, np.int32(j)) for j in range(G)]))

@@ -1,11 +1,18 @@
 """End-to-end in-process runs: async and sync, metrics, staleness bound, failing rewards."""
 
 import json
+import types
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
+from async_rl import cpu_threads, sharding, train_step
+from async_rl.config import MeshConfig
+from async_rl.rl.components import make_engine
 from async_rl.rl.run import run_in_process
+from async_rl.rl.trainer import Trainer
 from rl_test_utils import small_config
 
 
@@ -57,3 +64,19 @@ def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
   assert [s["applied_updates"] for s in steps] == [2, 2]
   assert [s["updates"] for s in steps] == [2, 4]
   assert [s["server"]["version"] for s in steps] == [1, 2], "the version counts steps"
+
+
+def test_automatic_thread_counts_take_a_thread_per_core_on_one_cpu_device(monkeypatch):
+  # The engine's slot groups and the trainer's gradient threads, as a run builds them.
+  monkeypatch.setattr(cpu_threads, "cores", lambda: 4)
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  cfg = small_config(**{"generation.num_slots": 32})
+  assert make_engine(cfg).decode_threads == 4 and Trainer(cfg, mesh).grad_threads == 4
+  cfg = small_config(**{"generation.decode_threads": 1, "train.grad_threads": 3})
+  assert make_engine(cfg).decode_threads == 1 and Trainer(cfg, mesh).grad_threads == 3
+  # Several devices run their shares already; accelerators run one program.
+  def fake_mesh(n, platform):
+    return types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform=platform)] * n))
+  assert train_step.default_grad_threads(fake_mesh(2, "cpu")) == 1
+  assert train_step.default_grad_threads(fake_mesh(1, "gpu")) == 1
+  assert train_step.default_grad_threads(fake_mesh(1, "cpu")) == 4

@@ -247,3 +247,16 @@ def test_threaded_step_equals_the_fused_step(threads, n, prox_mode):
   if n * threads > 1:
     with pytest.raises(ValueError, match="do not split"):
       threaded(state, jax.tree.map(lambda x: x[:-1], batch), None)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threaded_recompute_equals_recompute_logp(threads):
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = batching.pad_micro_batches(_versioned_batch(14, num_shards=1, budget=24), threads)
+  params = _state(mesh, optax.sgd(1.0)).params
+  threaded = train_step.ThreadedRecompute(threads=threads, model_cfg=CFG)
+  np.testing.assert_allclose(threaded(params, batch),
+                             train_step.recompute_logp(params, batch, model_cfg=CFG),
+                             rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="do not split"):
+    threaded(params, jax.tree.map(lambda x: x[:-1], batch))

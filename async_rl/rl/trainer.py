@@ -50,18 +50,16 @@ class Trainer:
     self.state_shardings = train_step.train_state_shardings(
         jax.eval_shape(lambda: self.state), mesh)
     self.loss_fn = loss.from_config(cfg.ppo)
-    step_kw = dict(model_cfg=cfg.model, loss_fn=self.loss_fn,
-                   temperature=cfg.generation.logp_temperature,
-                   num_minibatches=cfg.ppo.num_minibatches)
+    policy_kw = dict(model_cfg=cfg.model, temperature=cfg.generation.logp_temperature)
+    step_kw = dict(policy_kw, loss_fn=self.loss_fn, num_minibatches=cfg.ppo.num_minibatches)
     self.grad_threads = cfg.train.grad_threads or train_step.default_grad_threads(mesh)
     if self.grad_threads > 1:
       self._step = train_step.ThreadedTrainStep(mesh, self.state_shardings,
                                                 threads=self.grad_threads, **step_kw)
+      self._prox = train_step.ThreadedRecompute(threads=self.grad_threads, **policy_kw)
     else:
       self._step = train_step.jit_train_step(mesh, self.state_shardings, **step_kw)
-    self._prox = train_step.jit_recompute_logp(mesh, self.state_shardings.params,
-                                               model_cfg=cfg.model,
-                                               temperature=cfg.generation.logp_temperature)
+      self._prox = train_step.jit_recompute_logp(mesh, self.state_shardings.params, **policy_kw)
     self._batch_sharding = train_step.batch_shardings(mesh)
     self._advantage_fn = advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
     b = cfg.batching

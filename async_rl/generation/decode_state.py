@@ -215,7 +215,9 @@ def generate_chunk(params, state, *, cfg, steps):
 
 def join_groups(results):
   """The `ResultTokens` or `ChunkTokens` of the slot groups of one call, as one over all
-  their slots in order; a chunk's `steps` is the most any group ran."""
+  their slots in order; a chunk's `steps` is the most any group ran (so the pool's
+  `wasted_slot_steps` also counts, for a group whose slots all stopped earlier, the
+  steps it did not run)."""
   def cat(*x):
     return jnp.concatenate(x)
 

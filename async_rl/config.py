@@ -43,7 +43,8 @@ class GenerationConfig:
   update_mode: str = "retract"
   steps_per_call: int = 8  # Decode steps per host round trip; see BENCHMARKS.md.
   # Slot groups decoded at once, each from its own thread (`generation.engine`); 0 picks
-  # `engine.default_decode_threads`: one per core on the CPU backend, 1 on accelerators.
+  # `engine.default_decode_threads`: one per core on the CPU backend (half the cores when
+  # the trainer runs at once, η > 0: `cpu_threads.cores_per_side`), 1 on accelerators.
   decode_threads: int = 0
 
   def __post_init__(self):

@@ -156,7 +156,8 @@ class TrainConfig:
   stops with an error (each skipped step leaves the params as they were)."""
   max_consecutive_skips: int = 5
   # Threads that share each update's micro-batches (`train_step.ThreadedTrainStep`);
-  # 0 picks `train_step.default_grad_threads`: one per core on one CPU device, else 1.
+  # 0 picks `train_step.default_grad_threads`: one per core on one CPU device (half the
+  # cores when the generator runs at once, η > 0: `cpu_threads.cores_per_side`), else 1.
   grad_threads: int = 0
 
   def __post_init__(self):

@@ -4,10 +4,8 @@ XLA:CPU runs the programs dispatched from one thread one after another, and a sm
 program's ops mostly one at a time on one core; programs dispatched from different
 threads run at the same time. The generator engine's slot groups
 (`generation.decode_threads`) and the trainer's gradient threads
-(`train.grad_threads`) each dispatch one group's calls from one of these threads, one
-per core by default. When generation and training overlap in one process the two
-sides' threads share the cores; side by side that was no slower than one thread each
-(BENCHMARKS.md, "Both cores for decoding and for the gradients").
+(`train.grad_threads`) each dispatch one group's calls from one of these threads, as
+many as the cores each side may count on (`cores_per_side`).
 """
 
 import os
@@ -20,6 +18,14 @@ def cores() -> int:
   if hasattr(os, "sched_getaffinity"):
     return len(os.sched_getaffinity(0))
   return os.cpu_count() or 1
+
+
+def cores_per_side(max_staleness) -> int:
+  """The cores a run's generator and its trainer may each count on in one process: all
+  of them when the two take turns (η = `max_staleness` = 0), half each when they run
+  at once (BENCHMARKS.md, "Both cores for decoding and for the gradients": the quick
+  start ran slower with both sides on every core)."""
+  return cores() if max_staleness == 0 else max(1, cores() // 2)
 
 
 class Dispatchers:

@@ -249,11 +249,12 @@ def _apply_parts(state, parts):
   return apply_grads(state, loss, metrics, grads, num_tokens)
 
 
-def default_grad_threads(mesh: Mesh) -> int:
-  """`train.grad_threads` when automatic: one per core for a trainer on one CPU device
-  (`cpu_threads`), else 1: a program over several devices already runs on each."""
+def default_grad_threads(mesh: Mesh, cores: int | None = None) -> int:
+  """`train.grad_threads` when automatic: one per core (`cores`; default all this
+  process may use) for a trainer on one CPU device (`cpu_threads`), else 1: a program
+  over several devices already runs on each."""
   if mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu":
-    return cpu_threads.cores()
+    return cores or cpu_threads.cores()
   return 1
 
 

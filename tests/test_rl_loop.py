@@ -66,12 +66,16 @@ def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
   assert [s["server"]["version"] for s in steps] == [1, 2], "the version counts steps"
 
 
-def test_automatic_thread_counts_take_a_thread_per_core_on_one_cpu_device(monkeypatch):
-  # The engine's slot groups and the trainer's gradient threads, as a run builds them.
+def test_automatic_thread_counts_share_the_cores_when_both_sides_run_at_once(monkeypatch):
+  # On the CPU the engine's slot groups and the trainer's gradient threads take every
+  # core when generation and training take turns (η = 0), half each when they overlap.
   monkeypatch.setattr(cpu_threads, "cores", lambda: 4)
+  assert [cpu_threads.cores_per_side(eta) for eta in (0, 1, None)] == [4, 2, 2]
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  cfg = small_config(**{"generation.num_slots": 32})
-  assert make_engine(cfg).decode_threads == 4 and Trainer(cfg, mesh).grad_threads == 4
+  for eta, threads in ((0, 4), (2, 2)):
+    cfg = small_config(**{"staleness.max_staleness": eta, "generation.num_slots": 32})
+    assert make_engine(cfg).decode_threads == threads
+    assert Trainer(cfg, mesh).grad_threads == threads
   cfg = small_config(**{"generation.decode_threads": 1, "train.grad_threads": 3})
   assert make_engine(cfg).decode_threads == 1 and Trainer(cfg, mesh).grad_threads == 3
   # Several devices run their shares already; accelerators run one program.

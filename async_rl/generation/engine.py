@@ -59,13 +59,15 @@ def _stack(samplings):
   return jax.tree.map(lambda *x: np.stack(x), *samplings)
 
 
-def default_decode_threads(num_slots: int, backend: str | None = None) -> int:
+def default_decode_threads(num_slots: int, backend: str | None = None,
+                           cores: int | None = None) -> int:
   """G for `Engine(decode_threads=)`: on the CPU backend the most groups, at most one per
-  core this process may use, that split `num_slots` evenly into groups of at least
-  `MIN_GROUP_SLOTS`; 1 on accelerators (one program keeps the device busy)."""
+  core (`cores`; default all this process may use), that split `num_slots` evenly into
+  groups of at least `MIN_GROUP_SLOTS`; 1 on accelerators (one program keeps the
+  device busy)."""
   if (backend or jax.default_backend()) != "cpu":
     return 1
-  return max([g for g in range(1, cpu_threads.cores() + 1)
+  return max([g for g in range(1, (cores or cpu_threads.cores()) + 1)
               if num_slots % g == 0 and num_slots // g >= MIN_GROUP_SLOTS] or [1])
 
 
@@ -278,8 +280,8 @@ class Engine:
     n, S = len(slots), self._group_slots
     groups = {self.group_of(slot) for slot in slots}
     if not 1 <= n <= S or len(groups) != 1:
-      raise ValueError(f"insert_samples takes 1 to {S} slots of one slot group (of "
-                       f"{S} slots each), got {n} in groups {sorted(groups)}")
+      raise ValueError(f"insert_samples takes 1 to {S} slots, all in one slot group; got "
+                       f"{n} in groups {sorted(groups)}")
     rows_S, slots_S = np.zeros(S, np.int32), np.zeros(S, np.int32)
     rows_S[:n], slots_S[:n] = rows, np.asarray(slots) % S
     sampling_S = _stack([*samplings, *[samplings[0]] * (S - n)])

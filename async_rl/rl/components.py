@@ -1,5 +1,6 @@
 """Small builders shared by the trainer and rollout sides of a run."""
 
+from async_rl import cpu_threads
 from async_rl.config import ExperimentConfig
 from async_rl.generation import Engine, SamplingParams
 from async_rl.generation.engine import default_decode_threads
@@ -14,7 +15,8 @@ def make_engine(cfg: ExperimentConfig) -> Engine:
   return Engine(cfg.model, max_concurrent_decodes=g.num_slots,
                 max_prefill_length=longest - 1, max_target_length=longest,
                 steps_per_call=g.steps_per_call,
-                decode_threads=g.decode_threads or default_decode_threads(g.num_slots))
+                decode_threads=g.decode_threads or default_decode_threads(
+                    g.num_slots, cores=cpu_threads.cores_per_side(cfg.staleness.max_staleness)))
 
 
 def sampling_params(cfg: ExperimentConfig, task: Task) -> SamplingParams:

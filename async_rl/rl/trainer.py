@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from async_rl import advantages, batching, loss, sharding, train_step
+from async_rl import advantages, batching, cpu_threads, loss, sharding, train_step
 from async_rl.config import ExperimentConfig
 from async_rl.models import flops
 from async_rl.tasks.workflow import split_turns
@@ -52,7 +52,8 @@ class Trainer:
     self.loss_fn = loss.from_config(cfg.ppo)
     policy_kw = dict(model_cfg=cfg.model, temperature=cfg.generation.logp_temperature)
     step_kw = dict(policy_kw, loss_fn=self.loss_fn, num_minibatches=cfg.ppo.num_minibatches)
-    self.grad_threads = cfg.train.grad_threads or train_step.default_grad_threads(mesh)
+    self.grad_threads = cfg.train.grad_threads or train_step.default_grad_threads(
+        mesh, cores=cpu_threads.cores_per_side(cfg.staleness.max_staleness))
     if self.grad_threads > 1:
       self._step = train_step.ThreadedTrainStep(mesh, self.state_shardings,
                                                 threads=self.grad_threads, **step_kw)

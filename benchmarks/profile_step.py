@@ -133,7 +133,8 @@ def profile(model: str, steps: int, trace_dir: str, seed: int) -> dict:
     cfg = models.preset(model, vocab_size=bench.VOCAB, max_seq_len=bench.MAX_SEQ_LEN)
     seqs, recompute = bench.sequences_of(rng, bench.FULL["tokens"][model]), True
   b = bench.Bench(cfg, seed)
-  batch = b.prepare(bench.pack(cfg, *seqs), recompute=recompute)
+  host = bench.workload_pack(*seqs) if model == "workload" else bench.pack(cfg, *seqs)
+  batch = b.prepare(host, recompute=recompute)
   jax.block_until_ready(b.train(batch))
   hlo = b.step.lower(b.state, *batch).compile().as_text()
   jax.profiler.start_trace(trace_dir)

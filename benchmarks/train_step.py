@@ -32,8 +32,9 @@ here wastes more, so expect a larger ratio.
 Part 3 is the fixed workload of issue 16: a Qwen2-shaped model (vocab 256, d_model
 128, 4 layers, 4 query / 2 KV heads, head_dim 32, MLP 512, q/k/v bias, tied
 embeddings, float32, RoPE theta 1e6), 64 sequences of 16 prompt + 64 completion
-tokens, default batching (1024 tokens per micro-batch), naive PPO (so no proximal
-recompute). Its FLOP floor is the model FLOPs at the matmul peak.
+tokens, packed as its trainer packs them on the CPU (the automatic 320 tokens per
+micro-batch, rows of 80: [16, 4, 80]), naive PPO (so no proximal recompute), the fused
+step on one thread. Its FLOP floor is the model FLOPs at the matmul peak.
 
 Counting. Model FLOPs (`models.flops.train_flops`) are those of the valid tokens:
 6 N + 12 L H E (p + 1) per token at position p, N the matmul params. "MFU" is model
@@ -62,7 +63,7 @@ import numpy as np
 from absl import app, flags
 
 from async_rl import batching, loss, models, sharding, train_step
-from async_rl.config import MeshConfig, OptimizerConfig
+from async_rl.config import BatchingConfig, MeshConfig, OptimizerConfig
 from async_rl.models import flops
 from async_rl.trajectory import Trajectory
 
@@ -117,11 +118,21 @@ def workload_sequences(rng):
   return make_sequences(rng, [n] * WORKLOAD_SEQS, [WORKLOAD_PROMPT] * WORKLOAD_SEQS)
 
 
-def pack(cfg, trajs, adv_N, mb_tokens=MB_TOKENS):
-  """As the trainer packs on one device."""
+def pack(cfg, trajs, adv_N, mb_tokens=MB_TOKENS, longest=None):
+  """As the trainer packs on one device (`longest`: the longest sequence the run can
+  produce, which adds its row length to the buckets)."""
   return batching.pack_dynamic(trajs, adv_N, max_tokens_per_mb=mb_tokens, num_shards=1,
-                               row_buckets=batching.default_row_buckets(mb_tokens),
+                               row_buckets=batching.default_row_buckets(mb_tokens,
+                                                                        longest=longest),
                                attention_len=flops.attention_break_even_len(cfg))
+
+
+def workload_pack(trajs, adv_N):
+  """Issue 16's workload as its trainer packs it on the CPU: the automatic budget
+  (`BatchingConfig.tokens_per_mb`) and rows of the 80-token sequences."""
+  longest = WORKLOAD_PROMPT + WORKLOAD_COMPLETION
+  return pack(WORKLOAD_MODEL, trajs, adv_N, longest=longest,
+              mb_tokens=BatchingConfig().tokens_per_mb(longest, "cpu"))
 
 
 def matmul_peak(size=MATMUL, reps=10):
@@ -258,7 +269,7 @@ def bench_ffd(n, rows, steps, rng, seed):
 def bench_workload(steps, seed):
   rng = np.random.default_rng(seed)
   bench = Bench(WORKLOAD_MODEL, seed)
-  host = pack(WORKLOAD_MODEL, *workload_sequences(rng))
+  host = workload_pack(*workload_sequences(rng))
   batch = bench.prepare(host, recompute=False)
   c = counts(WORKLOAD_MODEL, host)
   (step_t,), peaks = timed_rounds([lambda: bench.train(batch)], steps)

@@ -268,8 +268,42 @@ def test_sequences_that_fill_the_longest_bucket_get_rows_of_their_own():
   assert without.tokens.shape[2] == 256
   batch = batching.pack_dynamic(seqs, np.zeros(64), **kw,
                                 row_buckets=batching.default_row_buckets(1024, longest=80))
-  assert batch.tokens.shape[1:] == (12, 80)
+  # 64 rows, at most 12 to a micro-batch: 6 micro-batches of 11 rows (66 slots, not 72).
+  assert batch.tokens.shape == (8, 11, 80)
   assert (batch.segment_ids <= 1).all() and int((batch.segment_ids > 0).sum()) == 64 * 80
+  rows_M = (batch.segment_ids > 0).any(-1).sum(-1)
+  np.testing.assert_array_equal(rows_M, [11, 11, 11, 11, 10, 10, 0, 0])
+
+
+def test_row_counts_are_the_eighths_of_the_most():
+  assert batching.row_counts(80, max_tokens_per_mb=1024, num_shards=1) == (2, 3, 5, 6, 8, 9,
+                                                                           11, 12)
+  assert batching.row_counts(80, max_tokens_per_mb=320, num_shards=1) == (1, 2, 3, 4)
+  assert batching.row_counts(80, max_tokens_per_mb=320, num_shards=2) == (2, 4, 6, 8)
+  assert batching.row_counts(512, max_tokens_per_mb=256, num_shards=4) == (4,)
+
+
+def test_pack_dynamic_gives_each_part_as_many_real_micro_batches():
+  # The train step shares the micro-batches out in num_parts equal parts (minibatches
+  # x gradient threads), micro-batch k + parts * i to part k: with 64 rows of at most
+  # 12, 3 parts get 2 each (6 x 11 rows), 4 parts 2 each (8 x 8 rows, no padding) and
+  # 5 parts 2 each (10 x 8 rows: 7 would do, but R moves in eighths of 12).
+  seqs = [_seq(range(3, 19), range(20, 84)) for _ in range(64)]
+  kw = dict(max_tokens_per_mb=1024, num_shards=1, row_buckets=(80,))
+  for parts, shape in ((3, (8, 11, 80)), (4, (8, 8, 80)), (5, (16, 8, 80))):
+    batch = batching.pack_dynamic(seqs, np.zeros(64), **kw, num_parts=parts)
+    assert batch.tokens.shape == shape
+    real_M = (batch.segment_ids > 0).any((1, 2))
+    padded = batching.pad_micro_batches(batch, parts)
+    per_part = (padded.segment_ids > 0).any((1, 2)).reshape(-1, parts).sum(0)
+    assert real_M.sum() % parts == 0 and len(set(per_part.tolist())) == 1, (parts, per_part)
+  # Two rows for four parts: two micro-batches of one row (R = 2, the least eighth of
+  # 12) and two empty ones.
+  batch = batching.pack_dynamic(seqs[:2], np.zeros(2), **kw, num_parts=4)
+  assert batch.tokens.shape == (4, 2, 80)
+  np.testing.assert_array_equal((batch.segment_ids > 0).any(-1).sum(-1), [1, 1, 0, 0])
+  with pytest.raises(ValueError, match="num_parts"):
+    batching.pack_dynamic(seqs, np.zeros(64), **kw, num_parts=0)
 
 
 def test_rows_per_mb():
@@ -334,30 +368,46 @@ def test_pack_dynamic_errors():
                           row_buckets=(32,))
 
 
-def _cost(seqs, row_len, budget, shards, attention_len):
+def _layout(seqs, row_len, budget, shards, parts):
+  """(real micro-batches, R) for rows of `row_len`: the fewest micro-batches of at most
+  `rows_per_mb` rows, a multiple of `parts`, and the fewest `row_counts` rows that hold
+  the rows in them."""
   groups = batching.ffd_allocate([len(s) for s in seqs], row_len, min_groups=shards)
-  R = batching.rows_per_mb(row_len, max_tokens_per_mb=budget, num_shards=shards)
-  return -(-len(groups) // R) * R * row_len * (1 + row_len / attention_len)
+  most = batching.rows_per_mb(row_len, max_tokens_per_mb=budget, num_shards=shards)
+  num_mb = -(-(-(-len(groups) // most)) // parts) * parts
+  counts = batching.row_counts(row_len, max_tokens_per_mb=budget, num_shards=shards)
+  return num_mb, min(r for r in counts if r * num_mb >= len(groups))
+
+
+def _cost(seqs, row_len, budget, shards, attention_len, parts=1):
+  num_mb, R = _layout(seqs, row_len, budget, shards, parts)
+  return num_mb * R * row_len * (1 + row_len / attention_len)
 
 
 @_SETTINGS
 @given(seed=st.integers(0, 2**31), n=st.integers(0, 24), shards=st.integers(1, 4),
-       attention_len=st.sampled_from([4.0, 40.0, float("inf")]))
-def test_pack_dynamic_round_trip_and_layout(seed, n, shards, attention_len):
-  budget, buckets = 32, (8, 16, 32)
+       attention_len=st.sampled_from([4.0, 40.0, float("inf")]), parts=st.integers(1, 3),
+       budget=st.sampled_from([32, 96]))
+def test_pack_dynamic_round_trip_and_layout(seed, n, shards, attention_len, parts, budget):
+  buckets = (8, 16, 32)
   seqs = _random_seqs(seed, n, max_prompt=8, max_completion=24)
   batch = batching.pack_dynamic(seqs, _adv(seqs), max_tokens_per_mb=budget,
                                 num_shards=shards, row_buckets=buckets,
-                                attention_len=attention_len)
+                                attention_len=attention_len, num_parts=parts)
   M, R, T = batch.tokens.shape
   longest = max((len(s) for s in seqs), default=0)
   # T is the cheapest bucket that holds the longest sequence (ties: the shortest).
   fitting = [b for b in buckets if b >= longest]
-  costs = {b: _cost(seqs, b, budget, shards, attention_len) for b in fitting}
+  costs = {b: _cost(seqs, b, budget, shards, attention_len, parts) for b in fitting}
   assert T == min(fitting, key=lambda b: (costs[b], b))
-  assert R == batching.rows_per_mb(T, max_tokens_per_mb=budget, num_shards=shards)
+  real_mb, expected_R = _layout(seqs, T, budget, shards, parts)
+  assert R == expected_R <= batching.rows_per_mb(T, max_tokens_per_mb=budget,
+                                                 num_shards=shards)
+  assert R in batching.row_counts(T, max_tokens_per_mb=budget, num_shards=shards)
   groups = batching.ffd_allocate([len(s) for s in seqs], T, min_groups=shards)
-  real_mb = -(-len(groups) // R)
+  # Fewer rows per micro-batch would not hold them; fewer micro-batches would break
+  # the budget or the parts.
+  assert R * real_mb >= len(groups) and real_mb % parts == 0
   assert M & (M - 1) == 0 and real_mb <= M < 2 * real_mb
   row_tokens_MR = (batch.segment_ids > 0).sum(-1)
   assert row_tokens_MR.max() <= T
@@ -380,8 +430,8 @@ def test_pack_dynamic_shapes_stay_in_bucket_set():
   budget, shards, max_n = 64, 2, 40
   buckets = batching.default_row_buckets(budget, smallest=8)
   max_m = 1 << (-(-max_n // shards) - 1).bit_length()
-  allowed = {(1 << k, batching.rows_per_mb(t, max_tokens_per_mb=budget, num_shards=shards), t)
-             for k in range(max_m.bit_length()) for t in buckets}
+  allowed = {(1 << k, r, t) for k in range(max_m.bit_length()) for t in buckets
+             for r in batching.row_counts(t, max_tokens_per_mb=budget, num_shards=shards)}
   shapes = set()
   for _ in range(300):
     n = int(rng.integers(1, max_n + 1))

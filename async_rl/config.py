@@ -26,7 +26,7 @@ from async_rl.tasks.math_task import MathTaskConfig
 
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
-HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat")
+HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
 
 
 

@@ -1,6 +1,7 @@
 """Memory and FLOPs of the train step, read from the compiler for the real shapes.
 
-  python -m benchmarks.memory          # configs/qwen2_5_1_5b.py; about 4 minutes on CPU
+  python -m benchmarks.memory          # configs/qwen2_5_1_5b.py; about 3 minutes on CPU
+  python -m benchmarks.memory --saves=none     # the same with remat saving nothing
   python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # seconds
 
 Compiles `train_step.jit_train_step` of --config from abstract shapes on the CPU
@@ -8,7 +9,8 @@ Compiles `train_step.jit_train_step` of --config from abstract shapes on the CPU
 config's longest sequence (`generation.max_prompt_len + max_new_tokens`, the row
 length `batching.pack_dynamic` picks for full-length sequences) and R = tokens / T,
 for each micro-batch size in --tokens. Each row holds one sequence filling it. The
-model is the config's (dtype, remat) and so is the loss with its proximal log-probs
+model is the config's (dtype, remat and what it saves; --saves overrides
+`model.remat_saves`) and so is the loss with its proximal log-probs
 (`ppo.prox_logp`); one micro-batch is one PPO update, whatever `ppo.num_minibatches`
 says. The mesh is one device.
 
@@ -25,10 +27,12 @@ only matmuls). The walk is checked against a closed form of what this
 implementation executes on rows that one sequence fills, where nothing is padding
 and the model FLOPs are exactly known:
 
-  per token  6 N; plus 2 (N - D V - L D F) when remat recomputes the layers'
+  per token  6 N; plus 2 (N - D V - L D F - L S) when remat recomputes the layers'
              forward pass (all of it but the MLP's down projection, whose output
-             the backward pass does not need); plus 2 D V when log-probs are
-             chunked (each chunk's LM head is recomputed in the backward pass);
+             the backward pass does not need, and S, the matmuls whose outputs
+             `model.remat_saves` keeps: `models.config.REMAT_SAVES`); plus 2 D V
+             when log-probs are chunked (each chunk's LM head is recomputed in the
+             backward pass);
   attention  per row and layer 4 H E C^2 n (n + 1) / 2 forward (`blockwise`: query
              block i of n scores the (i + 1) C keys before it), times 3 for forward
              and backward, plus 1 under remat.
@@ -38,10 +42,24 @@ model FLOPs is then the recomputation and the attention blocks' upper triangles,
 which the printout splits out. The GPU path (`attention.flash_gpu`) is not compiled
 here (no GPU): its attention tiles skip the same upper blocks at 128 tokens.
 
-Last line: JSON with `temp_gib` (micro-batch tokens -> GiB of temporaries),
+16-bit accounting. XLA:CPU widens bf16 data movement to float32 (its
+`float-normalization-bf16` pass): the scans over layers then slice a float32 copy of
+every layer's bf16 weights (4.9 GiB for the 1.5B model) and of every bf16 stack the
+backward pass reads (remat's saved values: float32 copies next to the bf16 stacks),
+buffers a backend with native bf16 never holds. float16 has the same two bytes and
+XLA:CPU keeps it 16-bit, so for a bf16 config the step is also compiled with
+`dtype` and `param_dtype` float16 (the same program otherwise, the same FLOPs): its
+temporaries, `temp_16bit` in the table, are what the compiler needs with 16-bit
+buffers kept 16-bit, the estimate for a GPU; `temp` is the bf16 CPU compile's.
+(Disabling the pass instead fails: XLA:CPU's dot emitter then meets bf16 dots it
+cannot emit.)
+
+Last line: JSON with `temp_gib` (micro-batch tokens -> GiB of temporaries of the
+config's compile), `temp_gib_16bit` (the float16 compile's, for a bf16 config),
 `flops_ratio` (executed / model FLOPs at the largest size) and the breakdown.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -62,6 +80,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen2_5_1_5b.py",
                                           "The experiment whose train step is compiled.")
 _TOKENS = flags.DEFINE_list("tokens", ["4096", "8192", "16384"],
                             "Tokens per micro-batch (multiples of the row length).")
+_SAVES = flags.DEFINE_list("saves", None, "model.remat_saves to compile with, e.g. "
+                           "mlp_gate,qkv (default: the config's; 'none' for none).")
 
 
 def abstract_state(model_cfg, tx, mesh):
@@ -90,7 +110,11 @@ def implementation_flops(model_cfg, rows, row_len) -> dict:
   n = attention.num_blocks(row_len)
   C = row_len // n
   attn_fwd = m.n_layers * rows * 4 * m.n_heads * m.head_dim * C * C * n * (n + 1) / 2
-  recomputed = 2 * (N - head - m.n_layers * m.d_model * m.d_ff) * tokens + attn_fwd
+  D, F, E = m.d_model, m.d_ff, m.head_dim
+  kept = {"qkv": D * (m.n_heads + 2 * m.n_kv_heads) * E, "residual": m.n_heads * E * D,
+          "mlp_gate": D * F, "mlp_up": D * F}  # the matmul each saved value spares
+  recomputed = 2 * m.n_layers * tokens * (
+      (N - head) / m.n_layers - D * F - sum(kept[s] for s in m.remat_saves)) + attn_fwd
   return dict(weights=6 * N * tokens, remat=recomputed * m.remat,
               head_recompute=2 * head * tokens * chunked, attention=3 * attn_fwd)
 
@@ -124,16 +148,27 @@ def measure(cfg, tokens):
 def main(argv):
   del argv
   cfg = from_config_dict(_CONFIG.value)
+  if _SAVES.value is not None:
+    saves = tuple(s for s in _SAVES.value if s != "none")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat_saves=saves))
   m = cfg.model
   print(f"jax {jax.__version__} on {jax.default_backend()}; {m.n_layers} layers, d_model "
-        f"{m.d_model}, vocab {m.vocab_size}, {m.dtype}, remat={m.remat}; one device")
+        f"{m.d_model}, vocab {m.vocab_size}, {m.dtype}, remat={m.remat}, remat_saves="
+        f"{m.remat_saves}; one device")
   results = {int(t): measure(cfg, int(t)) for t in _TOKENS.value}
+  as_16bit = "bfloat16" in (m.dtype, m.param_dtype)
+  if as_16bit:
+    f16 = dataclasses.replace(cfg, model=dataclasses.replace(m, dtype="float16",
+                                                             param_dtype="float16"))
+    for t, r in results.items():
+      r["temp_16bit_gib"] = measure(f16, t)["temp_gib"]
   print(f"\n{'tokens':>7}{'R x T':>11}{'args GiB':>10}{'out GiB':>9}{'alias GiB':>10}"
-        f"{'temp GiB':>10}{'model TFLOP':>12}{'exec TFLOP':>11}{'exec/model':>11}"
-        f"{'walk/closed form':>17}{'XLA raw TFLOP':>14}")
+        f"{'temp GiB':>10}{'temp_16bit':>11}{'model TFLOP':>12}{'exec TFLOP':>11}"
+        f"{'exec/model':>11}{'walk/closed form':>17}{'XLA raw TFLOP':>14}")
   for t, r in results.items():
     print(f"{t:>7}{r['rows']:>5} x {r['row_len']:<5}{r['arguments_gib']:>9.2f}"
           f"{r['outputs_gib']:>9.2f}{r['aliased_gib']:>10.2f}{r['temp_gib']:>10.2f}"
+          f"{r.get('temp_16bit_gib', float('nan')):>11.2f}"
           f"{r['model_flops'] / 1e12:>12.2f}{r['executed_flops'] / 1e12:>11.2f}"
           f"{r['executed_flops'] / r['model_flops']:>11.3f}"
           f"{r['executed_flops'] / r['expected_flops']:>17.4f}"
@@ -146,8 +181,11 @@ def main(argv):
         f"({'ok' if check < 1e-3 else 'FAILED'}).")
   smallest = results[min(results)]
   summary = dict(
-      temp_gib={t: round(r["temp_gib"], 3) for t, r in results.items()},
+      temp_gib={t: round(r["temp_gib"], 6) for t, r in results.items()},
       temp_growth=largest["temp_gib"] / smallest["temp_gib"],
+      **(dict(temp_gib_16bit={t: round(r["temp_16bit_gib"], 6) for t, r in results.items()},
+              temp_growth_16bit=largest["temp_16bit_gib"] / smallest["temp_16bit_gib"])
+         if as_16bit else {}),
       flops_ratio=largest["executed_flops"] / largest["model_flops"],
       flops_breakdown={k: round(v, 4) for k, v in largest["breakdown"].items()},
       count_check=check)

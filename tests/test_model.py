@@ -1,5 +1,5 @@
 """The transformer: packing isolation, KV-cached decode == full forward, presets, the
-weight matmul's backward pass."""
+weight matmul's backward pass, remat and what it saves."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from async_rl import models
-from async_rl.models import transformer
+from async_rl.models import flops, transformer
 
 
 def _cfg(**kw):
@@ -113,9 +113,50 @@ def test_presets_have_documented_sizes():
   assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params()
 
 
+def _loss_grad(cfg):
+  """jit(grad) of a weighted sum of a packed row's logits, with its compiled program."""
+  rng = np.random.default_rng(5)
+  tokens = jnp.asarray(rng.integers(0, 61, (2, 12)))
+  positions = jnp.asarray(np.tile(np.arange(12), (2, 1)))
+  weights = jnp.asarray(rng.normal(size=(2, 12, 61)), jnp.float32)
+
+  def loss(params):
+    return (models.forward(params, cfg, tokens, positions, jnp.ones_like(tokens)) *
+            weights).sum()
+
+  params = models.init_params(cfg, jax.random.key(4))
+  fn = jax.jit(jax.value_and_grad(loss))
+  return fn(params), fn.lower(params).compile()
+
+
+@pytest.mark.parametrize("saves", [(), ("mlp_gate",), ("qkv", "residual"),
+                                   ("qkv", "residual", "mlp_gate", "mlp_up")])
+def test_remat_and_what_it_saves_change_the_flops_not_the_values_or_gradients(saves):
+  (value, grads), plain = _loss_grad(_cfg())
+  (remat_value, remat_grads), remat = _loss_grad(_cfg(remat=True, remat_saves=saves))
+  np.testing.assert_allclose(remat_value, value, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(remat_grads)):
+    np.testing.assert_allclose(r, g, rtol=1e-5, atol=1e-6)
+  # Remat recomputes each layer's forward matmuls but the MLP's down projection; each
+  # saved value spares its own matmul (models.config.REMAT_SAVES).
+  c, tokens = _cfg(), 2 * 12
+  D, F, L = c.d_model, c.d_ff, c.n_layers
+  spared = {"qkv": D * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
+            "residual": c.n_heads * c.head_dim * D, "mlp_gate": D * F, "mlp_up": D * F}
+  per_layer = (flops.matmul_params(c) - D * c.vocab_size) // L - D * F
+  attention = 2 * 2 * 2 * c.n_heads * c.head_dim * 12 * 12 * L  # QK^T and PV, 2 rows
+  recomputed = flops.executed_matmul_flops(remat.as_text()) - flops.executed_matmul_flops(
+      plain.as_text())
+  assert recomputed == 2 * L * tokens * (per_layer - sum(spared[s] for s in saves)) + attention
+
+
 def test_bad_model_config_names_field():
   with pytest.raises(ValueError, match="model.n_kv_heads"):
     models.ModelConfig(n_heads=4, n_kv_heads=3)
+  with pytest.raises(ValueError, match="model.remat_saves: unknown"):
+    models.ModelConfig(remat=True, remat_saves=("mlp",))
+  with pytest.raises(ValueError, match="needs model.remat=True"):
+    models.ModelConfig(remat_saves=("qkv",))
   with pytest.raises(ValueError, match="unknown model preset"):
     models.preset("huge")
 

@@ -6,6 +6,13 @@ import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+# Per layer and token, what `model.remat_saves` may keep from the forward pass (the
+# rest is recomputed in the backward pass), and the matmul that keeping it saves
+# recomputing: the rotated q, k and v (D (H + 2K) E elements; their projection), the
+# residual stream between attention and MLP (D; the output projection), and the MLP's
+# gate and up projections (F each; their matmuls).
+REMAT_SAVES = ("qkv", "residual", "mlp_gate", "mlp_up")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -13,7 +20,9 @@ class ModelConfig:
 
   `dtype` is the compute dtype, `param_dtype` the storage dtype of the params.
   `qk_norm` adds the per-head q/k RMSNorm of Qwen3. `remat` recomputes each layer's
-  activations in the backward pass instead of storing them.
+  activations in the backward pass instead of storing them, except those named in
+  `remat_saves` (`REMAT_SAVES`): memory traded for the FLOPs of recomputing them
+  (`python -m benchmarks.memory --saves=...` prints both from the compiler).
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -31,8 +40,16 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  remat_saves: tuple[str, ...] = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "remat_saves", tuple(self.remat_saves))
+    unknown = set(self.remat_saves) - set(REMAT_SAVES)
+    if unknown:
+      raise ValueError(f"model.remat_saves: unknown {sorted(unknown)}; known: "
+                       f"{sorted(REMAT_SAVES)}")
+    if self.remat_saves and not self.remat:
+      raise ValueError(f"model.remat_saves={self.remat_saves} needs model.remat=True")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "d_ff", "max_seq_len"):
       if getattr(self, name) < 1:

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from async_rl.models.attention import attention
 from async_rl.models.config import ModelConfig
@@ -168,7 +169,8 @@ def _project_qkv(lp, cfg, h_BTD, positions_BT):
 
 
 def _mlp(lp, h_BTD):
-  gate, up = _linear(h_BTD, lp["gate"]), _linear(h_BTD, lp["up"])
+  gate = checkpoint_name(_linear(h_BTD, lp["gate"]), "mlp_gate")
+  up = checkpoint_name(_linear(h_BTD, lp["up"]), "mlp_up")
   return _linear(jax.nn.silu(gate) * up, lp["down"])
 
 
@@ -177,11 +179,11 @@ def _block(lp, cfg, x_BTD, positions_BT, attend):
   # The scopes name the ops in profiles (benchmarks/profile_step.py).
   h = rms_norm(x_BTD, lp["attn_norm"], cfg.rms_eps)
   with jax.named_scope("qkv"):
-    q, k, v = _project_qkv(lp, cfg, h, positions_BT)
+    q, k, v = (checkpoint_name(a, "qkv") for a in _project_qkv(lp, cfg, h, positions_BT))
   with jax.named_scope("attention"):
     attn, aux = attend(q, k, v)
   with jax.named_scope("out_proj"):
-    x_BTD = x_BTD + _linear(attn, lp["o"], n_in=2)
+    x_BTD = checkpoint_name(x_BTD + _linear(attn, lp["o"], n_in=2), "residual")
   with jax.named_scope("mlp"):
     x_BTD = x_BTD + _mlp(lp, rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps))
   return x_BTD, aux
@@ -229,7 +231,12 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_i
 
 
 def _remat(fn, cfg):
-  return jax.checkpoint(fn) if cfg.remat else fn
+  if not cfg.remat:
+    return fn
+  if not cfg.remat_saves:
+    return jax.checkpoint(fn)
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
+      *cfg.remat_saves))
 
 
 def split_layers(params: Params) -> Params:

@@ -220,7 +220,8 @@ def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_
   `max_tokens_per_mb` tokens of it (or one row, if T is longer). The real
   micro-batches are the fewest that hold the rows, rounded up to a multiple of
   `num_parts` (the equal parts the train step shares them out in: PPO minibatches x
-  gradient threads), and R the fewest rows that spread the rows over them
+  gradient threads) as far as there are rows for them, and R the fewest rows that
+  spread the rows over them
   (`row_counts`: an eighth of the most per shard at a time). So 64 rows under a most
   of 12 run as 6 x 11 rows, not 6 x 12 (issue 16's workload on two gradient threads:
   0.96x the trainer's time naive, 0.88x decoupled, side by side), and no part gets
@@ -254,7 +255,7 @@ def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_
     groups = ffd_allocate(lengths, row_len, min_groups=num_shards)
     counts = row_counts(row_len, max_tokens_per_mb=max_tokens_per_mb, num_shards=num_shards)
     num_mb = -(-len(groups) // counts[-1])
-    num_mb = -(-num_mb // num_parts) * num_parts
+    num_mb = min(-(-num_mb // num_parts) * num_parts, max(num_mb, len(groups)))
     R = _balanced_rows(len(groups), num_mb, counts)
     cost = num_mb * R * row_len * (1 + row_len / attention_len)
     if best is None or cost < best[0]:

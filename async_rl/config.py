@@ -255,7 +255,7 @@ class ExperimentConfig:
       _fail("rollout.reward_timeout_s", self.rollout.reward_timeout_s,
             f"must be below run.stall_timeout_s={self.run.stall_timeout_s} (a reward call "
             f"that hangs is killed and scores 0; it must not stall the run first)")
-    if 0 < self.batching.max_tokens_per_mb < longest:
+    if self.batching.max_tokens_per_mb < longest:
       _fail("batching.max_tokens_per_mb", self.batching.max_tokens_per_mb,
             f"must hold the longest allowed sequence (generation.max_prompt_len + "
             f"generation.max_new_tokens = {longest})")

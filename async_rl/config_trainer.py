@@ -103,42 +103,18 @@ class AdvantageConfig:
   leave_one_out: bool = False
 
 
-# The automatic micro-batch budgets (`BatchingConfig.tokens_per_mb`).
-CPU_TOKENS_PER_MB = 320
-ACCELERATOR_TOKENS_PER_MB = 1024
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchingConfig:
-  """Token-budget micro-batching; `row_buckets` empty means `default_row_buckets`;
-  `max_tokens_per_mb` 0 means automatic (`tokens_per_mb`)."""
-  max_tokens_per_mb: int = 0
+  """Token-budget micro-batching; `row_buckets` empty means `default_row_buckets`."""
+  max_tokens_per_mb: int = 1024
   row_buckets: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if self.max_tokens_per_mb < 0:
-      fail("batching.max_tokens_per_mb", self.max_tokens_per_mb, "must be >= 0 (0: automatic)")
-    if any(b < 1 or (self.max_tokens_per_mb and b > self.max_tokens_per_mb)
-           for b in self.row_buckets):
+    if self.max_tokens_per_mb < 1:
+      fail("batching.max_tokens_per_mb", self.max_tokens_per_mb, "must be >= 1")
+    if any(b < 1 or b > self.max_tokens_per_mb for b in self.row_buckets):
       fail("batching.row_buckets", self.row_buckets,
-           "must lie in [1, batching.max_tokens_per_mb]")
-
-  def tokens_per_mb(self, longest: int, platform: str) -> int:
-    """The token budget of a micro-batch for a trainer on `platform` ("cpu", "gpu",
-    ...) whose sequences are at most `longest` tokens: `max_tokens_per_mb`, or when
-    automatic, at least `longest` and otherwise `CPU_TOKENS_PER_MB` on the CPU and
-    `ACCELERATOR_TOKENS_PER_MB` elsewhere.
-
-    On the CPU, micro-batches that stay in a core's cache are faster per token than
-    big ones: issue 16's workload (64 sequences of 80 tokens, d_ff 512, two gradient
-    threads, a 2 MiB L2 per core) trained in 0.28 s at 160 or 320 tokens per
-    micro-batch against 0.30 s at 640, 0.32 s at 1024 and 0.34 s at 80, in two runs
-    that took turns among the sizes (BENCHMARKS.md). On accelerators the budget is set by memory and occupancy:
-    the accelerator configs set their own.
-    """
-    if self.max_tokens_per_mb:
-      return self.max_tokens_per_mb
-    return max(longest, CPU_TOKENS_PER_MB if platform == "cpu" else ACCELERATOR_TOKENS_PER_MB)
+            "must lie in [1, batching.max_tokens_per_mb]")
 
 
 @dataclasses.dataclass(frozen=True)

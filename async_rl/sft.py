@@ -48,8 +48,7 @@ def warm_start(cfg: ExperimentConfig, mesh, *, task=None,
   state = train_step.create_train_state(cfg.model, tx, mesh, jax.random.key(cfg.seed))
   shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
   step = train_step.jit_train_step(mesh, shardings, model_cfg=cfg.model, loss_fn=sft_loss)
-  budget = cfg.batching.tokens_per_mb(cfg.generation.max_prompt_len + cfg.generation.max_new_tokens,
-                                      mesh.devices.flat[0].platform)
+  budget = cfg.batching.max_tokens_per_mb
   buckets = cfg.batching.row_buckets or batching.default_row_buckets(budget)
   shards = sharding.num_batch_shards(mesh)
   attention_len = flops.attention_break_even_len(cfg.model)

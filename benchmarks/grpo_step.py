@@ -12,8 +12,8 @@ prompt at temperature 1 with no top-k / top-p and no stop id, so every sample ha
 exactly 64 new tokens; reward the fraction of even completion ids; group-normalised
 advantages, eps 0.2, Adam 1e-4, no KL term, one optimizer step per RL step. All 64
 samples of a step decode together (64 generator slots). Everything else is the
-library's default (on the CPU 320 tokens per micro-batch, so [16, 4, 80] batches; 8
-decode steps per host round trip), and the run is `rl.run.run_in_process`, as a
+library's default (1024 tokens per micro-batch, so [8, 11, 80] batches; 8 decode
+steps per host round trip), and the run is `rl.run.run_in_process`, as a
 user's would be; held-out evaluation
 (one prompt) runs only before the first and after the last step.
 

@@ -32,9 +32,9 @@ here wastes more, so expect a larger ratio.
 Part 3 is the fixed workload of issue 16: a Qwen2-shaped model (vocab 256, d_model
 128, 4 layers, 4 query / 2 KV heads, head_dim 32, MLP 512, q/k/v bias, tied
 embeddings, float32, RoPE theta 1e6), 64 sequences of 16 prompt + 64 completion
-tokens, packed as its trainer packs them on the CPU (the automatic 320 tokens per
-micro-batch, rows of 80: [16, 4, 80]), naive PPO (so no proximal recompute), the fused
-step on one thread. Its FLOP floor is the model FLOPs at the matmul peak.
+tokens, packed as its trainer packs them (1024 tokens per micro-batch, rows of 80:
+[8, 11, 80]), naive PPO (so no proximal recompute), the fused step on one thread.
+Its FLOP floor is the model FLOPs at the matmul peak.
 
 Counting. Model FLOPs (`models.flops.train_flops`) are those of the valid tokens:
 6 N + 12 L H E (p + 1) per token at position p, N the matmul params. "MFU" is model
@@ -128,11 +128,10 @@ def pack(cfg, trajs, adv_N, mb_tokens=MB_TOKENS, longest=None):
 
 
 def workload_pack(trajs, adv_N):
-  """Issue 16's workload as its trainer packs it on the CPU: the automatic budget
-  (`BatchingConfig.tokens_per_mb`) and rows of the 80-token sequences."""
-  longest = WORKLOAD_PROMPT + WORKLOAD_COMPLETION
-  return pack(WORKLOAD_MODEL, trajs, adv_N, longest=longest,
-              mb_tokens=BatchingConfig().tokens_per_mb(longest, "cpu"))
+  """Issue 16's workload as its trainer packs it: the default budget and rows of the
+  80-token sequences."""
+  return pack(WORKLOAD_MODEL, trajs, adv_N, longest=WORKLOAD_PROMPT + WORKLOAD_COMPLETION,
+              mb_tokens=BatchingConfig().max_tokens_per_mb)
 
 
 def matmul_peak(size=MATMUL, reps=10):

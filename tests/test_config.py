@@ -7,8 +7,6 @@ import pytest
 
 from async_rl import config as config_lib, config_dict
 from async_rl.config import ExperimentConfig, MeshConfig
-from async_rl.config_trainer import (ACCELERATOR_TOKENS_PER_MB, BatchingConfig,
-                                     CPU_TOKENS_PER_MB)
 from async_rl.config_dict import from_config_dict
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.py"))
@@ -58,7 +56,6 @@ def test_conversion_types_and_defaults():
     ({"run": {"max_worker_restarts": -1}}, "run.max_worker_restarts"),
     ({"rollout": {"reward_timeout_s": 600.0}}, "rollout.reward_timeout_s must be below"),
     ({"batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
-    ({"batching": {"max_tokens_per_mb": -1}}, "batching.max_tokens_per_mb"),
     ({"generation": {"top_p": 0.0}}, "generation.top_p"),
     ({"generation": {"num_slots": 6, "decode_threads": 4}}, "generation.decode_threads"),
     ({"generation": {"decode_threads": -1}}, "generation.decode_threads"),
@@ -79,19 +76,6 @@ def test_conversion_types_and_defaults():
 def test_invalid_values_name_the_field(values, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
     from_config_dict(values)
-
-
-def test_automatic_micro_batch_budget_depends_on_the_platform_and_holds_the_longest():
-  auto = BatchingConfig()
-  assert auto.max_tokens_per_mb == 0
-  assert auto.tokens_per_mb(80, "cpu") == CPU_TOKENS_PER_MB
-  assert auto.tokens_per_mb(80, "gpu") == ACCELERATOR_TOKENS_PER_MB
-  assert auto.tokens_per_mb(2000, "cpu") == auto.tokens_per_mb(2000, "tpu") == 2000
-  assert BatchingConfig(max_tokens_per_mb=96).tokens_per_mb(80, "cpu") == 96
-  # Buckets are checked against an explicit budget only.
-  assert BatchingConfig(row_buckets=(4096,)).row_buckets == (4096,)
-  with pytest.raises(ValueError, match="batching.row_buckets"):
-    BatchingConfig(max_tokens_per_mb=256, row_buckets=(512,))
 
 
 def test_task_options_are_free_form_plain_data_and_round_trip():

@@ -63,10 +63,9 @@ class Trainer:
       self._prox = train_step.jit_recompute_logp(mesh, self.state_shardings.params, **policy_kw)
     self._batch_sharding = train_step.batch_shardings(mesh)
     self._advantage_fn = advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
-    b, longest = cfg.batching, cfg.generation.max_prompt_len + cfg.generation.max_new_tokens
-    self.tokens_per_mb = b.tokens_per_mb(longest, mesh.devices.flat[0].platform)
-    self._row_buckets = b.row_buckets or batching.default_row_buckets(self.tokens_per_mb,
-                                                                      longest=longest)
+    b = cfg.batching
+    self._row_buckets = b.row_buckets or batching.default_row_buckets(
+        b.max_tokens_per_mb, longest=cfg.generation.max_prompt_len + cfg.generation.max_new_tokens)
     self._num_shards = sharding.num_batch_shards(mesh)
     self._attention_len = flops.attention_break_even_len(cfg.model)
 
@@ -82,7 +81,7 @@ class Trainer:
       trajs, adv_N = [s for ts in turns for s in ts], np.repeat(adv_N, [len(ts) for ts in turns])
     parts = self.cfg.ppo.num_minibatches * self.grad_threads  # equal shares of the batch
     batch = batching.pack_dynamic(trajs, adv_N,
-                                  max_tokens_per_mb=self.tokens_per_mb,
+                                  max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
                                   num_shards=self._num_shards, row_buckets=self._row_buckets,
                                   attention_len=self._attention_len,
                                   with_versions=self.cfg.ppo.prox_logp == "loglinear",

@@ -63,7 +63,7 @@ def check_char_task(cfg, *, max_prompt_tokens: int, max_target_tokens: int) -> N
     raise ValueError(f"generation.max_prompt_len must hold the task's longest prompt "
                      f"({max_prompt_tokens} tokens), got {cfg.generation.max_prompt_len}")
   longest = max_prompt_tokens + max_target_tokens
-  if cfg.sft.steps and 0 < cfg.batching.max_tokens_per_mb < longest:
+  if cfg.sft.steps and cfg.batching.max_tokens_per_mb < longest:
     raise ValueError(f"batching.max_tokens_per_mb must hold the longest warm-start sequence "
                      f"({longest} tokens) when sft.steps > 0, got "
                      f"{cfg.batching.max_tokens_per_mb}")

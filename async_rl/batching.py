@@ -221,14 +221,14 @@ def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_
   micro-batches are the fewest that hold the rows, rounded up to a multiple of
   `num_parts` (the equal parts the train step shares them out in: PPO minibatches x
   gradient threads) as far as there are rows for them, and R the fewest rows that
-  spread the rows over them
-  (`row_counts`: an eighth of the most per shard at a time). So 64 rows under a most
-  of 12 run as 6 x 11 rows, not 6 x 12 (issue 16's workload on two gradient threads:
-  0.96x the trainer's time naive, 0.88x decoupled, side by side), and no part gets
-  fewer real micro-batches than another. M is then rounded up to a power of two, so the
-  train step sees O(#buckets x 8 x log M) shapes. The chosen T has the least
-  estimated cost: executed slots (real micro-batches x R x T) times
-  `1 + T / attention_len`, the share causal attention adds to a row of length T
+  spread the rows over them (`row_counts`: an eighth of the most per shard at a
+  time). So 64 rows under a most of 12 run as 6 x 11 rows, not 6 x 12 (issue 16's
+  workload on two gradient threads: 0.96x the trainer's time naive, 0.88x decoupled,
+  side by side), and no part gets fewer real micro-batches than another. M is then
+  rounded up to a power of two, so the train step sees O(#buckets x 8 x log M)
+  shapes. The chosen T has the least estimated cost: executed slots (real
+  micro-batches x R x T) times `1 + T / attention_len`, the share causal attention
+  adds to a row of length T
   (`models.flops.attention_break_even_len`; the default counts slots only); ties go
   to the shorter rows.
 
@@ -255,7 +255,7 @@ def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_
     groups = ffd_allocate(lengths, row_len, min_groups=num_shards)
     counts = row_counts(row_len, max_tokens_per_mb=max_tokens_per_mb, num_shards=num_shards)
     num_mb = -(-len(groups) // counts[-1])
-    num_mb = min(-(-num_mb // num_parts) * num_parts, max(num_mb, len(groups)))
+    num_mb = min(-(-num_mb // num_parts) * num_parts, len(groups))
     R = _balanced_rows(len(groups), num_mb, counts)
     cost = num_mb * R * row_len * (1 + row_len / attention_len)
     if best is None or cost < best[0]:

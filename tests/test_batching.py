@@ -375,7 +375,7 @@ def _layout(seqs, row_len, budget, shards, parts):
   groups = batching.ffd_allocate([len(s) for s in seqs], row_len, min_groups=shards)
   most = batching.rows_per_mb(row_len, max_tokens_per_mb=budget, num_shards=shards)
   num_mb = -(-len(groups) // most)
-  num_mb = min(-(-num_mb // parts) * parts, max(num_mb, len(groups)))
+  num_mb = min(-(-num_mb // parts) * parts, len(groups))
   counts = batching.row_counts(row_len, max_tokens_per_mb=budget, num_shards=shards)
   return num_mb, min(r for r in counts if r * num_mb >= len(groups))
 

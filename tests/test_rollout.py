@@ -3,7 +3,7 @@ seeds, waits."""
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 import numpy as np
 import pytest
@@ -261,6 +261,39 @@ def test_waits_name_the_part_that_holds_a_group_without_progress():
 class NeverRewards(FakeRewards):
   def submit(self, task):
     return Future()
+
+
+def test_calls_cancelled_as_the_run_closes_free_their_group_without_an_error():
+  server = FakeServer(1)
+  controller = _controller(server, FakePool({}), {})
+  controller.rewards = NeverRewards({})
+  pending = []
+  controller.rewards.submit = lambda task: pending.append(Future()) or pending[-1]
+  controller.start()
+  deadline = time.time() + 10
+  while len(pending) < 2 and time.time() < deadline:
+    time.sleep(0.01)
+  controller.stop()
+  for future in pending:  # as RewardService.close does with its queue
+    future.cancel()
+  assert controller.error is None
+  assert server.rejected == [1] and controller.metrics()["failed"] == 1
+  # Before the stop, a cancelled call is a failure like any other.
+  server = FakeServer(1)
+  controller = _controller(server, FakePool({}), {})
+  pending = []
+  controller.rewards.submit = lambda task: pending.append(Future()) or pending[-1]
+  controller.start()
+  deadline = time.time() + 10
+  while len(pending) < 2 and time.time() < deadline:
+    time.sleep(0.01)
+  for future in pending:
+    future.cancel()
+  deadline = time.time() + 10
+  while controller.error is None and time.time() < deadline:
+    time.sleep(0.01)
+  controller.stop()
+  assert isinstance(controller.error, CancelledError) and server.rejected == [1]
 
 
 def test_waits_name_a_reward_service_that_never_answers():

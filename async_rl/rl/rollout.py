@@ -194,12 +194,15 @@ class RolloutController:
 
   def _guarded(self, ticket, callback, *args):
     """`callback(ticket, *args, future)` as a future's done-callback; an exception
-    there would otherwise be swallowed and leave the ticket running for ever."""
+    there would otherwise be swallowed and leave the ticket running for ever. Calls
+    cancelled once the controller stops (the reward service cancels its queue as the
+    run closes) only free their group: the run is ending, nothing failed."""
     def run(future):
       try:
         callback(ticket, *args, future)
       except BaseException as e:  # noqa: BLE001 - reported, and the run stops.
-        self._fail(e)
+        if not (isinstance(e, futures.CancelledError) and self._stop.is_set()):
+          self._fail(e)
         self._release(ticket)
     return run
 

@@ -82,17 +82,16 @@ def test_memory_reads_the_compiler_and_its_flop_count_checks_out():
 def test_memory_counts_a_bf16_step_with_16_bit_buffers_and_what_remat_saves():
   # Four layers wide enough that the weights outweigh the activations (and a layer
   # scan that stays a loop: one layer's is inlined, and XLA merges more).
-  bf16 = ("--config.model.remat=True", "--config.model.dtype=bfloat16",
+  bf16 = ("--tokens=160", "--config.model.remat=True", "--config.model.dtype=bfloat16",
           "--config.model.param_dtype=bfloat16", "--config.model.n_layers=4",
           "--config.model.d_model=256", "--config.model.d_ff=1024")
-  _, full = _run("benchmarks.memory", "--tokens=80,160", *bf16)
-  _, saving = _run("benchmarks.memory", "--tokens=80,160", *bf16, "--saves=mlp_gate,qkv")
+  _, full = _run("benchmarks.memory", *bf16)
+  _, saving = _run("benchmarks.memory", *bf16, "--saves=mlp_gate,qkv")
   for summary in (full, saving):
     assert summary["count_check"] < 1e-3
-    assert set(summary["temp_gib_16bit"]) == {"80", "160"}
     # XLA:CPU widens bf16 slices of the layer scan (a float32 copy of the weights)
     # to float32; the float16 compile keeps them 16-bit.
-    assert all(summary["temp_gib_16bit"][t] < summary["temp_gib"][t] for t in ("80", "160"))
+    assert summary["temp_gib_16bit"]["160"] < summary["temp_gib"]["160"]
   # Saving values spares recomputation and costs memory.
   assert 0 < saving["flops_breakdown"]["remat"] < full["flops_breakdown"]["remat"]
   assert saving["flops_ratio"] < full["flops_ratio"]

@@ -17,7 +17,8 @@ Counts what lives for a whole run, in bytes, for the model as a whole (not per d
 This is what lives between steps. During a step the compiled train step holds more:
 besides the float32 accumulator counted here, one micro-batch's gradients and their
 cast to the params' dtype, and the activations of a micro-batch (they scale with
-`batching.max_tokens_per_mb`; under `model.remat` mostly the layer inputs).
+`batching.max_tokens_per_mb`; under `model.remat` the layer inputs and what
+`model.remat_saves` keeps).
 `benchmarks/memory.py` reads those figures from XLA for a config's real shapes.
 """
 

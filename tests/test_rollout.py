@@ -263,30 +263,28 @@ class NeverRewards(FakeRewards):
     return Future()
 
 
-def test_calls_cancelled_as_the_run_closes_free_their_group_without_an_error():
+def _awaiting_rewards():
+  """A started controller whose one group waits on two reward calls it never gets."""
   server = FakeServer(1)
   controller = _controller(server, FakePool({}), {})
-  controller.rewards = NeverRewards({})
   pending = []
   controller.rewards.submit = lambda task: pending.append(Future()) or pending[-1]
   controller.start()
   deadline = time.time() + 10
   while len(pending) < 2 and time.time() < deadline:
     time.sleep(0.01)
+  return server, controller, pending
+
+
+def test_calls_cancelled_as_the_run_closes_free_their_group_without_an_error():
+  server, controller, pending = _awaiting_rewards()
   controller.stop()
   for future in pending:  # as RewardService.close does with its queue
     future.cancel()
   assert controller.error is None
   assert server.rejected == [1] and controller.metrics()["failed"] == 1
   # Before the stop, a cancelled call is a failure like any other.
-  server = FakeServer(1)
-  controller = _controller(server, FakePool({}), {})
-  pending = []
-  controller.rewards.submit = lambda task: pending.append(Future()) or pending[-1]
-  controller.start()
-  deadline = time.time() + 10
-  while len(pending) < 2 and time.time() < deadline:
-    time.sleep(0.01)
+  server, controller, pending = _awaiting_rewards()
   for future in pending:
     future.cancel()
   deadline = time.time() + 10

@@ -105,9 +105,15 @@ class AdvantageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BatchingConfig:
-  """Token-budget micro-batching; `row_buckets` empty means `default_row_buckets`."""
+  """Token-budget micro-batching; `row_buckets` empty means `default_row_buckets`.
+
+  `reuse_slack`: a batch packs into a shape the train step already compiled when that
+  costs at most this share more than its cheapest shape (`batching.pack_dynamic`'s
+  estimate); 0 compiles every cheapest shape.
+  """
   max_tokens_per_mb: int = 1024
   row_buckets: tuple[int, ...] = ()
+  reuse_slack: float = 0.1
 
   def __post_init__(self):
     if self.max_tokens_per_mb < 1:
@@ -115,6 +121,8 @@ class BatchingConfig:
     if any(b < 1 or b > self.max_tokens_per_mb for b in self.row_buckets):
       fail("batching.row_buckets", self.row_buckets,
             "must lie in [1, batching.max_tokens_per_mb]")
+    if not self.reuse_slack >= 0:
+      fail("batching.reuse_slack", self.reuse_slack, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

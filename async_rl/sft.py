@@ -52,12 +52,15 @@ def warm_start(cfg: ExperimentConfig, mesh, *, task=None,
   buckets = cfg.batching.row_buckets or batching.default_row_buckets(budget)
   shards = sharding.num_batch_shards(mesh)
   attention_len = flops.attention_break_even_len(cfg.model)
+  compiled = set()
   t0 = time.perf_counter()
   for i in range(1, s.steps + 1):
     seqs = [next(examples) for _ in range(s.batch_size)]
     batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=budget,
                                   num_shards=shards, row_buckets=buckets,
-                                  attention_len=attention_len)
+                                  attention_len=attention_len, compiled=compiled,
+                                  reuse_slack=cfg.batching.reuse_slack)
+    compiled.add(batch.tokens.shape)
     state, metrics = step(state, batch, batch.behav_logp)
     if i % s.log_every == 0 or i == s.steps:  # the only host reads: one every log_every
       echo(f"sft step {i}/{s.steps} nll={float(metrics['nll']):.4f} "

@@ -427,6 +427,58 @@ def test_pack_dynamic_round_trip_and_layout(seed, n, shards, attention_len, part
   assert mb_tokens_M[:real_mb].max() - mb_tokens_M[:real_mb].min() <= row_tokens_MR.max()
 
 
+
+def test_pack_dynamic_reuses_a_compiled_shape_within_the_slack():
+  # 64 rows of 80: cheapest 6 x 11 rows (66 slots). A compiled [8, 12, 80] holds them
+  # in 6 x 12 (72 slots, 9% more); [4, 12, 80] does not hold them.
+  seqs = [_seq(range(3, 19), range(20, 84)) for _ in range(64)]
+  kw = dict(max_tokens_per_mb=1024, num_shards=1, row_buckets=(80, 128))
+  shape = lambda **extra: batching.pack_dynamic(seqs, np.zeros(64), **kw, **extra).tokens.shape
+  assert shape() == (8, 11, 80)
+  assert shape(compiled={(8, 12, 80)}, reuse_slack=0.1) == (8, 12, 80)
+  assert shape(compiled={(8, 12, 80)}, reuse_slack=0.05) == (8, 11, 80)
+  assert shape(compiled={(4, 12, 80)}, reuse_slack=1.0) == (8, 11, 80)
+  # More empty micro-batches cost nothing in the estimate; a compiled row count
+  # `row_counts` would not pick (13 > the most, 12) is never taken.
+  assert shape(compiled={(16, 11, 80), (8, 13, 80)}, reuse_slack=0.0) == (16, 11, 80)
+  assert shape(compiled={(8, 13, 80)}, reuse_slack=1.0) == (8, 11, 80)
+  # The cheapest of several that hold the batch, rows of another length included.
+  assert shape(compiled={(8, 12, 80), (8, 8, 128)}, reuse_slack=1.0) == (8, 12, 80)
+  batch = batching.pack_dynamic(seqs, np.zeros(64), **kw, compiled={(8, 12, 80)},
+                                reuse_slack=0.1)
+  np.testing.assert_array_equal((batch.segment_ids > 0).any(-1).sum(-1),
+                                [11, 11, 11, 11, 10, 10, 0, 0])
+  with pytest.raises(ValueError, match="reuse_slack"):
+    shape(reuse_slack=-0.1)
+
+
+@_SETTINGS
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 24), shards=st.integers(1, 3),
+       parts=st.integers(1, 3), slack=st.sampled_from([0.0, 0.1, 0.5]))
+def test_pack_dynamic_reuse_keeps_every_token_and_bounds_the_cost(seed, n, shards, parts,
+                                                                    slack):
+  kw = dict(max_tokens_per_mb=96, num_shards=shards, row_buckets=(8, 16, 32),
+            attention_len=40.0, num_parts=parts)
+  earlier = [_random_seqs(seed + k, n + k, max_prompt=8, max_completion=24) for k in (1, 2)]
+  compiled = {batching.pad_micro_batches(batching.pack_dynamic(s, _adv(s), **kw),
+                                         parts).tokens.shape for s in earlier}
+  seqs = _random_seqs(seed, n, max_prompt=8, max_completion=24)
+  fresh = batching.pack_dynamic(seqs, _adv(seqs), **kw)
+  batch = batching.pack_dynamic(seqs, _adv(seqs), **kw, compiled=compiled, reuse_slack=slack)
+  M, R, T = batch.tokens.shape
+  cheapest = min(_cost(seqs, b, 96, shards, 40.0, parts) for b in (8, 16, 32)
+                 if b >= max(len(s) for s in seqs))
+  groups = batching.ffd_allocate([len(s) for s in seqs], T, min_groups=shards)
+  real_mb = int((batch.segment_ids > 0).any((1, 2)).sum())
+  if (M, R, T) in compiled:
+    assert real_mb * R * T * (1 + T / 40.0) <= cheapest * (1 + slack) + 1e-9
+  else:
+    assert batch.tokens.shape == fresh.tokens.shape
+  assert R * M >= len(groups)
+  key = lambda d: repr(sorted(d.items()))
+  assert sorted(key(d) for row in _unpack_rows(batch) for d in row) == sorted(
+      key(_as_dict(s)) for s in seqs)
+
 def test_pack_dynamic_shapes_stay_in_bucket_set():
   rng = np.random.default_rng(0)
   budget, shards, max_n = 64, 2, 40

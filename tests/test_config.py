@@ -56,6 +56,8 @@ def test_conversion_types_and_defaults():
     ({"run": {"max_worker_restarts": -1}}, "run.max_worker_restarts"),
     ({"rollout": {"reward_timeout_s": 600.0}}, "rollout.reward_timeout_s must be below"),
     ({"batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
+    ({"batching": {"reuse_slack": -0.5}}, "batching.reuse_slack"),
+    ({"batching": {"reuse_slack": float("nan")}}, "batching.reuse_slack"),
     ({"generation": {"top_p": 0.0}}, "generation.top_p"),
     ({"generation": {"num_slots": 6, "decode_threads": 4}}, "generation.decode_threads"),
     ({"generation": {"decode_threads": -1}}, "generation.decode_threads"),

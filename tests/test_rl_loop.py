@@ -13,6 +13,7 @@ from async_rl.config import MeshConfig
 from async_rl.rl.components import make_engine
 from async_rl.rl.run import run_in_process
 from async_rl.rl.trainer import Trainer
+from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
 
@@ -84,3 +85,25 @@ def test_automatic_thread_counts_share_the_cores_when_both_sides_run_at_once(mon
   assert train_step.default_grad_threads(fake_mesh(2, "cpu")) == 1
   assert train_step.default_grad_threads(fake_mesh(1, "gpu")) == 1
   assert train_step.default_grad_threads(fake_mesh(1, "cpu")) == 4
+
+
+def test_the_trainer_packs_into_a_shape_it_compiled_within_the_slack():
+  # One trajectory of 22 tokens per row of 40 (320 tokens per micro-batch: at most 8
+  # rows): 8 of them pack as [1, 8, 40]; then six of 22 and two of 10 (a 10 beside a
+  # 22) need 6 rows, 0.75x the slots of [1, 8, 40], which a slack of 0.5 takes.
+  def groups(lengths):
+    return [Group(f"g{i}", [Trajectory.from_completion(
+        np.arange(3, 9), np.full(n - 6, 5), np.zeros(n - 6), np.zeros(n - 6, np.int32),
+        "stop", reward=float(k)) for k, n in enumerate(pair)])
+            for i, pair in enumerate(zip(lengths[::2], lengths[1::2]))]
+
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  shapes = {}
+  for slack in (0.0, 0.5):
+    trainer = Trainer(small_config(**{"batching.max_tokens_per_mb": 320,
+                                      "batching.row_buckets": (40,),
+                                      "batching.reuse_slack": slack,
+                                      "train.grad_threads": 1}), mesh)
+    shapes[slack] = [trainer.pack(groups(lengths)).tokens.shape
+                     for lengths in ([22] * 8, [22] * 6 + [10] * 2)]
+  assert shapes == {0.0: [(1, 8, 40), (1, 6, 40)], 0.5: [(1, 8, 40), (1, 8, 40)]}

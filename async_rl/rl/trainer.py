@@ -68,6 +68,7 @@ class Trainer:
         b.max_tokens_per_mb, longest=cfg.generation.max_prompt_len + cfg.generation.max_new_tokens)
     self._num_shards = sharding.num_batch_shards(mesh)
     self._attention_len = flops.attention_break_even_len(cfg.model)
+    self._compiled = set()  # the [M, R, T] shapes the step has run
 
   def restore(self, state) -> None:
     """Takes a restored train state (and its version, the one device read)."""
@@ -85,8 +86,11 @@ class Trainer:
                                   num_shards=self._num_shards, row_buckets=self._row_buckets,
                                   attention_len=self._attention_len,
                                   with_versions=self.cfg.ppo.prox_logp == "loglinear",
-                                  num_parts=parts)
-    return batching.pad_micro_batches(batch, parts)
+                                  num_parts=parts, compiled=self._compiled,
+                                  reuse_slack=self.cfg.batching.reuse_slack)
+    batch = batching.pad_micro_batches(batch, parts)
+    self._compiled.add(batch.tokens.shape)
+    return batch
 
   def train(self, groups: SequenceOf) -> dict:
     """One training step on `groups`; returns host metrics, with staleness and timings.

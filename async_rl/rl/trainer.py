@@ -70,10 +70,18 @@ class Trainer:
     self._attention_len = flops.attention_break_even_len(cfg.model)
     self._compiled = set()  # the [M, R, T] shapes the step has run
 
-  def restore(self, state) -> None:
-    """Takes a restored train state (and its version, the one device read)."""
+  def restore(self, state, packed_shapes=()) -> None:
+    """Takes a restored train state (and its version, the one device read) and the
+    `packed_shapes` saved with it, so that batches pack as they would have."""
     self.state = state
     self.version = int(state.step)
+    self._compiled = {tuple(shape) for shape in packed_shapes}
+
+  @property
+  def packed_shapes(self) -> list[list[int]]:
+    """The [M, R, T] shapes the step has run (`batching.pack_dynamic`'s `compiled`):
+    packing depends on them, so a checkpoint keeps them."""
+    return sorted(map(list, self._compiled))
 
   def pack(self, groups) -> batching.PackedBatch:
     trajs, adv_N = group_advantages(groups, self._advantage_fn, self.cfg.generation.group_size)

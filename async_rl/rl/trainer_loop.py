@@ -108,7 +108,7 @@ class TrainerLoop:
       return 0
     for step, why, moved in restored.damaged:
       self.echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
-    self.trainer.restore(restored.state)
+    self.trainer.restore(restored.state, restored.meta.get("packed_shapes", ()))
     self.skipped_steps = int(restored.meta["skipped_steps"])
     self.applied_updates = int(restored.meta["applied_updates"])
     self.echo(f"resumed from checkpoint {restored.step} in {self.workdir}")
@@ -304,7 +304,8 @@ class TrainerLoop:
     if self.checkpointer.latest_step() == version:
       return
     meta = {"server": self.server.state_dict(), "version": version,
-            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates}
+            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates,
+            "packed_shapes": self.trainer.packed_shapes}
     try:
       self.deadlines.call(
           lambda: self.checkpointer.save(version, self.trainer.state, meta, wait=wait),

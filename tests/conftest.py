@@ -10,8 +10,9 @@ from outside this session's own cache.
 import os
 import tempfile
 
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      tempfile.mkdtemp(prefix="async_rl_tests_jax_cache_"))
+# pytest-xdist's workers inherit the variable, so they share the controller's cache.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="async_rl_tests_jax_cache_")
 # Cache every program that took at least a tenth of a second to compile, whatever
 # its size (jax's defaults skip programs under a second).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")

@@ -427,7 +427,6 @@ def test_pack_dynamic_round_trip_and_layout(seed, n, shards, attention_len, part
   assert mb_tokens_M[:real_mb].max() - mb_tokens_M[:real_mb].min() <= row_tokens_MR.max()
 
 
-
 def test_pack_dynamic_reuses_a_compiled_shape_within_the_slack():
   # 64 rows of 80: cheapest 6 x 11 rows (66 slots). A compiled [8, 12, 80] holds them
   # in 6 x 12 (72 slots, 9% more); [4, 12, 80] does not hold them.
@@ -478,6 +477,7 @@ def test_pack_dynamic_reuse_keeps_every_token_and_bounds_the_cost(seed, n, shard
   key = lambda d: repr(sorted(d.items()))
   assert sorted(key(d) for row in _unpack_rows(batch) for d in row) == sorted(
       key(_as_dict(s)) for s in seqs)
+
 
 def test_pack_dynamic_shapes_stay_in_bucket_set():
   rng = np.random.default_rng(0)

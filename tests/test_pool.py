@@ -65,12 +65,28 @@ def _long(request_id, n=1, seed=0, temperature=0.7):
                  sampling=SamplingParams(temperature=temperature, max_new_tokens=T, seed=seed))
 
 
-def _pause_mid_generation(pool, min_tokens=4):
-  """Pauses once some tokens exist; asserts work is still in flight, so the tests
-  below really exercise an interruption."""
-  while pool.metrics()["generated_tokens"] < min_tokens:
-    time.sleep(0.0005)
-  pool.pause()
+def _pause_mid_generation(pool):
+  """Pauses the pool after its first chunk, with the samples still running, so the
+  tests below really exercise an interruption however fast the machine: the second
+  chunk is held back until the pause has been requested."""
+  engine, generate_chunk = pool.engine, pool.engine.generate_chunk
+  calls, reached = 0, threading.Event()
+
+  def gated(params, state):
+    nonlocal calls
+    calls += 1
+    if calls == 2:
+      reached.set()
+      while not pool._paused:
+        time.sleep(0.0005)
+    return generate_chunk(params, state)
+
+  engine.generate_chunk = gated
+  try:
+    assert reached.wait(timeout=60)
+    pool.pause()
+  finally:
+    del engine.generate_chunk  # The engine's own method again.
   assert pool.metrics()["active_slots"] > 0
 
 

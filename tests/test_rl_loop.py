@@ -10,6 +10,8 @@ import pytest
 
 from async_rl import cpu_threads, sharding, train_step
 from async_rl.config import MeshConfig
+from async_rl.rl import rollout_worker, trainer_loop
+from async_rl.rl import run as run_module
 from async_rl.rl.components import make_engine
 from async_rl.rl.run import run_in_process
 from async_rl.rl.trainer import Trainer
@@ -44,6 +46,26 @@ def test_run_trains_within_the_staleness_bound(tmp_path, eta, mode):
   assert (tmp_path / "config.json").exists()
   assert list((tmp_path / "tensorboard").glob("events.*"))
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())[-1] == "3"
+
+
+def test_periodic_evaluations_and_the_final_one_evaluate_each_version_once(tmp_path,
+                                                                           monkeypatch):
+  engines = []
+
+  def counting(cfg):
+    engines.append(make_engine(cfg))
+    return engines[-1]
+
+  for module in (run_module, trainer_loop, rollout_worker):
+    monkeypatch.setattr(module, "make_engine", counting)
+  cfg = small_config(**{"num_steps": 2, "eval.every_steps": 1})
+  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  assert len(engines) == 1, "the held-out and rollout pools share one engine"
+  _, evals = _steps(tmp_path)
+  assert [e["step"] for e in evals] == [0, 1, 2]
+  assert summary["eval_before"] == evals[0]["eval"]
+  assert summary["eval_after"] == evals[-1]["eval"]
+  assert len([s for s in summary["timeline"] if s.name == "eval"]) == 3
 
 
 def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path):

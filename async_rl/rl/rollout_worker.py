@@ -34,9 +34,12 @@ class RolloutWorker:
     server: the parameter server or a proxy with the same methods.
     worker_index: which worker this is (its prompt stream and seeds depend on it).
     task: the task (`tasks.protocol.Task`); None builds `cfg.task_kind`'s.
+    engine: the generator engine (None: `make_engine(cfg)`); in one process the
+      held-out evaluation's pool shares it, so its programs compile once.
   """
 
-  def __init__(self, cfg: ExperimentConfig, server, *, worker_index: int = 0, task=None):
+  def __init__(self, cfg: ExperimentConfig, server, *, worker_index: int = 0, task=None,
+               engine=None):
     self.index = worker_index
     start = server.register_worker(worker_index)
     version, params = server.fetch(-1)
@@ -44,7 +47,7 @@ class RolloutWorker:
     self.prompts = PromptSource(
         lambda state: self.task.stream(state, worker_index=worker_index),
         cursor=start["cursor"], replay=start["replay"])
-    self.pool = GeneratorPool(make_engine(cfg), params, version=version,
+    self.pool = GeneratorPool(engine or make_engine(cfg), params, version=version,
                               seed=cfg.seed + worker_index)
     self.rewards = RewardService(num_workers=cfg.rollout.reward_workers,
                                  timeout_s=cfg.rollout.reward_timeout_s,

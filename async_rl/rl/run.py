@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
+from async_rl.rl.components import make_engine
 from async_rl.rl.rollout_worker import RolloutWorker
 from async_rl.rl.trainer_loop import TrainerLoop
 
@@ -24,11 +25,13 @@ def run_in_process(cfg: ExperimentConfig, workdir: str, *, init_params=None,
   this process, say in a notebook, with a reward function defined there.
   """
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
+  # One engine for the rollout and held-out pools: its programs compile once.
+  engine = make_engine(cfg)
   loop = TrainerLoop(cfg, workdir, server, init_params=init_params, stop=stop, echo=echo,
-                     progress=progress, task=task)
+                     progress=progress, task=task, engine=engine)
   worker = None
   try:
-    worker = RolloutWorker(cfg, server, task=task)
+    worker = RolloutWorker(cfg, server, task=task, engine=engine)
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary

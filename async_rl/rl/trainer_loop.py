@@ -58,12 +58,14 @@ class TrainerLoop:
       another process; by default they stay device arrays (`Trainer.device_params`).
     task: the task (`tasks.protocol.Task`) to warm-start on and evaluate; None builds
       `cfg.task_kind`'s.
+    engine: the held-out evaluation's generator engine (None: `make_engine(cfg)`); in
+      one process the rollout worker's, so its programs compile once.
   """
 
   def __init__(self, cfg: ExperimentConfig, workdir: str, server, *, init_params=None,
                stop: Optional[threading.Event] = None,
                echo: Callable[[str], None] = print, progress: bool = True, task=None,
-               publish_on_host: bool = False):
+               publish_on_host: bool = False, engine=None):
     self.cfg, self.workdir, self.server = cfg, workdir, server
     self.publish_on_host = publish_on_host
     self.stop = stop or threading.Event()
@@ -84,13 +86,15 @@ class TrainerLoop:
     self.damaged_checkpoints = self._maybe_restore()
     params = self._published_params()
     server.publish(self.trainer.version, params)
-    self.eval_pool = GeneratorPool(make_engine(cfg), params, version=self.trainer.version)
+    self.eval_pool = GeneratorPool(engine or make_engine(cfg), params,
+                                   version=self.trainer.version)
     self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
                                       allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)
     self.log = MetricsLog(workdir)
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
+    self._last_eval: tuple[Optional[int], dict[str, float]] = (None, {})
 
   def _published_params(self):
     if self.publish_on_host:
@@ -291,9 +295,14 @@ class TrainerLoop:
           f"(step {self.checkpointer.latest_step()})")
 
   def _eval_and_log(self):
+    """Evaluates and logs the current version, once: the final evaluation reuses the
+    periodic one when `num_steps` is a multiple of `eval.every_steps`."""
+    version = self.trainer.version
+    if self._last_eval[0] == version:
+      return self._last_eval[1]
     with self.timeline.span("trainer", "eval"):
       metrics = self.evaluate()
-    version = self.trainer.version
+    self._last_eval = version, metrics
     self.log.write(version, {"eval": metrics})
     self.echo(f"eval v={version}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
     return metrics

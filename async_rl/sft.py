@@ -6,6 +6,8 @@ examples are the task's `sft_examples()` (`tasks.protocol.supervised` trajectori
 the loss is on the tokens their mask marks, e.g. not a tool's output).
 """
 
+import functools
+import math
 import time
 from typing import Callable
 
@@ -48,21 +50,44 @@ def warm_start(cfg: ExperimentConfig, mesh, *, task=None,
   state = train_step.create_train_state(cfg.model, tx, mesh, jax.random.key(cfg.seed))
   shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
   step = train_step.jit_train_step(mesh, shardings, model_cfg=cfg.model, loss_fn=sft_loss)
-  budget = cfg.batching.max_tokens_per_mb
-  buckets = cfg.batching.row_buckets or batching.default_row_buckets(budget)
-  shards = sharding.num_batch_shards(mesh)
-  attention_len = flops.attention_break_even_len(cfg.model)
-  compiled = set()
+  pack = functools.partial(batching.pack_dynamic,
+                           max_tokens_per_mb=cfg.batching.max_tokens_per_mb,
+                           num_shards=sharding.num_batch_shards(mesh))
+  batches = [[next(examples) for _ in range(s.batch_size)] for _ in range(s.steps)]
+  zeros = np.zeros(s.batch_size)
+  shape = _one_shape(pack, batches, cfg.batching.row_buckets
+                     or batching.default_row_buckets(cfg.batching.max_tokens_per_mb),
+                     flops.attention_break_even_len(cfg.model))
   t0 = time.perf_counter()
-  for i in range(1, s.steps + 1):
-    seqs = [next(examples) for _ in range(s.batch_size)]
-    batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=budget,
-                                  num_shards=shards, row_buckets=buckets,
-                                  attention_len=attention_len, compiled=compiled,
-                                  reuse_slack=cfg.batching.reuse_slack)
-    compiled.add(batch.tokens.shape)
+  for i, seqs in enumerate(batches, start=1):
+    batch = pack(seqs, zeros, row_buckets=shape[2:], compiled=(shape,), reuse_slack=math.inf)
     state, metrics = step(state, batch, batch.behav_logp)
     if i % s.log_every == 0 or i == s.steps:  # the only host reads: one every log_every
       echo(f"sft step {i}/{s.steps} nll={float(metrics['nll']):.4f} "
            f"({time.perf_counter() - t0:.0f}s)")
   return jax.device_get(state.params)
+
+
+def _one_shape(pack, batches, row_buckets, attention_len) -> tuple[int, int, int]:
+  """The one [M, R, T] shape every batch of the warm start packs into.
+
+  The warm start knows its batches in advance, so it compiles its train step once:
+  for each row length T that holds the longest sequence, the most micro-batches and
+  rows any batch needs at T; of those shapes, the one of least estimated cost
+  (slots times `1 + T / attention_len`, as `batching.pack_dynamic` weighs them). A
+  compile costs tens of steps' time on a CPU; the rows it adds to the smaller batches
+  cost less (BENCHMARKS.md, "The quick start").
+  """
+  longest = max(len(seq) for seqs in batches for seq in seqs)
+  best = None
+  for T in sorted(b for b in row_buckets if b >= longest):
+    shapes = [pack(seqs, np.zeros(len(seqs)), row_buckets=(T,)).tokens.shape
+              for seqs in batches]
+    M, R = max(s[0] for s in shapes), max(s[1] for s in shapes)
+    cost = M * R * T * (1 + T / attention_len)
+    if best is None or cost < best[0]:
+      best = cost, (M, R, T)
+  if best is None:
+    raise ValueError(f"no row bucket in {tuple(sorted(row_buckets))} holds a sequence of "
+                     f"{longest} tokens")
+  return best[1]

@@ -1,11 +1,14 @@
 """Supervised warm start: the loss, the sequences, and that it learns the targets."""
 
 import dataclasses
+import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from async_rl import batching, sharding, sft, train_step
 from async_rl.tasks import TrainStream, supervised
@@ -35,14 +38,26 @@ def test_sft_examples_train_on_the_solution_only():
     assert (s.versions_T == -1).all(), "reference solutions are no policy's tokens"
 
 
-def test_warm_start_lowers_the_nll_of_reference_solutions():
+def test_warm_start_lowers_the_nll_of_reference_solutions(monkeypatch):
   cfg = small_config()
   cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=30, batch_size=16,
                                                          learning_rate=3e-3))
   mesh = sharding.make_mesh(cfg.mesh)
+  shapes, jit_train_step = set(), train_step.jit_train_step
+
+  def recording(*args, **kwargs):
+    step = jit_train_step(*args, **kwargs)
+
+    def run(state, batch, behav_logp):
+      shapes.add(batch.tokens.shape)
+      return step(state, batch, behav_logp)
+    return run
+
+  monkeypatch.setattr(train_step, "jit_train_step", recording)
   lines = []
   params = sft.warm_start(cfg, mesh, echo=lines.append)
   assert lines and lines[-1].startswith("sft step 30/30")
+  assert len(shapes) == 1, "the warm start compiles its train step once"
   seqs = [supervised(p.tokens, p.target) for p in itertools.islice(TrainStream(cfg.task), 16)]
   batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=64, num_shards=1,
                                 row_buckets=(64,))
@@ -54,3 +69,34 @@ def test_warm_start_lowers_the_nll_of_reference_solutions():
   fresh = train_step.create_train_state(cfg.model, train_step.make_optimizer(cfg.optimizer),
                                         mesh, jax.random.key(cfg.seed)).params
   assert nll(params) < 0.7 * nll(fresh)
+
+
+def test_warm_start_batches_pack_into_one_shape_that_holds_each():
+  cfg = small_config()
+  examples = ArithmeticTask(cfg.task).sft_examples()
+  batches = [[next(examples) for _ in range(16)] for _ in range(30)]
+  buckets = batching.default_row_buckets(256, smallest=32)
+  pack = functools.partial(batching.pack_dynamic, max_tokens_per_mb=256, num_shards=1)
+  own = [pack(seqs, np.zeros(16), row_buckets=buckets) for seqs in batches]
+  assert len({b.tokens.shape for b in own}) > 1  # so the test shows something
+  M, R, T = shape = sft._one_shape(pack, batches, buckets, attention_len=math.inf)
+  assert T in buckets
+  for seqs, b in zip(batches, own):
+    packed = pack(seqs, np.zeros(16), row_buckets=(T,), compiled=(shape,),
+                  reuse_slack=math.inf)
+    assert packed.tokens.shape == shape
+    np.testing.assert_array_equal(np.sort(packed.tokens[packed.loss_mask > 0]),
+                                  np.sort(b.tokens[b.loss_mask > 0]))
+  # The least slots of the shapes that hold every batch: at the other row lengths,
+  # the most rows and micro-batches any batch needs cost more.
+  for other in buckets:
+    if other != T and other >= max(len(x) for seqs in batches for x in seqs):
+      shapes = [pack(seqs, np.zeros(16), row_buckets=(other,)).tokens.shape
+                for seqs in batches]
+      assert max(s[0] for s in shapes) * max(s[1] for s in shapes) * other >= M * R * T
+
+
+def test_warm_start_needs_a_bucket_that_holds_its_longest_example():
+  pack = functools.partial(batching.pack_dynamic, max_tokens_per_mb=64, num_shards=1)
+  with pytest.raises(ValueError, match="no row bucket"):
+    sft._one_shape(pack, [[supervised([1] * 40, [2] * 40)]], (64,), attention_len=math.inf)

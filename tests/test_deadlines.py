@@ -12,6 +12,7 @@ import pytest
 
 from async_rl.param_server import ParameterServer
 from async_rl.rl.deadlines import Deadlines
+from async_rl.rl.components import make_engine
 from async_rl.rl.errors import RolloutWorkerError, StallError
 from async_rl.rl.rollout_worker import RolloutWorker
 from async_rl.rl.trainer_loop import TrainerLoop
@@ -112,8 +113,10 @@ _STALL_S = 15.0
 def _run(tmp_path, cfg, inject):
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   lines = []
-  loop = TrainerLoop(cfg, str(tmp_path), server, echo=lines.append, progress=False)
-  worker = RolloutWorker(cfg, server)
+  engine = make_engine(cfg)  # shared, as `run_in_process` does
+  loop = TrainerLoop(cfg, str(tmp_path), server, echo=lines.append, progress=False,
+                     engine=engine)
+  worker = RolloutWorker(cfg, server, engine=engine)
   release = threading.Event()
   inject(worker, release)
   try:
@@ -125,8 +128,22 @@ def _run(tmp_path, cfg, inject):
     loop.close()
 
 
+class _HangingEngine:
+  """The engine, except that decoding never returns until `release` is set."""
+
+  def __init__(self, engine, release):
+    self._engine, self._release = engine, release
+
+  def __getattr__(self, name):
+    return getattr(self._engine, name)
+
+  def generate_chunk(self, *args, **kwargs):
+    self._release.wait()
+
+
 def _hang_generator(worker, release):
-  worker.pool.engine.generate_chunk = lambda *args, **kwargs: release.wait()
+  # Only the rollout pool's: the held-out pool shares the engine.
+  worker.pool.engine = _HangingEngine(worker.pool.engine, release)
 
 
 def test_a_generator_that_never_returns_stops_the_run_checkpointed_and_named(tmp_path):

@@ -152,10 +152,12 @@ class TrainerLoop:
     start_version = self.trainer.version
     summary: dict[str, Any] = {"start_version": start_version,
                                "damaged_checkpoints": self.damaged_checkpoints}
-    if start_version == 0:
-      summary["eval_before"] = self._eval_and_log()
+    # The rollouts start first, so the first batch is generated while the held-out
+    # evaluation of the starting params runs.
     for r in rollouts:
       r.start()
+    if start_version == 0:
+      summary["eval_before"] = self._eval_and_log()
     bar = tqdm(total=cfg.num_steps, initial=start_version, desc="train", unit="step",
                disable=not self.progress, dynamic_ncols=True)
     last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0}

@@ -6,8 +6,8 @@ A supervised warm start (100 steps), then asynchronous RL (η = 2, retract updat
 400 steps of 32 prompts x 8 samples), with held-out evaluation every 100 steps.
 RL trains on the shaped reward `arithmetic_steps` (credit for each correct leading
 step; `tasks.arithmetic.step_credit`); held-out accuracy still counts only fully
-correct worked solutions. About 4.5 to 10.5 minutes on a 2-core CPU; see the README for
-the measured times and accuracies.
+correct worked solutions. About 4.5 to 21 minutes on a 2-core CPU, by VM; see the
+README for the measured times and accuracies.
 """
 
 from async_rl.config_dict import default_config_dict

@@ -55,9 +55,10 @@ def warm_start(cfg: ExperimentConfig, mesh, *, task=None,
                            num_shards=sharding.num_batch_shards(mesh))
   batches = [[next(examples) for _ in range(s.batch_size)] for _ in range(s.steps)]
   zeros = np.zeros(s.batch_size)
-  shape = _one_shape(pack, batches, cfg.batching.row_buckets
-                     or batching.default_row_buckets(cfg.batching.max_tokens_per_mb),
-                     flops.attention_break_even_len(cfg.model))
+  buckets = cfg.batching.row_buckets or batching.default_row_buckets(
+      cfg.batching.max_tokens_per_mb)
+  shape = (_one_shape(pack, batches, buckets, flops.attention_break_even_len(cfg.model))
+           if batches else None)  # no steps: nothing to compile
   t0 = time.perf_counter()
   for i, seqs in enumerate(batches, start=1):
     batch = pack(seqs, zeros, row_buckets=shape[2:], compiled=(shape,), reuse_slack=math.inf)

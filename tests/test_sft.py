@@ -100,3 +100,13 @@ def test_warm_start_needs_a_bucket_that_holds_its_longest_example():
   pack = functools.partial(batching.pack_dynamic, max_tokens_per_mb=64, num_shards=1)
   with pytest.raises(ValueError, match="no row bucket"):
     sft._one_shape(pack, [[supervised([1] * 40, [2] * 40)]], (64,), attention_len=math.inf)
+
+
+def test_a_warm_start_of_no_steps_returns_the_initial_params():
+  cfg = small_config()
+  cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=0))
+  mesh = sharding.make_mesh(cfg.mesh)
+  params = sft.warm_start(cfg, mesh, echo=lambda _: None)
+  fresh = train_step.create_train_state(cfg.model, train_step.make_optimizer(cfg.optimizer),
+                                        mesh, jax.random.key(cfg.seed)).params
+  jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(fresh))

@@ -11,6 +11,7 @@ from async_rl import models, policy
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling
 from async_rl.generation import prefill_buckets, sample
 from async_rl.generation import engine as engine_lib
+from async_rl.generation import noise
 from async_rl.generation import sampling as sampling_lib
 
 CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -237,6 +238,21 @@ def test_sample_draws_what_jax_random_categorical_draws():
     scaled_V = logits_SV[i] / sp[i % 3].temperature
     truncated_V = sampling_lib._truncate(scaled_V, sp[i % 3].top_k, sp[i % 3].top_p)
     assert tokens_S[i] == jax.random.categorical(key, truncated_V)
+
+
+@pytest.mark.parametrize("V", [256, 61, 1])
+def test_noise_is_jax_random_gumbel_of_the_samples_key(V):
+  # The written-out threefry must draw jax's noise bit for bit, so that the tokens are
+  # those jax.random.categorical draws with the key of the module docstring.
+  rng = np.random.default_rng(V)
+  seed_S = np.concatenate([[0, 2**32 - 1], rng.integers(0, 2**32, 14)]).astype(np.uint32)
+  index_S = np.concatenate([[2**32 - 1, 0], rng.integers(0, 2**32, 14)]).astype(np.uint32)
+  positions_S = rng.integers(0, 4096, 16).astype(np.int32)
+  got_SV = jax.jit(noise.gumbel, static_argnums=3)(seed_S, index_S, positions_S, V)
+  for s in range(16):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_S[s]), index_S[s]),
+                             positions_S[s])
+    np.testing.assert_array_equal(got_SV[s], jax.random.gumbel(key, (V,), np.float32))
 
 
 def test_fixed_seed_reproduces_samples_whatever_the_batching(engine, params):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from async_rl.generation import noise
 from async_rl.policy import token_logp
 
 _SEED_LIMIT = 2 ** 32
@@ -129,10 +130,6 @@ def _truncate(scaled_V, top_k, top_p):
   return jnp.where(scaled_V >= threshold, scaled_V, -jnp.inf)
 
 
-def _key(seed, index, position):
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), position)
-
-
 def sample(logits_SV, sampling_S: SlotSampling, positions_S):
   """Draws one token per slot; returns (tokens_S int32, logp_S float32).
 
@@ -148,10 +145,9 @@ def sample(logits_SV, sampling_S: SlotSampling, positions_S):
   masked_SV = jax.lax.cond(jnp.any((sampling_S.top_k > 0) | (sampling_S.top_p < 1)),
                            jax.vmap(_truncate), lambda x, *_: x,
                            scaled_SV, sampling_S.top_k, sampling_S.top_p)
-  keys_S = jax.vmap(_key)(sampling_S.seed, sampling_S.index, positions_S)
-  # Gumbel-max, as `jax.random.categorical` draws (the same tokens), with its argmax
-  # as two plain reductions.
-  gumbel_SV = jax.vmap(lambda k: jax.random.gumbel(k, scaled_SV.shape[-1:], jnp.float32))(keys_S)
+  # Gumbel-max, as `jax.random.categorical` draws (the same tokens), with jax's noise
+  # written out (`noise`) and its argmax as two plain reductions.
+  gumbel_SV = noise.gumbel(sampling_S.seed, sampling_S.index, positions_S, scaled_SV.shape[-1])
   drawn_S = argmax(masked_SV + gumbel_SV)
   tokens_S = jnp.where(greedy_S, argmax(logits_SV), drawn_S).astype(jnp.int32)
   return tokens_S, token_logp(logits_SV, tokens_S, temperature_S[:, None])

@@ -168,3 +168,29 @@ def test_admission_deciles_split_tied_lengths_in_proportion():
   assert by_decile(one_each, [0] * 10 + [1], one_each) == [0.0] * 9 + [1.0]
   # 5 samples of length 1 and 15 of length 2: the third decile takes half a sample of each.
   assert by_decile([0, 5, 15], [0, 5, 0], [0, 5, 15]) == [1.0, 1.0, 0.5] + [0.0] * 7
+
+
+def test_the_peer_scripts_draw_the_workloads_prompts_and_tokenize_them_back():
+  # benchmarks/peers/ runs the workload through TRL and Tunix in their own virtualenvs;
+  # what they share with the library's run is checked here, where both are importable.
+  pytest.importorskip("tokenizers")
+  pytest.importorskip("transformers")
+  import importlib.util  # noqa: PLC0415 (a file run as a script, not a package module)
+  from benchmarks import grpo_step  # noqa: PLC0415
+  spec = importlib.util.spec_from_file_location(
+      "peer_workload", ROOT / "benchmarks" / "peers" / "peer_workload.py")
+  peer = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(peer)
+  stream = grpo_step.RandomTokenTask(seed=7).stream()
+  ids = peer.prompt_ids(7, 40)
+  assert ids == [list(next(stream).tokens) for _ in range(40)]
+  assert (peer.VOCAB, peer.PROMPT_LEN, peer.NEW_TOKENS, peer.FIRST_ID, peer.INIT_STD) == (
+      grpo_step.MODEL.vocab_size, grpo_step.PROMPT_LEN, grpo_step.NEW_TOKENS,
+      grpo_step.FIRST_ID, grpo_step.INIT_STD)
+  assert (peer.PROMPTS, peer.GROUP, peer.WARMUP) == (
+      grpo_step.PROMPTS, grpo_step.GROUP, grpo_step.WARMUP)
+  tokenizer = peer.make_tokenizer()
+  texts = [" ".join(map(str, p)) for p in ids]
+  assert tokenizer(texts)["input_ids"] == ids
+  assert tokenizer.eos_token_id == tokenizer.pad_token_id == peer.VOCAB
+  assert peer.even_fraction([2, 3, 4, 255]) == grpo_step.even_fraction("2 3 4 255", None) == 0.5

@@ -1,6 +1,7 @@
 """Smoke tests of the end-to-end benchmarks on the micro config: they run, write their
 files and end with one JSON line."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -175,7 +176,6 @@ def test_the_peer_scripts_draw_the_workloads_prompts_and_tokenize_them_back():
   # what they share with the library's run is checked here, where both are importable.
   pytest.importorskip("tokenizers")
   pytest.importorskip("transformers")
-  import importlib.util  # noqa: PLC0415 (a file run as a script, not a package module)
   from benchmarks import grpo_step  # noqa: PLC0415
   spec = importlib.util.spec_from_file_location(
       "peer_workload", ROOT / "benchmarks" / "peers" / "peer_workload.py")

@@ -174,23 +174,33 @@ def test_admission_deciles_split_tied_lengths_in_proportion():
 def test_the_peer_scripts_draw_the_workloads_prompts_and_tokenize_them_back():
   # benchmarks/peers/ runs the workload through TRL and Tunix in their own virtualenvs;
   # what they share with the library's run is checked here, where both are importable.
+  # grpo_step is read in a subprocess: importing it here would define its absl flags a
+  # second time beside those of the other benchmarks this process imports.
   pytest.importorskip("tokenizers")
   pytest.importorskip("transformers")
-  from benchmarks import grpo_step  # noqa: PLC0415
   spec = importlib.util.spec_from_file_location(
       "peer_workload", ROOT / "benchmarks" / "peers" / "peer_workload.py")
   peer = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(peer)
-  stream = grpo_step.RandomTokenTask(seed=7).stream()
+  library = subprocess.run([sys.executable, "-c", """if True:
+      import json
+      from benchmarks import grpo_step as g
+      stream = g.RandomTokenTask(seed=7).stream()
+      print(json.dumps(dict(
+          prompts=[list(next(stream).tokens) for _ in range(40)],
+          constants=[g.MODEL.vocab_size, g.PROMPT_LEN, g.NEW_TOKENS, g.FIRST_ID, g.INIT_STD,
+                     g.PROMPTS, g.GROUP, g.WARMUP],
+          reward=g.even_fraction("2 3 4 255", None))))"""],
+      cwd=ROOT, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, PYTHONPATH=str(ROOT)))
+  assert library.returncode == 0, library.stderr[-3000:]
+  library = json.loads(library.stdout.strip().splitlines()[-1])
   ids = peer.prompt_ids(7, 40)
-  assert ids == [list(next(stream).tokens) for _ in range(40)]
-  assert (peer.VOCAB, peer.PROMPT_LEN, peer.NEW_TOKENS, peer.FIRST_ID, peer.INIT_STD) == (
-      grpo_step.MODEL.vocab_size, grpo_step.PROMPT_LEN, grpo_step.NEW_TOKENS,
-      grpo_step.FIRST_ID, grpo_step.INIT_STD)
-  assert (peer.PROMPTS, peer.GROUP, peer.WARMUP) == (
-      grpo_step.PROMPTS, grpo_step.GROUP, grpo_step.WARMUP)
+  assert ids == library["prompts"]
+  assert [peer.VOCAB, peer.PROMPT_LEN, peer.NEW_TOKENS, peer.FIRST_ID, peer.INIT_STD,
+          peer.PROMPTS, peer.GROUP, peer.WARMUP] == library["constants"]
   tokenizer = peer.make_tokenizer()
   texts = [" ".join(map(str, p)) for p in ids]
   assert tokenizer(texts)["input_ids"] == ids
   assert tokenizer.eos_token_id == tokenizer.pad_token_id == peer.VOCAB
-  assert peer.even_fraction([2, 3, 4, 255]) == grpo_step.even_fraction("2 3 4 255", None) == 0.5
+  assert peer.even_fraction([2, 3, 4, 255]) == library["reward"] == 0.5

@@ -9,7 +9,8 @@ import operator
 
 import numpy as np
 
-_LEVELS = ("group", "batch", None)
+from async_rl.config import ADVANTAGE_LEVELS
+
 
 
 def _float64(x):
@@ -17,10 +18,10 @@ def _float64(x):
 
 
 def _check_normalize_args(mean_level, std_level, leave_one_out, eps):
-  if mean_level not in _LEVELS:
-    raise ValueError(f"mean_level must be one of {_LEVELS}, got {mean_level!r}")
-  if std_level not in _LEVELS:
-    raise ValueError(f"std_level must be one of {_LEVELS}, got {std_level!r}")
+  if mean_level not in ADVANTAGE_LEVELS:
+    raise ValueError(f"mean_level must be one of {ADVANTAGE_LEVELS}, got {mean_level!r}")
+  if std_level not in ADVANTAGE_LEVELS:
+    raise ValueError(f"std_level must be one of {ADVANTAGE_LEVELS}, got {std_level!r}")
   if leave_one_out and mean_level is None:
     raise ValueError("leave_one_out needs a mean_level ('group' or 'batch'), got None")
   if not eps >= 0:

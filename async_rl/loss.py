@@ -10,14 +10,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from async_rl import off_policy
+from async_rl import named, off_policy
+from async_rl.config import IMPORTANCE_LEVELS, PROX_LOGP
 
-IMPORTANCE_LEVELS = ("token", "sequence")
-# Names the config once accepted, with what to write instead.
-_REMOVED_LOSSES = {
-    "naive_ppo": "ppo.prox_logp='behav' (naive PPO is the decoupled loss with π_prox = "
-                 "π_behav, so w = 1)",
-}
 _LOSS_HPARAMS = ("eps_clip", "eps_clip_higher", "c_clip", "importance_level",
                  "rejection_level", "rejection_action", "rejection_metric", "rejection_upper",
                  "rejection_lower")
@@ -30,7 +25,7 @@ def check_hparams(*, prefix="", **hparams):
   """Raises ValueError naming `prefix + name` for an unknown or invalid hyper-parameter.
 
   Takes any subset of `config.PPOConfig`'s fields as keywords: `loss`, `prox_logp`
-  (see `off_policy.PROX_LOGP`), `eps_clip` > 0, `eps_clip_higher` >= 0 or None,
+  (see `config.PROX_LOGP`), `eps_clip` > 0, `eps_clip_higher` >= 0 or None,
   `c_clip` > 1 or None, `importance_level` (see `IMPORTANCE_LEVELS`), and the
   `rejection_*` fields (see `off_policy.check_correction`).
   """
@@ -39,13 +34,10 @@ def check_hparams(*, prefix="", **hparams):
     raise ValueError(f"unknown PPO hyper-parameters {[prefix + k for k in unknown]}; "
                      f"known: {[prefix + k for k in _HPARAMS]}")
   h = hparams
-  if "loss" in h and h["loss"] not in LOSSES:
-    if h["loss"] in _REMOVED_LOSSES:
-      raise ValueError(f"{prefix}loss={h['loss']!r} was removed: write "
-                       f"{_REMOVED_LOSSES[h['loss']]} instead")
-    raise ValueError(f"{prefix}loss must be one of {sorted(LOSSES)}, got {h['loss']!r}")
-  if "prox_logp" in h and h["prox_logp"] not in off_policy.PROX_LOGP:
-    raise ValueError(f"{prefix}prox_logp must be one of {off_policy.PROX_LOGP}, "
+  if "loss" in h:
+    named.lookup(LOSSES, h["loss"], f"{prefix}loss", "loss function")
+  if "prox_logp" in h and h["prox_logp"] not in PROX_LOGP:
+    raise ValueError(f"{prefix}prox_logp must be one of {PROX_LOGP}, "
                      f"got {h['prox_logp']!r}")
   if "num_minibatches" in h and not (isinstance(h["num_minibatches"], int)
                                      and h["num_minibatches"] >= 1):
@@ -191,7 +183,8 @@ def make_loss(name, **hparams):
   """Returns the loss registered as `name` with its hyper-parameters bound.
 
   Args:
-    name: a key of `LOSSES`.
+    name: a key of `LOSSES`, or "module:attr" naming a function with
+      `decoupled_ppo_loss`'s arguments.
     **hparams: `eps_clip` (required) and the other keyword arguments of
       `decoupled_ppo_loss` before `num_tokens`.
 
@@ -210,7 +203,7 @@ def make_loss(name, **hparams):
   if "eps_clip" not in hparams:
     raise ValueError(f"loss {name!r} requires eps_clip")
   check_hparams(**hparams)
-  loss_fn = LOSSES[name]
+  loss_fn = named.lookup(LOSSES, name, "loss", "loss function")
 
   def fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids, num_tokens=None,
          entropy=None):

@@ -10,10 +10,7 @@ sequence is (row, segment).
 import jax
 import jax.numpy as jnp
 
-LEVELS = ("token", "sequence")
-ACTIONS = ("mask", "clamp")
-METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
-PROX_LOGP = ("recompute", "loglinear", "behav")
+from async_rl.config import REJECTION_ACTIONS, REJECTION_LEVELS, REJECTION_METRICS
 
 
 def check_correction(*, level="token", action="mask", metric="ratio", lower=None, upper=None,
@@ -25,8 +22,9 @@ def check_correction(*, level="token", action="mask", metric="ratio", lower=None
   of 1 would reject or clamp the tokens whose policies agree; for kl_k2 and kl_k3
   upper > 0; lower <= upper; clamping only bounds a ratio.
   """
-  for name, value, allowed in (("level", level, LEVELS), ("action", action, ACTIONS),
-                               ("metric", metric, METRICS)):
+  for name, value, allowed in (("level", level, REJECTION_LEVELS),
+                               ("action", action, REJECTION_ACTIONS),
+                               ("metric", metric, REJECTION_METRICS)):
     if value not in allowed:
       raise ValueError(f"{prefix}{name} must be one of {allowed}, got {value!r}")
   if action == "clamp" and metric != "ratio":

@@ -15,7 +15,8 @@ chunk rematerialised in the backward pass, so memory grows with the chunk, not T
 import jax
 import jax.numpy as jnp
 
-from async_rl.models import ModelConfig, hidden, unembed
+from async_rl.config import ModelConfig
+from async_rl.models import hidden, unembed
 
 # At most this many float32 logits per chunk (2^27: 512 MiB; a few such buffers live
 # in the backward pass of one chunk).

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from async_rl import batching, sharding, train_step
-from async_rl.config import ExperimentConfig, OptimizerConfig
+from async_rl.config import BatchingConfig, ModelConfig, OptimizerConfig, SFTConfig
 from async_rl.models import flops
-from async_rl.tasks.registry import make_task
 
 
 def sft_loss(logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, *,
@@ -31,33 +30,31 @@ def sft_loss(logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, *,
   return nll, {"nll": nll, "num_tokens": count}
 
 
-def warm_start(cfg: ExperimentConfig, mesh, *, task=None,
-               echo: Callable[[str], None] = print):
-  """Trains a fresh model for `cfg.sft.steps` steps on `task` (None: `cfg.task_kind`'s);
-  returns host params.
+def warm_start(task, model: ModelConfig, sft: SFTConfig, batching_cfg: BatchingConfig, mesh, *,
+               seed: int = 0, echo: Callable[[str], None] = print):
+  """Trains a fresh model for `sft.steps` steps on `task`'s reference solutions
+  (`sft_examples`); returns host params.
 
   Raises:
     ValueError: the task has no `sft_examples`.
   """
-  s = cfg.sft
-  task = make_task(cfg) if task is None else task
+  s = sft
   if not hasattr(task, "sft_examples"):
     raise ValueError(f"sft.steps={s.steps} needs a task with reference solutions "
                      f"(sft_examples); {type(task).__name__} has none")
   examples = task.sft_examples()
   tx = train_step.make_optimizer(OptimizerConfig(learning_rate=s.learning_rate,
                                                  warmup_steps=min(10, s.steps)))
-  state = train_step.create_train_state(cfg.model, tx, mesh, jax.random.key(cfg.seed))
-  shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
-  step = train_step.jit_train_step(mesh, shardings, model_cfg=cfg.model, loss_fn=sft_loss)
+  state, shardings = train_step.create_train_state(model, tx, mesh, jax.random.key(seed))
+  step = train_step.jit_train_step(mesh, shardings, model_cfg=model, loss_fn=sft_loss)
   pack = functools.partial(batching.pack_dynamic,
-                           max_tokens_per_mb=cfg.batching.max_tokens_per_mb,
+                           max_tokens_per_mb=batching_cfg.max_tokens_per_mb,
                            num_shards=sharding.num_batch_shards(mesh))
   batches = [[next(examples) for _ in range(s.batch_size)] for _ in range(s.steps)]
   zeros = np.zeros(s.batch_size)
-  buckets = cfg.batching.row_buckets or batching.default_row_buckets(
-      cfg.batching.max_tokens_per_mb)
-  shape = (_one_shape(pack, batches, buckets, flops.attention_break_even_len(cfg.model))
+  buckets = batching_cfg.row_buckets or batching.default_row_buckets(
+      batching_cfg.max_tokens_per_mb)
+  shape = (_one_shape(pack, batches, buckets, flops.attention_break_even_len(model))
            if batches else None)  # no steps: nothing to compile
   t0 = time.perf_counter()
   for i, seqs in enumerate(batches, start=1):

@@ -13,6 +13,7 @@ changes neither params nor optimizer moments (`optax.apply_if_finite`) but still
 counts; its metrics say `skipped = 1`.
 """
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -23,10 +24,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from async_rl import cpu_threads, off_policy, policy, sharding
+from async_rl import off_policy, policy, sharding
 from async_rl.batching import PackedBatch
-from async_rl.config import OptimizerConfig
-from async_rl.models import ModelConfig, init_params
+from async_rl.config import ModelConfig, OptimizerConfig
+from async_rl.models import init_params
 
 
 # apply_if_finite gives up and applies a non-finite update after this many in a row;
@@ -58,8 +59,9 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
-                       params=None) -> TrainState:
-  """A sharded TrainState built in place: shapes first, then jit with out_shardings.
+                       params=None) -> tuple[TrainState, TrainState]:
+  """A sharded TrainState built in place, and its shardings: shapes first, then jit with
+  out_shardings.
 
   `tx` is wrapped in `optax.apply_if_finite`, so a non-finite gradient leaves the
   params and the optimizer's moments as they were (its schedule counts only applied
@@ -75,7 +77,7 @@ def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
 
   abstract = jax.eval_shape(init, key, params)
   shardings = train_state_shardings(abstract, mesh)
-  return jax.jit(init, out_shardings=shardings)(key, params)
+  return jax.jit(init, out_shardings=shardings)(key, params), shardings
 
 
 def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
@@ -225,80 +227,6 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
   return finish_step(state, per_update)
 
 
-def _update_part(x, n, threads, k, j):
-  """The micro-batches of update k that thread j takes: k + n (j + G i), i = 0, 1, ..."""
-  return x.reshape(x.shape[0] // (n * threads), threads, n, *x.shape[1:])[:, j, k]
-
-
-def _accumulate_part(params, batch, prox_logp, k, j, version, *, n, threads, **policy_kw):
-  """`accumulate_grads` over thread j's share of update k's micro-batches, and the
-  update's valid-token count."""
-  loss_mask = batch.loss_mask
-  num_tokens = loss_mask.reshape(loss_mask.shape[0] // n, n, *loss_mask.shape[1:])[:, k].sum()
-  part = jax.tree.map(lambda x: _update_part(x, n, threads, k, j), (batch, prox_logp))
-  sums = accumulate_grads(params, *part, num_tokens, version, version + k / n, **policy_kw)
-  return sums, num_tokens
-
-
-def _apply_parts(state, parts):
-  """`apply_grads` with the threads' sums added up."""
-  (loss, metrics, grads), num_tokens = parts[0]
-  for (more_loss, more_metrics, more_grads), _ in parts[1:]:
-    loss, metrics = loss + more_loss, _combine(metrics, more_metrics)
-    grads = jax.tree.map(jnp.add, grads, more_grads)
-  return apply_grads(state, loss, metrics, grads, num_tokens)
-
-
-def default_grad_threads(mesh: Mesh, cores: int | None = None) -> int:
-  """`train.grad_threads` when automatic: one per core (`cores`; default all this
-  process may use) for a trainer on one CPU device (`cpu_threads`), else 1: a program
-  over several devices already runs on each."""
-  if mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu":
-    return cores or cpu_threads.cores()
-  return 1
-
-
-def _finish_stacked(state, per_update):
-  return finish_step(state, jax.tree.map(lambda *x: jnp.stack(x), *per_update))
-
-
-class ThreadedTrainStep:
-  """`train_step` with each update's micro-batches shared among G threads, for one
-  CPU device (`cpu_threads`): each thread dispatches the gradient sum over its share,
-  then one program adds them up and applies the update. Micro-batch k + n (j + G i)
-  of the batch (n updates) goes to thread j in update k, so the batch's M must be a
-  multiple of n G (`batching.pad_micro_batches`). The result equals `train_step`'s
-  but for the order in which gradients are summed.
-
-  Called as `jit_train_step`'s function: (state, batch, prox_logp) -> (state,
-  metrics); the state is donated.
-  """
-
-  def __init__(self, mesh: Mesh, state_shardings: TrainState, *, threads: int,
-               model_cfg: ModelConfig, loss_fn: Callable, temperature: float = 1.0,
-               num_minibatches: int = 1):
-    self._n, self._dispatchers = num_minibatches, cpu_threads.Dispatchers(threads, "grads")
-    out_shardings = (state_shardings, NamedSharding(mesh, P()))
-    self._accumulate = jax.jit(functools.partial(
-        _accumulate_part, n=num_minibatches, threads=threads, model_cfg=model_cfg,
-        loss_fn=loss_fn, temperature=temperature))
-    self._apply = jax.jit(_apply_parts, donate_argnums=0, out_shardings=out_shardings)
-    self._finish = jax.jit(_finish_stacked, donate_argnums=0, out_shardings=out_shardings)
-
-  def __call__(self, state: TrainState, batch: PackedBatch, prox_logp):
-    n, threads = self._n, len(self._dispatchers)
-    _check_splits(batch, n * threads)
-    per_update = []
-    for k in range(n):
-      # The step count (the version) stays until `finish_step`; each update donates it.
-      parts = self._dispatchers.map(self._accumulate, [
-          (state.params, batch, prox_logp, np.int32(k), np.int32(j), state.step)
-          for j in range(threads)])
-      state, metrics = self._apply(state, parts)
-      per_update.append(metrics)
-    return self._finish(state, per_update)
-
-
 def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,
                    temperature: float = 1.0):
   """Log-probs [M, R, T] of the batch's tokens under `params` (the proximal policy)."""
@@ -337,34 +265,28 @@ def jit_recompute_logp(mesh: Mesh, params_shardings, *, model_cfg: ModelConfig,
                  out_shardings=sharding.batch_sharding(mesh, leading_axes=1))
 
 
-def _recompute_part(params, batch, j, *, threads, **policy_kw):
-  """`recompute_logp` of thread j's micro-batches: j, j + G, j + 2G, ..."""
-  part = jax.tree.map(lambda x: x.reshape(x.shape[0] // threads, threads, *x.shape[1:])[:, j],
-                      batch)
-  return recompute_logp(params, part, **policy_kw)
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+  """A run's compiled update and proximal recompute.
+
+  Attributes:
+    step: (state, batch, prox_logp) -> (state, metrics), `train_step`; the state is
+      donated.
+    recompute: (params, batch) -> the proximal log-probs [M, R, T], `recompute_logp`.
+    micro_batch_multiple: a batch's M must be a multiple of it
+      (`batching.pad_micro_batches`).
+  """
+  step: Callable
+  recompute: Callable
+  micro_batch_multiple: int
 
 
-def _interleave(parts):
-  """Thread j's [M / G, R, T] log-probs back at micro-batches j, j + G, ... of [M, R, T]."""
-  stacked = jnp.stack(parts, axis=1)
-  return stacked.reshape(-1, *stacked.shape[2:])
-
-
-class ThreadedRecompute:
-  """`recompute_logp` with the micro-batches shared among G threads (one CPU device, as
-  `ThreadedTrainStep`); M must be a multiple of G. Called as `jit_recompute_logp`'s
-  function: (params, batch) -> [M, R, T]."""
-
-  def __init__(self, *, threads: int, model_cfg: ModelConfig, temperature: float = 1.0):
-    self._threads = cpu_threads.Dispatchers(threads, "recompute")
-    self._part = jax.jit(functools.partial(_recompute_part, threads=threads,
-                                           model_cfg=model_cfg, temperature=temperature))
-    self._interleave = jax.jit(_interleave)
-
-  def __call__(self, params, batch: PackedBatch):
-    G = len(self._threads)
-    if batch.tokens.shape[0] % G:
-      raise ValueError(f"the batch's {batch.tokens.shape[0]} micro-batches do not split "
-                       f"among {G} threads (pad with batching.pad_micro_batches)")
-    return self._interleave(self._threads.map(
-        self._part, [(params, batch, np.int32(j)) for j in range(G)]))
+def jit_steps(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelConfig,
+              loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1) -> StepFns:
+  """`train_step` and `recompute_logp` compiled over `mesh`."""
+  return StepFns(
+      jit_train_step(mesh, state_shardings, model_cfg=model_cfg, loss_fn=loss_fn,
+                     temperature=temperature, num_minibatches=num_minibatches),
+      jit_recompute_logp(mesh, state_shardings.params, model_cfg=model_cfg,
+                         temperature=temperature),
+      num_minibatches)

@@ -173,3 +173,29 @@ def staleness_counts(groups: Sequence[Group], version: int) -> np.ndarray:
            for g in groups for t in g.trajectories]
   stale = np.concatenate(stale) if stale else np.zeros(0, np.int64)
   return np.bincount(stale) if stale.size else np.zeros(0, np.int64)
+
+
+def split_turns(traj: Trajectory) -> list[Trajectory]:
+  """One sample per policy turn of `traj` (a maximal run of policy tokens): the episode
+  up to the turn's end, whose earlier tokens are its prompt. Each keeps the turn's
+  loss mask, log-probs and versions, and the episode's reward; all but the last end
+  in "stop". A trajectory without policy tokens is returned as it is."""
+  policy = np.concatenate([[0], (traj.versions_T >= 0).astype(np.int8), [0]])
+  edges = np.flatnonzero(np.diff(policy))
+  starts, ends = edges[::2], edges[1::2]
+  out = []
+  for k, (start, end) in enumerate(zip(starts, ends)):
+    out.append(Trajectory(
+        tokens_T=traj.tokens_T[:end], loss_mask_T=_within(traj.loss_mask_T, start, end, False),
+        logp_T=_within(traj.logp_T, start, end, 0),
+        versions_T=_within(traj.versions_T, start, end, -1), prompt_len=int(start),
+        finish_reason=traj.finish_reason if k == len(starts) - 1 else "stop",
+        reward=traj.reward, metadata={**traj.metadata, "turn": k}))
+  return out or [traj]
+
+
+def _within(a: np.ndarray, start: int, end: int, fill) -> np.ndarray:
+  """`a[:end]` with everything before `start` replaced by `fill`."""
+  b = np.full(end, fill, a.dtype)
+  b[start:end] = a[start:end]
+  return b

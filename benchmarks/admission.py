@@ -1,6 +1,6 @@
 r"""Length-fair admission: what dropping stale groups does to long samples, and masking.
 
-  python -m benchmarks.admission                    # configs/tiny_long_tail.py
+  python -m benchmarks.admission                    # configs/tiny.py:long_tail
   python -m benchmarks.admission --steps=3 --etas=1 # a smoke run
 
 Every run starts from the same warm start of --config and trains --steps steps in
@@ -31,16 +31,14 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import sharding
-from async_rl.config import ExperimentConfig
-from async_rl.config_dict import from_config_dict, parse_flags
+from async_rl.config import ExperimentConfig, from_dict, parse_flags
 from async_rl.param_server.buffer import length_summary
+from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
-from async_rl.rl.run import run_in_process
-from async_rl.rl.run_stats import HeldoutEval, longest_heldout, measured_config
-from async_rl.sft import warm_start
+from benchmarks.common.run_stats import (HeldoutEval, longest_heldout, measured_config,
+                                         warm_params)
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_long_tail.py",
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:long_tail",
                                           "The experiment every run shares.")
 _STEPS = flags.DEFINE_integer("steps", 20, "RL steps per run.")
 _ETAS = flags.DEFINE_list("etas", ["1", "2", "4"], "max_staleness values.")
@@ -92,7 +90,7 @@ def figures(hist: dict[str, list[int]]) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  cfg = measured_config(from_config_dict(_CONFIG.value), _STEPS.value)
+  cfg = measured_config(from_dict(_CONFIG.value), _STEPS.value)
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   results = os.path.join(_OUT_DIR.value, "runs.jsonl")
   rows = {}
@@ -103,7 +101,7 @@ def main(argv):
           if (int(e), p) not in rows]
   task, heldout, longest = longest_heldout(cfg, _HELDOUT.value, _LONGEST.value)
   t0 = time.perf_counter()
-  params = warm_start(cfg, sharding.make_mesh(cfg.mesh), echo=lambda _: None) if todo else None
+  params = warm_params(cfg, task) if todo else None
   with HeldoutEval(cfg, task, params) if todo else contextlib.nullcontext() as held_out:
 
     def evaluate(trained) -> dict:
@@ -119,8 +117,8 @@ def main(argv):
       run_cfg = variant(cfg, eta, policy)
       workdir = os.path.join(_OUT_DIR.value, f"eta{eta}_{policy}")
       started = time.perf_counter()
-      summary = run_in_process(run_cfg, workdir, init_params=params, echo=lambda _: None,
-                               progress=False)
+      summary = build.run(run_cfg, workdir, init_params=params, echo=lambda _: None,
+                          progress=False)
       server = summary["server"]
       trained = restore_params(os.path.join(workdir, "checkpoints"), run_cfg.model)
       row = {"eta": eta, "policy": policy, "steps": _STEPS.value,

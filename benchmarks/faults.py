@@ -52,14 +52,13 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config import ExperimentConfig
-from async_rl.config_dict import from_config_dict, parse_flags
+from async_rl.config import ExperimentConfig, from_dict, parse_flags
 from async_rl.param_server import ParameterServer
+from async_rl.rl import build
 from async_rl.rl.errors import StallError
-from async_rl.rl.rollout_worker import RolloutWorker
-from async_rl.rl.run_stats import prompt_accounting, step_lines
-from async_rl.rl.trainer_loop import TrainerLoop
+from async_rl.tasks.registry import make_task
 from async_rl.trajectory import Group
+from benchmarks.common.run_stats import prompt_accounting, step_lines
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/micro.py", "The experiment.")
 _QUICK = flags.DEFINE_bool("quick", False, "Only the faults that run in this process (1-5).")
@@ -104,9 +103,11 @@ def _run_here(cfg, workdir, *, poison=None, stall_at=None):
   """One in-process run; with `stall_at`, the rollout pool's decode step hangs from then."""
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   lines = []
-  loop = TrainerLoop(cfg, workdir, server if poison is None else _Poisoning(server, poison),
-                     echo=lines.append, progress=False)
-  worker = RolloutWorker(cfg, server)
+  cfg = build.resolve(cfg)
+  task = make_task(cfg.task)
+  loop = build.train_loop(cfg, workdir, server if poison is None else _Poisoning(server, poison),
+                          task=task, echo=lines.append, progress=False)
+  worker = build.rollout_worker(cfg, server, task=task)
   release = threading.Event()
 
   def stall():
@@ -220,7 +221,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.ERROR)  # the injected faults log loudly, as they should
   started = time.perf_counter()
-  cfg = from_config_dict(_CONFIG.value)
+  cfg = from_dict(_CONFIG.value)
   eta = cfg.staleness.max_staleness
   if eta is None or _STEPS.value < STALL_AT + eta + 2:
     raise app.UsageError(f"--steps must be at least {STALL_AT} + η + 2 (and η bounded), so "

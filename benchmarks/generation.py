@@ -27,7 +27,7 @@ is warmed up first).
       so it runs one batch of S requests, for at most `--nocache_steps` steps;
       later steps are the costliest, so the cap flatters (c).
 
-Workload batch (issue 16's; `--workload_repeats` runs): the Qwen2 shape `_W_CFG`,
+Workload batch (`benchmarks/grpo_step.py`'s; `--workload_repeats` runs): the Qwen2 shape `_W_CFG`,
 weights ~ N(0, 0.02), 16 prompts of 16 random ids, 4 samples each, exactly 64 new
 tokens at temperature 1. static_sampler is the reference, as Tunix's static sampler
 does it: prefill the 64 rows, then one jitted `while_loop` over the new tokens, no
@@ -35,10 +35,9 @@ host visit between; static_shared prefills each prompt once and copies its cache
 its 4 rows, as the pool does; pool and pool_k<k> run the 64-slot pool on the same
 requests, which draw the same random streams, so all generate the same tokens
 (`token_agreement`). These decode from one thread, as the static samplers do; on the
-CPU pool_g<G> is the pool as a run builds it (`generation.decode_threads` automatic):
-its slots in G groups decoded at once from G threads (`engine.default_decode_threads`,
-one per core). Each reports its fastest run (others' load on a shared machine only
-adds time). Steps: decode steps per host round trip (`generate_chunk` call).
+CPU pool_w<W> is the pool with its slots in W groups decoded at once from W threads
+(`cpu.SlotGroupEngine`, one group per core). Each reports its fastest run (others'
+load on a shared machine only adds time). Steps: decode steps per host round trip (`generate_chunk` call).
 
 Weight updates: the pool on the same workload while another thread publishes new
 params `--updates` times, each time a further 1 / (updates + 1) of the workload's
@@ -57,11 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from async_rl import models
-from async_rl.config import GenerationConfig
-from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling
-from async_rl.generation import sample
-from async_rl.generation.engine import default_decode_threads
+from async_rl import cpu, models
+from async_rl.config import GenerationConfig, ModelConfig, model_preset
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling, sample
 
 _QUICK = flags.DEFINE_bool("quick", False, "Reduced run (< ~3 minutes on a 2-core CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths, prompts and params.")
@@ -82,9 +79,9 @@ _MODES = ("retract", "keep", "drain")
 _DEFAULT_STEPS = GenerationConfig().steps_per_call
 # The workload batch: prompts x samples, prompt and completion lengths.
 _W_PROMPTS, _W_SAMPLES, _W_PROMPT_LEN, _W_NEW = 16, 4, 16, 64
-_W_CFG = models.ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                            head_dim=32, d_ff=512, qkv_bias=True, tie_embeddings=True,
-                            rope_theta=1e6)
+_W_CFG = ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                     head_dim=32, d_ff=512, qkv_bias=True, tie_embeddings=True,
+                     rope_theta=1e6)
 
 
 def _workload(rng, count, max_len, median):
@@ -229,7 +226,7 @@ def _medians(variants, repeats, fastest=False):
 
 def _bench_preset(name, setup, seed, repeats, sweep):
   S, T, count, nocache_steps = setup
-  cfg = models.preset(name)
+  cfg = model_preset(name)
   key, new_key = jax.random.split(jax.random.key(seed))
   init = jax.jit(models.init_params, static_argnums=0)
   params = init(cfg, key)
@@ -301,7 +298,7 @@ def _workload_params(seed):
 
 
 def _bench_workload(seed, repeats):
-  """The pool and the static samplers on issue 16's generation batch, side by side."""
+  """The pool and the static samplers on the GRPO workload's generation batch, side by side."""
   params = _workload_params(seed)
   prompts_BP = np.random.default_rng(seed).integers(3, 256, (_W_PROMPTS, _W_PROMPT_LEN),
                                                     dtype=np.int32)
@@ -337,14 +334,13 @@ def _bench_workload(seed, repeats):
               "pool": lambda: run_pool(_DEFAULT_STEPS)}
   for k in _swept():
     variants[f"pool_k{k}"] = lambda k=k: run_pool(k)
-  threads = default_decode_threads(N)
-  if threads > 1:  # The pool as a run builds it here: its slots in groups, one per core.
-    engines["threads"] = Engine(_W_CFG, max_concurrent_decodes=N,
-                                max_prefill_length=_W_PROMPT_LEN,
-                                max_target_length=_W_PROMPT_LEN + _W_NEW,
-                                decode_threads=threads)
-    engines["threads"].warmup(params)
-    variants[f"pool_g{threads}"] = lambda: run_pool("threads")
+  groups = cpu.engine.num_groups(N, cpu.cores()) if jax.default_backend() == "cpu" else 1
+  if groups > 1:  # Its slots in groups, one per core.
+    engines["groups"] = cpu.SlotGroupEngine(
+        Engine(_W_CFG, max_concurrent_decodes=N // groups, max_prefill_length=_W_PROMPT_LEN,
+               max_target_length=_W_PROMPT_LEN + _W_NEW), groups)
+    engines["groups"].warmup(params)
+    variants[f"pool_w{groups}"] = lambda: run_pool("groups")
   rows = _medians(variants, repeats, fastest=True)
   for share, name in ((False, "static_sampler"), (True, "static_shared")):
     rows[name]["token_agreement"] = float(np.mean(pool_tokens[_DEFAULT_STEPS]

@@ -1,9 +1,9 @@
-r"""Issue 16's fixed GRPO workload end to end through the library, against its FLOP floor.
+r"""A fixed GRPO workload end to end through the library, against its FLOP floor.
 
   python -m benchmarks.grpo_step            # every variant, 10 steps each
   python -m benchmarks.grpo_step --quick    # sync_naive alone, 3 steps (the test)
 
-The workload (fixed by issue 16): a Qwen2-shaped model (vocab 256, d_model 128, 4
+The workload: a Qwen2-shaped model (vocab 256, d_model 128, 4
 layers, 4 query / 2 KV heads, head_dim 32, MLP 512, q/k/v bias, tied embeddings,
 float32, RoPE theta 1e6) with every weight matrix ~ N(0, 0.02), biases 0 and norm
 scales 1, passed as the run's initial params (no warm start). Per RL step 16 prompts
@@ -13,9 +13,10 @@ exactly 64 new tokens; reward the fraction of even completion ids; group-normali
 advantages, eps 0.2, Adam 1e-4, no KL term, one optimizer step per RL step. All 64
 samples of a step decode together (64 generator slots). Everything else is the
 library's default (1024 tokens per micro-batch, so [8, 11, 80] batches; 8 decode
-steps per host round trip), and the run is `rl.run.run_in_process`, as a
-user's would be; held-out evaluation
-(one prompt) runs only before the first and after the last step.
+steps per host round trip), and the run is `rl.build.run`, as a user's would be;
+held-out evaluation (one prompt) runs only before the first and after the last step.
+On the CPU, the synchronous variants give the generator and the trainer every core
+(they take turns), the overlapping ones half each (`config.CPUConfig`).
 
 Variants (`--variants`): η = `staleness.max_staleness`, the weight-update mode and
 `ppo.prox_logp`:
@@ -29,7 +30,7 @@ Variants (`--variants`): η = `staleness.max_staleness`, the weight-update mode 
 Timing. A step runs from the end of one update to the end of the next: the ends of
 the trainer's "train" spans (`async_rl.timeline`). The first `WARMUP` steps (which
 compile) are left out and the figures are medians over the remaining steps (so
-`--steps` >= WARMUP + 8 for the issue's 8 timed steps). Per step: "gen s" is the
+`--steps` >= WARMUP + 8 for 8 timed steps). Per step: "gen s" is the
 time the generator was busy (decoding, prefilling, swapping weights) within the
 step, "train s" the trainer's train span (packing, the transfer, the recompute where
 decoupled, the update), "wait s" how long the trainer waited for its batch, and
@@ -46,12 +47,11 @@ new tokens):
                 + 3 F_fwd (train forward and backward),
   F_fwd = sum over the 64 x 80 tokens of 2 N + 4 L H E (p + 1),
 
-(the generation term is the issue's count: the pool prefills a prompt once for its
+(the generation term counts what the pool computes: it prefills a prompt once for its
 group and feeds back 63 of the new tokens, 4,288 token forwards instead of 5,120),
 and floor_s = floor FLOPs / the best float32 1024^3 matmul FLOP/s measured in this
 run (`train_step.matmul_peak`, before each variant and after the last), so
-floor_ratio = s/step / floor_s. Issue 16's targets: floor_ratio <= 1.75 for sync
-naive, <= 2.5 decoupled with recompute. "gen ratio" and "train ratio" divide each
+floor_ratio = s/step / floor_s. "gen ratio" and "train ratio" divide each
 part's seconds by its own floor (F_fwd; the rest), to show which part is far off.
 
 Prints a table, then, as the last line, one JSON object: `sec_per_step`, `floor_s`,
@@ -68,12 +68,12 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from async_rl import models, timeline
-from async_rl.config import (EvalConfig, ExperimentConfig, GenerationConfig, OptimizerConfig,
-                             PPOConfig, StalenessConfig)
+from async_rl import cpu, models, timeline
+from async_rl.config import (CPUConfig, EvalConfig, ExperimentConfig, GenerationConfig,
+                             ModelConfig, OptimizerConfig, PPOConfig, StalenessConfig, TaskConfig)
 from async_rl.models import flops
-from async_rl.rl.run import run_in_process
-from async_rl.rl.run_stats import measured_config
+from async_rl.rl import build
+from benchmarks.common.run_stats import measured_config
 from benchmarks.train_step import matmul_peak
 
 # --quick (sync_naive alone, 3 steps) and --seed (params, prompts and sampling) are
@@ -85,7 +85,7 @@ _VARIANTS = flags.DEFINE_list("variants", None, "Which variants, in order (defau
 WARMUP = 2
 PROMPTS, PROMPT_LEN, GROUP, NEW_TOKENS = 16, 16, 4, 64
 SEQUENCES = PROMPTS * GROUP
-MODEL = models.ModelConfig(
+MODEL = ModelConfig(
     vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512,
     qkv_bias=True, tie_embeddings=True, rope_theta=1e6, dtype="float32",
     param_dtype="float32", max_seq_len=PROMPT_LEN + NEW_TOKENS)
@@ -170,12 +170,13 @@ class RandomTokenTask:
     del prompt
 
 
-def make_task(cfg: ExperimentConfig) -> RandomTokenTask:
-  """The task factory (`task_kind="benchmarks.grpo_step:make_task"`)."""
-  return RandomTokenTask(cfg.seed)
+def make_task(cfg: TaskConfig) -> RandomTokenTask:
+  """The task factory (`task.name="benchmarks.grpo_step:make_task"`); its seed is
+  `task.options["seed"]`."""
+  return RandomTokenTask(cfg.options["seed"])
 
 
-def init_params(cfg: models.ModelConfig, seed: int):
+def init_params(cfg: ModelConfig, seed: int):
   """Weight matrices ~ N(0, INIT_STD), biases 0, norm scales 1, as host arrays (numpy's
   generator: jax.random would compile for every shape, seconds each on a CPU)."""
   abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
@@ -194,9 +195,12 @@ def init_params(cfg: models.ModelConfig, seed: int):
 
 def experiment(name: str, steps: int, seed: int) -> ExperimentConfig:
   eta, mode, prox = VARIANTS[name]
+  threads = cpu.cores() if eta == 0 else 0  # Taking turns, each side may use every core.
   cfg = ExperimentConfig(
-      seed=seed, batch_groups=PROMPTS, task_kind="benchmarks.grpo_step:make_task",
-      model=MODEL, optimizer=OptimizerConfig(learning_rate=1e-4),
+      seed=seed, batch_groups=PROMPTS,
+      task=TaskConfig(name="benchmarks.grpo_step:make_task", options={"seed": seed}),
+      cpu=CPUConfig(decode_threads=threads, grad_threads=threads), model=MODEL,
+      optimizer=OptimizerConfig(learning_rate=1e-4),
       ppo=PPOConfig(prox_logp=prox, num_minibatches=1, eps_clip=0.2),
       generation=GenerationConfig(max_prompt_len=PROMPT_LEN, max_new_tokens=NEW_TOKENS,
                                   group_size=GROUP, temperature=1.0, top_k=0, top_p=1.0,
@@ -205,7 +209,7 @@ def experiment(name: str, steps: int, seed: int) -> ExperimentConfig:
   return measured_config(cfg, steps)
 
 
-def step_flops(cfg: models.ModelConfig, prox_logp: str) -> tuple[float, float]:
+def step_flops(cfg: ModelConfig, prox_logp: str) -> tuple[float, float]:
   """The floor FLOPs of one RL step's generation and of its training (module docstring)."""
   positions = np.tile(np.arange(PROMPT_LEN + NEW_TOKENS), SEQUENCES)
   forward = flops.train_flops(cfg, positions) / 3
@@ -234,8 +238,8 @@ def step_figures(summary: dict) -> dict[str, np.ndarray]:
 def run_variant(name: str, steps: int, seed: int) -> dict:
   cfg = experiment(name, steps, seed)
   with tempfile.TemporaryDirectory(prefix=f"grpo_step_{name}_") as workdir:
-    summary = run_in_process(cfg, workdir, init_params=init_params(cfg.model, seed),
-                             task=make_task(cfg), echo=lambda _: None, progress=False)
+    summary = build.run(cfg, workdir, init_params=init_params(cfg.model, seed),
+                        task=make_task(cfg.task), echo=lambda _: None, progress=False)
   per_step = step_figures(summary)
   history = summary["history"]
   generated = summary["server"]["length_hist"]["generated"]
@@ -304,8 +308,7 @@ def _print_table(results, peak, peaks):
     print(f"{name:20}" + "".join(format(r[k], fmt).rjust(12) for k, _, fmt in cols))
   print(f"\nmedians over {next(iter(results.values()))['timed_steps']} steps; floor: model "
         f"FLOPs of generation, recompute (decoupled) and train at the best matmul rate; gen "
-        f"and train ratios: each part's seconds over its own floor. Targets (issue 16): "
-        f"sync_naive <= 1.75x, decoupled with recompute <= 2.5x\n")
+        f"and train ratios: each part's seconds over its own floor\n")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,7 @@ from ml_collections import config_flags
 
 from async_rl import loss, sharding, train_step
 from async_rl.batching import PackedBatch
-from async_rl.config import MeshConfig
-from async_rl.config_dict import from_config_dict
+from async_rl.config import MeshConfig, from_dict
 from async_rl.models import attention, flops
 from async_rl.models.memory import GIB
 from async_rl.policy import chunk_len
@@ -86,7 +85,7 @@ _SAVES = flags.DEFINE_list("saves", None, "model.remat_saves to compile with, e.
 
 def abstract_state(model_cfg, tx, mesh):
   """The train state's shapes, as `train_step.create_train_state` builds it (nothing allocated)."""
-  return jax.eval_shape(lambda key: train_step.create_train_state(model_cfg, tx, mesh, key),
+  return jax.eval_shape(lambda key: train_step.create_train_state(model_cfg, tx, mesh, key)[0],
                         jax.random.key(0))
 
 
@@ -147,7 +146,7 @@ def measure(cfg, tokens):
 
 def main(argv):
   del argv
-  cfg = from_config_dict(_CONFIG.value)
+  cfg = from_dict(_CONFIG.value)
   if _SAVES.value is not None:
     saves = tuple(s for s in _SAVES.value if s != "none")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat_saves=saves))

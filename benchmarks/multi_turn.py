@@ -42,6 +42,7 @@ import numpy as np
 from absl import app, flags
 
 from async_rl import models
+from async_rl.config import MODEL_PRESETS, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.generation.sampling import SlotSampling
 from async_rl.rl.episodes import EpisodeRunner
@@ -54,7 +55,7 @@ _REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions of each call in part
 _IN_FLIGHT = flags.DEFINE_integer("in_flight", 2, "Groups in flight at once in the bounded "
                                   "runs of part 2.")
 
-CFG = models.ModelConfig(**models.PRESETS["tiny"], vocab_size=32, max_seq_len=96)
+CFG = ModelConfig(**MODEL_PRESETS["tiny"], vocab_size=32, max_seq_len=96)
 SLOTS, PROMPT_LEN, BUDGET, EOS = 16, 16, 64, 2
 WORKFLOWS = ("single_turn", "multi_turn", "multi_turn_in_slot")
 

@@ -4,7 +4,7 @@
   python -m benchmarks.profile_step --models=small --trace_dir=/tmp/trace
 
 For each model, the batch `benchmarks/train_step.py` times (part 1 for tiny and
-small, part 3 for the issue-16 workload) is compiled and run once, then --steps calls
+small, part 3 for the GRPO workload) is compiled and run once, then --steps calls
 are traced with `jax.profiler` (the trace lands in --trace_dir, readable by
 TensorBoard's profile plugin or Perfetto). Every op event on XLA's CPU worker threads
 is attributed, through the op_name metadata of the optimised HLO, to
@@ -34,7 +34,7 @@ import numpy as np
 from absl import app, flags
 from jax.profiler import ProfileData
 
-from async_rl import models
+from async_rl.config import model_preset
 from benchmarks import train_step as bench
 
 _MODELS = flags.DEFINE_list("models", ["tiny", "small", "workload"],
@@ -130,7 +130,7 @@ def profile(model: str, steps: int, trace_dir: str, seed: int) -> dict:
   if model == "workload":  # naive PPO: the behaviour log-probs stand in for the proximal
     cfg, seqs, recompute = bench.WORKLOAD_MODEL, bench.workload_sequences(rng), False
   else:
-    cfg = models.preset(model, vocab_size=bench.VOCAB, max_seq_len=bench.MAX_SEQ_LEN)
+    cfg = model_preset(model, vocab_size=bench.VOCAB, max_seq_len=bench.MAX_SEQ_LEN)
     seqs, recompute = bench.sequences_of(rng, bench.FULL["tokens"][model]), True
   b = bench.Bench(cfg, seed)
   host = bench.workload_pack(*seqs) if model == "workload" else bench.pack(cfg, *seqs)

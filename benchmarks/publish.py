@@ -3,7 +3,7 @@
   python -m benchmarks.publish            # about a minute on a 2-core CPU
 
 The `small` preset's params (23.7M matmul params, float32) go from a trainer's train
-state to a generator engine's devices two ways, the way `TrainerLoop` published them
+state to a generator engine's devices two ways, the way the training loop published them
 before and after it kept device arrays:
 
   * host: `jax.device_get` of the params, then `Engine.load_params` of the numpy copy;
@@ -30,8 +30,8 @@ import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from async_rl import models, sharding, train_step  # noqa: E402
-from async_rl.config import MeshConfig  # noqa: E402
+from async_rl import sharding, train_step  # noqa: E402
+from async_rl.config import MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine  # noqa: E402
 
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed publishes per variant.")
@@ -49,8 +49,8 @@ def _median_s(fn, repeats):
 
 def _placement(cfg, trainer_devices, generator_devices, repeats):
   mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1), trainer_devices)
-  state = train_step.create_train_state(cfg, optax.sgd(1.0), mesh, jax.random.key(0))
-  params_sh = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh).params
+  state, shardings = train_step.create_train_state(cfg, optax.sgd(1.0), mesh, jax.random.key(0))
+  params_sh = shardings.params
   engine = Engine(cfg, max_concurrent_decodes=1, max_prefill_length=16, max_target_length=32,
                   mesh=Mesh(np.array(generator_devices).reshape(-1, 1, 1), sharding.AXES))
   via_host = lambda: engine.load_params(jax.device_get(state.params))
@@ -61,7 +61,7 @@ def _placement(cfg, trainer_devices, generator_devices, repeats):
 
 def main(argv):
   del argv
-  cfg = models.preset("small", vocab_size=256, max_seq_len=256)
+  cfg = model_preset("small", vocab_size=256, max_seq_len=256)
   devices = jax.devices()
   results = {
       "same_device": _placement(cfg, devices[:1], devices[:1], _REPEATS.value),

@@ -4,7 +4,7 @@ r"""Staleness ablation: held-out accuracy and throughput vs η for three proxima
   python -m benchmarks.staleness_ablation           # the grid of BENCHMARKS.md
 
 The AReaL paper's Table 2 at CPU scale, on --config (default
-`configs/tiny_long_tail.py`, where long samples make staleness bite) with its reward,
+`configs/tiny.py:long_tail`, where long samples make staleness bite) with its reward,
 the per-step credit `arithmetic_steps` (`configs/tiny.py`). Every run starts from the
 same warm start and trains the same number of samples (--steps steps of the config's
 batch) in process (the quick start's placement), over η ∈ {0, 1, 2, 4, 8, ∞} ×
@@ -47,16 +47,13 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from async_rl import sharding  # noqa: E402
-from async_rl.config import ExperimentConfig  # noqa: E402
-from async_rl.config_dict import from_config_dict, parse_flags  # noqa: E402
+from async_rl.config import ExperimentConfig, from_dict, parse_flags  # noqa: E402
+from async_rl.rl import build  # noqa: E402
 from async_rl.rl.checkpoint import restore_params  # noqa: E402
-from async_rl.rl.run import run_in_process  # noqa: E402
-from async_rl.rl.run_stats import (  # noqa: E402
-    HeldoutEval, longest_heldout, measure, measured_config)
-from async_rl.sft import warm_start  # noqa: E402
+from benchmarks.common.run_stats import (  # noqa: E402
+    HeldoutEval, longest_heldout, measure, measured_config, warm_params)
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_long_tail.py",
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:long_tail",
                                           "The experiment every run shares.")
 _QUICK = flags.DEFINE_bool("quick", False, "η ∈ {0, 2} and one seed.")
 _STEPS = flags.DEFINE_integer("steps", 20, "RL steps per run.")
@@ -87,7 +84,8 @@ def variant(cfg: ExperimentConfig, prox: str, eta, seed: int) -> ExperimentConfi
   """The run's config; its own evaluations shrink to one prompt (this script measures)."""
   return dataclasses.replace(
       cfg, seed=cfg.seed + seed, sft=dataclasses.replace(cfg.sft, steps=0),
-      task=dataclasses.replace(cfg.task, seed=cfg.task.seed + seed),
+      task=dataclasses.replace(cfg.task, arithmetic=dataclasses.replace(
+          cfg.task.arithmetic, seed=cfg.task.arithmetic.seed + seed)),
       eval=dataclasses.replace(cfg.eval, num_prompts=1, pass_k=1),
       ppo=dataclasses.replace(cfg.ppo, prox_logp=prox),
       staleness=dataclasses.replace(cfg.staleness, max_staleness=eta))
@@ -176,7 +174,7 @@ def run_grid(cfg: ExperimentConfig, todo: list[tuple], rows: dict, results: str)
   """Runs `todo` from one warm start, evaluating it first; appends each row to `results`."""
   task, heldout, longest = longest_heldout(cfg, _HELDOUT.value, _LONGEST.value)
   t0 = time.perf_counter()
-  params = warm_start(cfg, sharding.make_mesh(cfg.mesh), echo=lambda _: None)
+  params = warm_params(cfg, task)
   with HeldoutEval(cfg, task, params) as held_out:
 
     def evaluate(trained) -> dict:
@@ -191,8 +189,8 @@ def run_grid(cfg: ExperimentConfig, todo: list[tuple], rows: dict, results: str)
       run_cfg = variant(cfg, prox, eta, seed)
       workdir = os.path.join(_OUT_DIR.value, f"{prox}_eta{_eta_name(eta)}_seed{seed}")
       started = time.perf_counter()
-      summary = run_in_process(run_cfg, workdir, init_params=params, echo=lambda _: None,
-                               progress=False)
+      summary = build.run(run_cfg, workdir, init_params=params, echo=lambda _: None,
+                          progress=False)
       measured = measure(run_cfg, summary)
       for own_eval in ("accuracy_before", "accuracy"):  # of the run's one-prompt evaluation
         del measured[own_eval]
@@ -213,7 +211,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint at INFO
   etas = QUICK_ETAS if _QUICK.value else ETAS
   seeds = 1 if _QUICK.value else _SEEDS.value
-  cfg = measured_config(from_config_dict(_CONFIG.value), _STEPS.value)
+  cfg = measured_config(from_dict(_CONFIG.value), _STEPS.value)
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   # Every run compiles the same programs; from disk the later ones skip the compiles
   # that would otherwise land inside the throughput window (steps 2 to N).

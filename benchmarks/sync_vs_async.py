@@ -42,13 +42,14 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from async_rl import sharding, timeline  # noqa: E402
-from async_rl.config import ExperimentConfig  # noqa: E402
-from async_rl.config_dict import from_config_dict, parse_flags  # noqa: E402
-from async_rl.rl.run_stats import measure, measured_config, rl_window  # noqa: E402
-from async_rl.sft import warm_start  # noqa: E402
+from async_rl import timeline  # noqa: E402
+from async_rl.config import ExperimentConfig, from_dict, parse_flags  # noqa: E402
+from async_rl.rl import build  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402
 from async_rl.tasks import TrainStream  # noqa: E402
+from async_rl.tasks.registry import make_task  # noqa: E402
+from benchmarks.common.run_stats import (  # noqa: E402
+    measure, measured_config, rl_window, warm_params)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py",
                                           "The experiment every run shares.")
@@ -74,7 +75,7 @@ def task_lengths(cfg: ExperimentConfig, n: int = 4096) -> tuple[float, np.ndarra
   """Mean prompt tokens and the reference output lengths (solution + EOS) of the task;
   the warm-started policy writes the reference solutions' lengths (eval completion
   lengths agree within a few percent)."""
-  stream = TrainStream(cfg.task)
+  stream = TrainStream(cfg.task.arithmetic)
   prompts = [next(stream) for _ in range(n)]
   return (float(np.mean([len(p.tokens) for p in prompts])),
           np.array([len(p.target) for p in prompts]))
@@ -90,11 +91,10 @@ def run_one(name: str, cfg: ExperimentConfig, params, workdir: str):
       generation=dataclasses.replace(cfg.generation, update_mode=mode))
   quiet = dict(init_params=params, echo=lambda _: None, progress=False)
   if pinned:
-    from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
-    return cfg, run_on_ray(cfg, workdir, trainer_cpus=[int(c) for c in _TRAINER_CPUS.value],
-                           rollout_cpus=[int(c) for c in _GENERATOR_CPUS.value], **quiet)
-  from async_rl.rl.run import run_in_process  # noqa: PLC0415
-  return cfg, run_in_process(cfg, workdir, **quiet)
+    return cfg, build.run(cfg, workdir, placement="ray",
+                          trainer_cpus=[int(c) for c in _TRAINER_CPUS.value],
+                          rollout_cpus=[int(c) for c in _GENERATOR_CPUS.value], **quiet)
+  return cfg, build.run(cfg, workdir, **quiet)
 
 
 def calibrate(cfg: ExperimentConfig, summary: dict, prompt_tokens: float,
@@ -156,10 +156,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint at INFO
   steps = _STEPS.value or (30 if _QUICK.value else 120)
-  cfg = measured_config(from_config_dict(_CONFIG.value), steps)
+  cfg = measured_config(from_dict(_CONFIG.value), steps)
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   t0 = time.perf_counter()
-  params = warm_start(cfg, sharding.make_mesh(cfg.mesh), echo=lambda _: None)
+  params = warm_params(cfg, make_task(build.resolve(cfg).task))
   print(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f} s", flush=True)
   prompt_tokens, lengths = task_lengths(cfg)
   results = {}

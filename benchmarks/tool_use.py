@@ -1,6 +1,6 @@
 r"""Held-out accuracy by chain length: the calculator tool task against the single-turn task.
 
-  python -m benchmarks.tool_use --config=configs/tiny_tool.py   # with the tool
+  python -m benchmarks.tool_use --config=configs/tiny.py:tool   # with the tool
   python -m benchmarks.tool_use --config=configs/tiny.py        # the quick start
 
 Runs --config as the quick start does (the task's warm start, then RL in process with
@@ -21,18 +21,16 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import sharding
-from async_rl.config_dict import from_config_dict, parse_flags
+from async_rl.config import from_dict, parse_flags
 from async_rl.generation import GeneratorPool
+from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
-from async_rl.rl.components import make_engine
 from async_rl.rl.evaluate import evaluate
-from async_rl.rl.run import run_in_process
-from async_rl.sft import warm_start
 from async_rl.tasks import heldout_set, verify
 from async_rl.tasks.registry import make_task
+from benchmarks.common.run_stats import warm_params
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_tool.py", "The experiment.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:tool", "The experiment.")
 _PER_LENGTH = flags.DEFINE_integer("per_length", 50, "Distinct held-out problems per length.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: a new one).")
 
@@ -50,7 +48,7 @@ def distinct_heldout(task_cfg, num_terms: int, n: int) -> list:
 
 
 def accuracy(cfg, task, params, prompts) -> float:
-  with GeneratorPool(make_engine(cfg), params) as pool:
+  with GeneratorPool(build.make_engine(cfg), params) as pool:
     return evaluate(pool, prompts, score=lambda pairs: [verify(t, p.problem) for p, t in pairs],
                     decode=task.tokenizer.decode, max_new_tokens=cfg.generation.max_new_tokens,
                     stop_token_ids=task.tokenizer.stop_ids, pass_k=1, seed=cfg.seed,
@@ -60,30 +58,31 @@ def accuracy(cfg, task, params, prompts) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  cfg = from_config_dict(_CONFIG.value)
-  task = make_task(cfg)
+  cfg = build.resolve(from_dict(_CONFIG.value))
+  task = make_task(cfg.task)
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="async_rl_tool_use_")
   t0 = time.perf_counter()
-  warm = warm_start(cfg, sharding.make_mesh(cfg.mesh), task=task, echo=lambda _: None)
+  warm = warm_params(cfg, task)
   t_sft = time.perf_counter()
-  summary = run_in_process(cfg, workdir, init_params=warm, task=task, progress=False,
-                           echo=lambda _: None)
+  summary = build.run(cfg, workdir, init_params=warm, task=task, progress=False,
+                      echo=lambda _: None)
   t_rl = time.perf_counter()
   final = restore_params(os.path.join(workdir, "checkpoints"), cfg.model)
   rows = []
-  for k in range(cfg.task.min_terms, cfg.task.max_terms + 1):
-    prompts = distinct_heldout(cfg.task, k, _PER_LENGTH.value)
+  arithmetic = cfg.task.arithmetic
+  for k in range(arithmetic.min_terms, arithmetic.max_terms + 1):
+    prompts = distinct_heldout(arithmetic, k, _PER_LENGTH.value)
     rows.append({"terms": k, "problems": len(prompts),
                  "warm_start": accuracy(cfg, task, warm, prompts),
                  "after_rl": accuracy(cfg, task, final, prompts)})
-  print(f"{cfg.task_kind}: {cfg.num_steps} RL steps x {cfg.batch_groups} prompts x "
+  print(f"{cfg.task.name}: {cfg.num_steps} RL steps x {cfg.batch_groups} prompts x "
         f"{cfg.generation.group_size} samples after {cfg.sft.steps} warm-start steps")
   print("| operands | problems | warm start | after RL |\n|---|---|---|---|")
   for r in rows:
     print(f"| {r['terms']} | {r['problems']} | {100 * r['warm_start']:.1f}% | "
           f"{100 * r['after_rl']:.1f}% |")
   print(json.dumps({
-      "task_kind": cfg.task_kind, "rl_steps": cfg.num_steps, "sft_steps": cfg.sft.steps,
+      "task": cfg.task.name, "rl_steps": cfg.num_steps, "sft_steps": cfg.sft.steps,
       "samples": cfg.num_steps * cfg.batch_groups * cfg.generation.group_size,
       "eval_before": summary["eval_before"]["accuracy"],
       "eval_after": summary["eval_after"]["accuracy"],

@@ -29,9 +29,9 @@ cheaper and runs fewer micro-batches. AReaL reports about +30% for dynamic
 micro-batching against a baseline that packs without padding; the padded baseline
 here wastes more, so expect a larger ratio.
 
-Part 3 is the fixed workload of issue 16: a Qwen2-shaped model (vocab 256, d_model
-128, 4 layers, 4 query / 2 KV heads, head_dim 32, MLP 512, q/k/v bias, tied
-embeddings, float32, RoPE theta 1e6), 64 sequences of 16 prompt + 64 completion
+Part 3 is the fixed GRPO workload (`benchmarks/grpo_step.py`): a Qwen2-shaped model
+(vocab 256, d_model 128, 4 layers, 4 query / 2 KV heads, head_dim 32, MLP 512, q/k/v
+bias, tied embeddings, float32, RoPE theta 1e6), 64 sequences of 16 prompt + 64 completion
 tokens, packed as its trainer packs them (1024 tokens per micro-batch, rows of 80:
 [8, 11, 80]), naive PPO (so no proximal recompute), the fused step on one thread.
 Its FLOP floor is the model FLOPs at the matmul peak.
@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from async_rl import batching, loss, models, sharding, train_step
-from async_rl.config import BatchingConfig, MeshConfig, OptimizerConfig
+from async_rl import batching, loss, sharding, train_step
+from async_rl.config import BatchingConfig, MeshConfig, ModelConfig, OptimizerConfig, model_preset
 from async_rl.models import flops
 from async_rl.trajectory import Trajectory
 
@@ -75,7 +75,7 @@ MAX_SEQ_LEN = 1024
 MB_TOKENS = 1024
 LENGTH_MEDIAN, LENGTH_SIGMA, MIN_LEN = 160, 1.0, 16
 MATMUL = 1024
-WORKLOAD_MODEL = models.ModelConfig(
+WORKLOAD_MODEL = ModelConfig(
     vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512,
     qkv_bias=True, tie_embeddings=True, rope_theta=1e6, max_seq_len=MAX_SEQ_LEN)
 WORKLOAD_SEQS, WORKLOAD_PROMPT, WORKLOAD_COMPLETION = 64, 16, 64
@@ -175,13 +175,12 @@ def timed_rounds(fns, steps):
 class Bench:
   """A 1-device train state and the jitted step and recompute for one model."""
 
-  def __init__(self, cfg: models.ModelConfig, seed: int):
+  def __init__(self, cfg: ModelConfig, seed: int):
     self.cfg = cfg
     self.mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
     tx = train_step.make_optimizer(OptimizerConfig())
-    self.state = train_step.create_train_state(cfg, tx, self.mesh, jax.random.key(seed))
-    shardings = train_step.train_state_shardings(jax.eval_shape(lambda: self.state),
-                                                 self.mesh)
+    self.state, shardings = train_step.create_train_state(cfg, tx, self.mesh,
+                                                          jax.random.key(seed))
     self.step = train_step.jit_train_step(
         self.mesh, shardings, model_cfg=cfg, loss_fn=loss.make_loss("decoupled_ppo", eps_clip=0.2))
     self.recompute = train_step.jit_recompute_logp(self.mesh, shardings.params,
@@ -220,7 +219,7 @@ def counts(cfg, batch):
 
 
 def bench_preset(name, tokens, steps, rng, seed):
-  cfg = models.preset(name, vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
+  cfg = model_preset(name, vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
   bench = Bench(cfg, seed)
   host = pack(cfg, *sequences_of(rng, tokens))
   batch = bench.prepare(host)
@@ -242,7 +241,7 @@ def bench_preset(name, tokens, steps, rng, seed):
 def bench_ffd(n, rows, steps, rng, seed):
   if n % rows:
     raise ValueError(f"ffd sequence count {n} must be a multiple of rows per mb {rows}")
-  cfg = models.preset("tiny", vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
+  cfg = model_preset("tiny", vocab_size=VOCAB, max_seq_len=MAX_SEQ_LEN)
   seqs, adv_N = make_sequences(rng, lognormal_lengths(rng, n))
   longest = max(len(s) for s in seqs)
   batches = {
@@ -315,7 +314,7 @@ def main(argv):
   print(f"dynamic / fixed trained tokens/s: {ratio:.2f}x (AReaL reports about 1.3x against "
         "an unpadded equal-count baseline)")
 
-  print(f"\nissue-16 workload train step ({WORKLOAD_SEQS} x {WORKLOAD_PROMPT}+"
+  print(f"\nGRPO workload train step ({WORKLOAD_SEQS} x {WORKLOAD_PROMPT}+"
         f"{WORKLOAD_COMPLETION} tokens, naive PPO): batch {work['shape']}, padding "
         f"{work['padding']:.1%}, {work['step_s']:.3f} s; FLOP floor {work['floor_s']:.3f} s "
         f"({work['model'] / 1e9:.1f} GFLOP); step / floor {work['floor_ratio']:.2f}x; "

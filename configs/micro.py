@@ -5,11 +5,11 @@
 It does not learn anything useful; it exercises every component quickly.
 """
 
-from async_rl.config_dict import default_config_dict
+from async_rl.config import config_dict
 
 
 def get_config():
-  c = default_config_dict()
+  c = config_dict()
   c.batch_groups = 2
   c.num_steps = 4
   c.model.update(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
@@ -19,5 +19,5 @@ def get_config():
   c.staleness.update(max_staleness=1, max_concurrent=8)
   c.eval.update(num_prompts=4, pass_k=2)
   c.checkpoint.every_steps = 1
-  c.task.max_terms = 3
+  c.task.arithmetic.max_terms = 3
   return c

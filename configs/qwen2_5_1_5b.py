@@ -37,24 +37,23 @@ weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` 
 (README, "Training a Qwen model from a local checkpoint"):
 
   python -m launch.train --config=configs/qwen2_5_1_5b.py --workdir=/tmp/q15 \
-      --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task_kind=math \
-      --config.rollout.reward_fn=math --config.math.train_path=/data/gsm8k/train.jsonl \
-      --config.math.heldout_path=/data/gsm8k/test.jsonl
+      --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task.name=math \
+      --config.rollout.reward_fn=math --config.task.math.train_path=/data/gsm8k/train.jsonl \
+      --config.task.math.heldout_path=/data/gsm8k/test.jsonl
   python -m launch.export_hf --workdir=/tmp/q15 --out=/tmp/q15_hf
 
 The architecture then comes from the directory's config.json. The shapes (256 prompt
 + 768 new tokens) and the group settings are those for GSM8K.
 """
 
-from async_rl.config_dict import default_config_dict
-from async_rl.models import PRESETS
+from async_rl.config import MODEL_PRESETS, config_dict
 
 
 def get_config():
-  c = default_config_dict()
+  c = config_dict()
   c.batch_groups = 32
   c.num_steps = 200
-  c.model.update(PRESETS["qwen2.5-1.5b"])
+  c.model.update(MODEL_PRESETS["qwen2.5-1.5b"])
   c.model.max_seq_len = 1024
   # Keep the MLP's gate projection and the mid-layer residual through remat: 7.7 GiB
   # at 16384 tokens (16-bit) for 0.1x of the model FLOPs (module docstring).

@@ -35,24 +35,23 @@ weights on the arithmetic task (character tokenizer). From a local checkpoint on
 GSM8K/MATH-style JSONL files (README, "Training a Qwen model from a local checkpoint"):
 
   python -m launch.train --config=configs/qwen2_5_7b.py --workdir=/tmp/q7 \
-      --config.hf_model_dir=/models/Qwen2.5-7B-Instruct --config.task_kind=math \
-      --config.rollout.reward_fn=math --config.math.train_path=/data/gsm8k/train.jsonl \
-      --config.math.heldout_path=/data/gsm8k/test.jsonl
+      --config.hf_model_dir=/models/Qwen2.5-7B-Instruct --config.task.name=math \
+      --config.rollout.reward_fn=math --config.task.math.train_path=/data/gsm8k/train.jsonl \
+      --config.task.math.heldout_path=/data/gsm8k/test.jsonl
   python -m launch.export_hf --workdir=/tmp/q7 --out=/tmp/q7_hf
 
 The architecture then comes from the directory's config.json. The shapes (256 prompt
 + 768 new tokens) and the group settings are those for GSM8K.
 """
 
-from async_rl.config_dict import default_config_dict
-from async_rl.models import PRESETS
+from async_rl.config import MODEL_PRESETS, config_dict
 
 
 def get_config():
-  c = default_config_dict()
+  c = config_dict()
   c.batch_groups = 32
   c.num_steps = 200
-  c.model.update(PRESETS["qwen2.5-7b"])
+  c.model.update(MODEL_PRESETS["qwen2.5-7b"])
   c.model.max_seq_len = 1024
   c.optimizer.learning_rate = 1e-6
   c.optimizer.warmup_steps = 10

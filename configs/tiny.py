@@ -6,19 +6,29 @@ A supervised warm start (100 steps), then asynchronous RL (η = 2, retract updat
 400 steps of 32 prompts x 8 samples), with held-out evaluation every 100 steps.
 RL trains on the shaped reward `arithmetic_steps` (credit for each correct leading
 step; `tasks.arithmetic.step_credit`); held-out accuracy still counts only fully
-correct worked solutions. About 4.5 to 21 minutes on a 2-core CPU, by VM; see the
-README for the measured times and accuracies.
+correct worked solutions. BENCHMARKS.md ("The quick start") has its time and
+accuracies.
+
+Variants, named after the file (`--config=configs/tiny.py:tool`):
+
+  tool       the same problems with a calculator tool, over several turns
+             (`task.name="arithmetic_tool"`): the policy writes each call (`7+2=`) and
+             the answer line, the calculator each result.
+  long_tail  problems of up to 24 operands instead of 8: solutions of up to 187
+             tokens (median about 15), the tail that stalls synchronous RL
+             (`python -m benchmarks.sync_vs_async --config=configs/tiny.py:long_tail`).
 """
 
-from async_rl.config_dict import default_config_dict
-from async_rl.models import PRESETS
+from async_rl.config import MODEL_PRESETS, config_dict
+
+VARIANTS = ("tool", "long_tail")
 
 
-def get_config():
-  c = default_config_dict()
+def get_config(variant=None):
+  c = config_dict()
   c.batch_groups = 32
   c.num_steps = 400
-  c.model.update(PRESETS["tiny"])
+  c.model.update(MODEL_PRESETS["tiny"])
   c.model.vocab_size = 32
   c.model.max_seq_len = 96
   c.optimizer.learning_rate = 1e-4
@@ -28,9 +38,8 @@ def get_config():
   c.generation.max_prompt_len = 32
   c.generation.max_new_tokens = 64
   c.generation.group_size = 8
-  # A CPU decode step costs more per slot as slots are added (BENCHMARKS.md, sync vs
-  # async by slot count): with 16 slots instead of 64 the quick start took 6.5 minutes
-  # instead of 8.
+  # A CPU decode step costs more per slot as slots are added; 16 slots keep the
+  # generator fastest on a 2-core CPU.
   c.generation.num_slots = 16
   c.staleness.max_staleness = 2
   c.staleness.max_concurrent = 96
@@ -38,4 +47,14 @@ def get_config():
   c.eval.every_steps = 100
   c.sft.steps = 100
   c.checkpoint.every_steps = 50
+  if variant == "tool":
+    c.task.name = "arithmetic_tool"
+  elif variant == "long_tail":
+    c.task.arithmetic.max_terms = 24
+    c.model.max_seq_len = 256
+    c.generation.max_prompt_len = 56
+    c.generation.max_new_tokens = 192
+    c.generation.num_slots = 64
+  elif variant is not None:
+    raise ValueError(f"configs/tiny.py has variants {VARIANTS}, got {variant!r}")
   return c

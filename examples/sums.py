@@ -1,8 +1,8 @@
 """A user's own task: two-digit sums read from JSONL files, scored by a Python function.
 
 Each line of a file is one example, `{"prompt": "12+47=", "answer": "59"}`. The run
-names the factory below (`task_kind="examples.sums:make_task"`) and passes the files
-in `task_options`; nothing in the library is edited.
+names the factory below (`task.name="examples.sums:make_task"`) and passes the files
+in `task.options`; nothing in the library is edited.
 """
 
 import json
@@ -23,8 +23,9 @@ def _examples(path: str, tokenizer: CharTokenizer) -> list[Example]:
 
 
 def make_task(cfg) -> ListTask:
-  """The task of a run: its files are `cfg.task_options["train"]` and `["heldout"]`."""
+  """The task of a run (`cfg` is its task section): the files are
+  `cfg.options["train"]` and `["heldout"]`."""
   tokenizer = CharTokenizer()  # digits, + - * = ( ) #, space and newline
-  return ListTask(train=_examples(cfg.task_options["train"], tokenizer),
-                  heldout_examples=_examples(cfg.task_options["heldout"], tokenizer),
-                  tokenizer=tokenizer, reward_fn=exact_answer, seed=cfg.seed)
+  return ListTask(train=_examples(cfg.options["train"], tokenizer),
+                  heldout_examples=_examples(cfg.options["heldout"], tokenizer),
+                  tokenizer=tokenizer, reward_fn=exact_answer)

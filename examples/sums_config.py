@@ -5,13 +5,13 @@
 Two RL steps do not teach it to add; the run shows the pieces working together.
 """
 
-from async_rl.config_dict import default_config_dict
+from async_rl.config import config_dict
 
 
 def get_config():
-  c = default_config_dict()
-  c.task_kind = "examples.sums:make_task"
-  c.task_options = {"train": "examples/sums_train.jsonl",
+  c = config_dict()
+  c.task.name = "examples.sums:make_task"
+  c.task.options = {"train": "examples/sums_train.jsonl",
                     "heldout": "examples/sums_heldout.jsonl"}
   c.num_steps = 2
   c.batch_groups = 2

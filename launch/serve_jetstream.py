@@ -15,9 +15,9 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config_dict import from_config_dict, parse_flags
+from async_rl import config
 from async_rl.generation import SamplingParams
-from async_rl.generation import jetstream_adapter
+from async_rl.rl import build, export
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's experiment config file.",
                                           lock_config=True)
@@ -35,8 +35,8 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
-  cfg = from_config_dict(_CONFIG.value)
-  completions = jetstream_adapter.serve_checkpoint(
+  cfg = build.resolve(config.from_dict(_CONFIG.value))
+  completions = export.serve_checkpoint(
       cfg, os.path.join(_WORKDIR.value, "checkpoints"), _PROMPTS.value,
       max_tokens=_MAX_TOKENS.value, step=_STEP.value,
       sampling=SamplingParams(temperature=_TEMPERATURE.value, seed=_SEED.value))
@@ -45,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=config.parse_flags)

@@ -16,14 +16,13 @@ import threading
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config_dict import from_config_dict, parse_flags
-from async_rl.rl import launch
-from async_rl.rl.errors import RunError
+from async_rl import config
+from async_rl.rl.errors import ConfigError, RunError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
-_PLACEMENT = flags.DEFINE_enum("placement", "in_process", launch.PLACEMENTS,
+_PLACEMENT = flags.DEFINE_enum("placement", "in_process", config.PLACEMENTS,
                                "Where the components run.")
 _RAY_ADDRESS = flags.DEFINE_string("ray_address", None,
                                    "An existing Ray cluster (default: start a local one).")
@@ -40,7 +39,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
   try:
-    cfg = from_config_dict(_CONFIG.value)
+    cfg = config.from_dict(_CONFIG.value)
   except ValueError as e:
     raise app.UsageError(f"invalid config: {e}") from None
   if _COORDINATOR.value:
@@ -50,13 +49,16 @@ def main(argv):
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
+  from async_rl.rl import build  # noqa: PLC0415 (after jax.distributed, which must come first)
+  ray = {"address": _RAY_ADDRESS.value} if _PLACEMENT.value == "ray" else {}
   try:
-    summary = launch.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop,
-                         ray_address=_RAY_ADDRESS.value)
+    summary = build.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop, **ray)
+  except ConfigError as e:
+    raise app.UsageError(f"invalid config: {e}") from None
   except RunError as e:
     sys.exit(f"train: the run stopped: {e}")
   logging.info("done: %s", summary)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=config.parse_flags)

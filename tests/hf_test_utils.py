@@ -4,13 +4,15 @@ torch, transformers and tokenizers are imported where used: each test module ski
 itself first when the one it needs is missing.
 """
 
+import functools
 import json
 
 import jax
 import numpy as np
 
-from async_rl import models
-from async_rl.models import hf
+from async_rl import models, sharding
+from async_rl.config import ModelConfig
+from async_rl.models import hf, hf_config
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -69,7 +71,7 @@ def save_tokenizer(model_dir, specials=SPECIALS, corpus=CORPUS):
   return tok
 
 
-def write_model_dir(model_dir, cfg: models.ModelConfig, corpus=CORPUS, seed=0):
+def write_model_dir(model_dir, cfg: ModelConfig, corpus=CORPUS, seed=0):
   """A Hugging Face directory made without torch: random params of `cfg` (`save_hf`)
   and a word-level tokenizer over `corpus` whose EOS is <|im_end|>; returns the
   Tokenizer."""
@@ -82,3 +84,14 @@ def write_model_dir(model_dir, cfg: models.ModelConfig, corpus=CORPUS, seed=0):
 def write_jsonl(path, rows):
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   return str(path)
+
+
+def load_hf(model_dir, mesh=None, dtype=None):
+  """(config, params) of a Hugging Face directory, as the builder loads them: the
+  architecture from its config.json, the weights onto `mesh`'s param shardings."""
+  cfg = ModelConfig(**hf_config.read_config(str(model_dir), dtype=dtype))
+  shardings = None
+  if mesh is not None:
+    abstract = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
+    shardings = sharding.param_shardings(abstract, mesh)
+  return cfg, hf.load_hf(str(model_dir), cfg, shardings=shardings)

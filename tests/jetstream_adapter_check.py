@@ -10,14 +10,14 @@ import json
 import jax
 
 from async_rl import models
-from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
-from async_rl.generation import jetstream_adapter
+from async_rl.config import ModelConfig
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, jetstream_adapter
 from async_rl.tasks import CharTokenizer
 
 from jetstream.engine import engine_api, tokenizer_api  # pylint: disable=g-bad-import-order
 
-CFG = models.ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, d_ff=64)
+CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  head_dim=8, d_ff=64)
 PROMPTS = ["1+2=", "34*5=", "7", "(8-9)*3=", "12+", "99=", "6 ", "0\n"]
 MAX_TOKENS = 12
 
@@ -48,7 +48,7 @@ def main():
                for i, p in enumerate(token_prompts)]
     expected = [f.result(timeout=120)[0].completion_C.tolist() for f in futures]
 
-  adapter = jetstream_adapter.JetStreamEngine(engine, params)
+  adapter = jetstream_adapter.JetStreamEngine(engine, params, tokenizer=tokenizer)
   with jetstream_adapter.JetStreamServer(adapter) as server:
     text_out = server.complete(PROMPTS, max_tokens=MAX_TOKENS)
     token_out = server.complete(token_prompts, max_tokens=MAX_TOKENS)

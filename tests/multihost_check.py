@@ -24,7 +24,7 @@ if int(NUM_PROCESSES) > 1:
                              process_id=int(PROCESS_ID))
 
 from async_rl import sharding  # noqa: E402
-from async_rl.rl.trainer import Trainer  # noqa: E402
+from async_rl.rl import build  # noqa: E402
 from async_rl.trajectory import Group, Trajectory  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
 
@@ -52,7 +52,7 @@ def main():
   cfg = small_config(**{"batching.max_tokens_per_mb": 48, "optimizer.eps": 1.0,
                         "optimizer.learning_rate": 1e-2})
   mesh = sharding.make_mesh(cfg.mesh)
-  trainer = Trainer(cfg, mesh)
+  trainer = build.make_trainer(cfg, mesh)
   losses = [trainer.train(_groups(cfg, step))["loss"] for step in range(STEPS)]
   params = trainer.host_params()
   if jax.process_index() == 0:

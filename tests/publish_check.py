@@ -21,14 +21,14 @@ from async_rl import sharding  # noqa: E402
 from async_rl.config import MeshConfig  # noqa: E402
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
 from async_rl.param_server import ParameterServer  # noqa: E402
-from async_rl.rl.trainer import Trainer  # noqa: E402
+from async_rl.rl import build  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
 
 
 def main():
   cfg = small_config()
   devices = jax.devices()
-  trainer = Trainer(cfg, sharding.make_mesh(MeshConfig(data=3, fsdp=2), devices[:6]))
+  trainer = build.make_trainer(cfg, sharding.make_mesh(MeshConfig(data=3, fsdp=2), devices[:6]))
   generator_mesh = Mesh(np.array(devices[6:]).reshape(2, 1, 1), sharding.AXES)
   g = cfg.generation
   engine = Engine(cfg.model, max_concurrent_decodes=2, max_prefill_length=g.max_prompt_len,
@@ -48,14 +48,14 @@ def main():
     split = sharding.reshard(params, sharding.param_shardings(params, tensor_mesh))
   trained = jax.device_get(trainer.state.params)
   # The pool keeps the engine's serving layout: one dict per layer.
-  live = jax.device_get(pool._params)
+  live = jax.device_get(pool._scheduler.params)
   live = dict(live, layers=jax.tree.map(lambda *ls: np.stack(ls), *live["layers"]))
   sample = pool.submit(Request("r", [1, 2, 3], sampling=SamplingParams(
       max_new_tokens=4, seed=0))).result(timeout=60)[0]
   pool.shutdown()
   print(json.dumps({
       "trainer_devices": sorted(d.id for d in trainer.state.params["embed"].devices()),
-      "generator_devices": sorted({d.id for x in jax.tree.leaves(pool._params)
+      "generator_devices": sorted({d.id for x in jax.tree.leaves(pool._scheduler.params)
                                    for d in x.devices()}),
       "published_on_devices": all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)),
       "equal": all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained),

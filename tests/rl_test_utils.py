@@ -1,11 +1,14 @@
-"""The micro experiment config (configs/micro.py) with overrides, for loop tests."""
+"""The micro experiment config (configs/micro.py) with overrides, and a run's parts built
+as `rl.build.run` builds them, for loop tests."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-from async_rl.config_dict import from_config_dict
-from async_rl.rl.run_stats import prompt_accounting
+from async_rl.config import from_dict
+from async_rl.rl import build
+from async_rl.tasks.registry import make_task
+from benchmarks.common.run_stats import prompt_accounting
 
 MICRO = Path(__file__).parents[1] / "configs" / "micro.py"
 
@@ -17,10 +20,22 @@ def small_config(**overrides):
   c = module.get_config()
   c.num_steps = 3
   for key, value in overrides.items():
-    section, _, field = key.rpartition(".")
-    (c[section] if section else c)[field] = value
-  return from_config_dict(c)
+    *sections, field = key.split(".")
+    node = c
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return from_dict(c)
 
+
+def run_parts(cfg, workdir, server, **loop_kw):
+  """The train loop and rollout worker 0 of `cfg` on `server`, sharing one engine as
+  `build.run` does (not started: `loop.run([worker])`)."""
+  cfg = build.resolve(cfg)
+  task = make_task(cfg.task)
+  engine = build.make_engine(cfg)
+  loop = build.train_loop(cfg, str(workdir), server, task=task, engine=engine, **loop_kw)
+  return loop, build.rollout_worker(cfg, server, task=task, engine=engine)
 
 
 def checkpoint_meta(workdir, step=None):

@@ -15,12 +15,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from async_rl import batching, loss, models, sharding, train_step  # noqa: E402
-from async_rl.config import MeshConfig  # noqa: E402
+from async_rl import batching, loss, sharding, train_step  # noqa: E402
+from async_rl.config import MeshConfig, ModelConfig  # noqa: E402
 from async_rl.trajectory import Trajectory  # noqa: E402
 
-CFG = models.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, d_ff=64)
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  head_dim=8, d_ff=64)
 LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2)
 
 
@@ -40,8 +40,7 @@ def _update(mesh_cfg, devices):
   mesh = sharding.make_mesh(mesh_cfg, devices)
   R = sharding.num_batch_shards(mesh)
   tx = optax.sgd(1.0)
-  state = train_step.create_train_state(CFG, tx, mesh, jax.random.key(0))
-  shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
+  state, shardings = train_step.create_train_state(CFG, tx, mesh, jax.random.key(0))
   batch = _batch(8)
   assert batch.tokens.shape[1] % R == 0
   prox = train_step.jit_recompute_logp(mesh, shardings.params, model_cfg=CFG)(

@@ -100,9 +100,9 @@ def test_memory_counts_a_bf16_step_with_16_bit_buffers_and_what_remat_saves():
 
 
 def test_tool_use_scores_each_chain_length_through_the_workflow():
-  stdout, summary = _run("benchmarks.tool_use", "--config.task_kind=arithmetic_tool",
+  stdout, summary = _run("benchmarks.tool_use", "--config.task.name=arithmetic_tool",
                          "--config.sft.steps=2", "--config.num_steps=2", "--per_length=2")
-  assert summary["task_kind"] == "arithmetic_tool" and summary["rl_steps"] == 2
+  assert summary["task"] == "arithmetic_tool" and summary["rl_steps"] == 2
   assert [r["terms"] for r in summary["by_length"]] == [2, 3]  # micro: task.max_terms = 3
   assert all(r["problems"] == 2 and 0 <= r["after_rl"] <= 1 for r in summary["by_length"])
   assert "| operands |" in stdout

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_rl.config_dict import from_config_dict
+from async_rl.config import CodeConfig, from_dict
 from async_rl.rewards import code_tests_reward, isolation
-from async_rl.rl.run import run_in_process
-from async_rl.tasks.code_task import CodeTask, CodeTaskConfig, make_program
+from async_rl.rl import build
+from async_rl.tasks.code_task import CodeTask, make_program
 from rl_test_utils import small_config
 
-TASK = CodeTask(CodeTaskConfig(max_ops=3))
+TASK = CodeTask(CodeConfig(max_ops=3))
 
 
 def test_expressions_mean_what_their_tests_say():
@@ -55,20 +55,20 @@ def test_splits_are_disjoint_and_streams_resume():
 
 def test_code_config_is_checked():
   with pytest.raises(ValueError, match="model.vocab_size must hold the code task's 99"):
-    from_config_dict({"task_kind": "code", "model": {"vocab_size": 64}})
+    build.check(from_dict({"task": {"name": "code"}, "model": {"vocab_size": 64}}))
   with pytest.raises(ValueError, match="code.max_ops"):
-    from_config_dict({"code": {"min_ops": 3, "max_ops": 2}})
+    from_dict({"task": {"code": {"min_ops": 3, "max_ops": 2}}})
 
 
 def test_a_short_code_run_scores_every_sample_in_the_sandbox(tmp_path):
   if isolation().missing:
     pytest.skip(f"no full sandbox here: {isolation().missing}")
-  cfg = small_config(**{"task_kind": "code", "num_steps": 2, "model.vocab_size": 128,
+  cfg = small_config(**{"task.name": "code", "num_steps": 2, "model.vocab_size": 128,
                         "model.max_seq_len": 96, "generation.max_prompt_len": 32,
                         "generation.max_new_tokens": 48, "batching.max_tokens_per_mb": 96,
                         "sft.steps": 2, "sft.batch_size": 4, "eval.num_prompts": 2,
-                        "code.max_ops": 1, "code.num_tests": 2})
-  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+                        "task.code.max_ops": 1, "task.code.num_tests": 2})
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
   steps = [json.loads(l) for l in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
            if "eval" not in json.loads(l)]

@@ -5,29 +5,32 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import config as config_lib, config_dict
-from async_rl.config import ExperimentConfig, MeshConfig
-from async_rl.config_dict import from_config_dict
+from async_rl import config as config_lib, generation
+from async_rl.config import ExperimentConfig, MeshConfig, from_dict
+from async_rl.rl import build
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.py"))
 
 
-def _load(path):
+def _module(path):
   spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_every_config_file_converts(path):
-  cfg = from_config_dict(_load(path))
-  assert isinstance(cfg, ExperimentConfig)
-  assert config_dict.to_dict(cfg)["model"]["vocab_size"] == cfg.model.vocab_size
+def test_every_config_file_and_variant_converts(path):
+  module = _module(path)
+  for variant in (None, *getattr(module, "VARIANTS", ())):
+    cfg = from_dict(module.get_config(*[variant] if variant else []))
+    assert isinstance(cfg, ExperimentConfig)
+    assert config_lib.to_dict(cfg)["model"]["vocab_size"] == cfg.model.vocab_size
+    build.check(cfg)
 
 
 def test_conversion_types_and_defaults():
-  cfg = from_config_dict({"ppo": {"eps_clip": 1, "c_clip": None}, "batching": {
+  cfg = from_dict({"ppo": {"eps_clip": 1, "c_clip": None}, "batching": {
       "max_tokens_per_mb": 512, "row_buckets": [128, 512]}})
   assert cfg.ppo.eps_clip == 1.0 and isinstance(cfg.ppo.eps_clip, float)
   assert cfg.batching.row_buckets == (128, 512)
@@ -40,17 +43,14 @@ def test_conversion_types_and_defaults():
     ({"ppo": {"eps_clip": -0.1}}, "ppo.eps_clip"),
     ({"ppo": {"c_clip": 0.5}}, "ppo.c_clip"),
     ({"ppo": {"loss": "ppo2"}}, "ppo.loss"),
-    ({"ppo": {"loss": "naive_ppo"}},
-     "ppo.loss='naive_ppo' was removed: write ppo.prox_logp='behav'"),
-    ({"ppo": {"behav_imp_weight_cap": 5.0}},
-     "ppo.behav_imp_weight_cap was removed: write ppo.rejection_upper"),
+    ({"ppo": {"loss": "naive_ppo"}}, "ppo.loss"),
+    ({"ppo": {"behav_imp_weight_cap": 5.0}}, "ppo.behav_imp_weight_cap"),
     ({"ppo": {"prox_logp": "fresh"}}, "ppo.prox_logp"),
     ({"ppo": {"rejection_upper": 1.0}}, "ppo.rejection_upper"),
     ({"ppo": {"rejection_action": "clamp", "rejection_metric": "kl_k1"}},
      "ppo.rejection_metric"),
     ({"staleness": {"max_staleness": -1}}, "staleness.max_staleness"),
-    ({"staleness": {"admit_stale": True}},
-     "staleness.admit_stale was removed: write staleness.on_stale='admit'"),
+    ({"staleness": {"admit_stale": True}}, "staleness.admit_stale"),
     ({"staleness": {"on_stale": "mask"}}, "staleness.on_stale must be one of"),
     ({"run": {"warn_after_s": 30.0, "stall_timeout_s": 20.0}}, "run.stall_timeout_s"),
     ({"run": {"max_worker_restarts": -1}}, "run.max_worker_restarts"),
@@ -59,9 +59,8 @@ def test_conversion_types_and_defaults():
     ({"batching": {"reuse_slack": -0.5}}, "batching.reuse_slack"),
     ({"batching": {"reuse_slack": float("nan")}}, "batching.reuse_slack"),
     ({"generation": {"top_p": 0.0}}, "generation.top_p"),
-    ({"generation": {"num_slots": 6, "decode_threads": 4}}, "generation.decode_threads"),
-    ({"generation": {"decode_threads": -1}}, "generation.decode_threads"),
-    ({"train": {"grad_threads": -1}}, "train.grad_threads"),
+    ({"cpu": {"decode_threads": -1}}, "cpu.decode_threads"),
+    ({"cpu": {"grad_threads": -1}}, "cpu.grad_threads"),
     ({"generation": {"update_mode": "swap"}}, "generation.update_mode"),
     ({"advantage": {"std_level": "prompt"}}, "advantage.std_level"),
     ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads"),
@@ -72,22 +71,22 @@ def test_conversion_types_and_defaults():
       "batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
     ({"optimizer": {"learning_rate": "fast"}}, "optimizer.learning_rate"),
     ({"num_steps": True}, "num_steps"),
-    ({"multi_turn": {"max_turns": 0}}, "multi_turn.max_turns"),
-    ({"task_options": {"path": {1, 2}}}, "task_options"),
+    ({"task": {"max_turns": 0}}, "task.max_turns"),
+    ({"task": {"options": {"path": {1, 2}}}}, "task.options"),
 ])
 def test_invalid_values_name_the_field(values, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-    from_config_dict(values)
+    build.check(from_dict(values))
 
 
 def test_task_options_are_free_form_plain_data_and_round_trip():
   options = {"train": "a.jsonl", "sizes": [1, 2], "nested": {"k": None}}
-  cd = config_dict.default_config_dict()
-  cd.task_options = options
-  cfg = from_config_dict(cd)
-  assert cfg.task_options == options
-  assert config_dict.to_dict(cfg)["task_options"] == options
-  assert from_config_dict({}).task_options == {} and from_config_dict({}).rollout.reward_fn is None
+  cd = config_lib.config_dict()
+  cd.task.options = options
+  cfg = from_dict(cd)
+  assert cfg.task.options == options
+  assert config_lib.to_dict(cfg)["task"]["options"] == options
+  assert from_dict({}).task.options == {} and from_dict({}).rollout.reward_fn is None
 
 
 def test_mesh_axes_must_multiply_to_device_count():
@@ -99,3 +98,8 @@ def test_mesh_axes_must_multiply_to_device_count():
     MeshConfig(data=3, fsdp=-1, tensor=1).axis_sizes(8)
   with pytest.raises(ValueError, match="at most one axis"):
     MeshConfig(data=-1, fsdp=-1)
+
+
+def test_the_pools_update_modes_are_the_configs():
+  # The generator pool (which imports nothing from the config) keeps its own tuple.
+  assert generation.UPDATE_MODES == config_lib.UPDATE_MODES

@@ -12,11 +12,8 @@ import pytest
 
 from async_rl.param_server import ParameterServer
 from async_rl.rl.deadlines import Deadlines
-from async_rl.rl.components import make_engine
 from async_rl.rl.errors import RolloutWorkerError, StallError
-from async_rl.rl.rollout_worker import RolloutWorker
-from async_rl.rl.trainer_loop import TrainerLoop
-from rl_test_utils import checkpoint_meta, small_config
+from rl_test_utils import checkpoint_meta, run_parts, small_config
 
 
 def _deadlines(lines):
@@ -113,10 +110,7 @@ _STALL_S = 15.0
 def _run(tmp_path, cfg, inject):
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   lines = []
-  engine = make_engine(cfg)  # shared, as `run_in_process` does
-  loop = TrainerLoop(cfg, str(tmp_path), server, echo=lines.append, progress=False,
-                     engine=engine)
-  worker = RolloutWorker(cfg, server, engine=engine)
+  loop, worker = run_parts(cfg, tmp_path, server, echo=lines.append, progress=False)
   release = threading.Event()
   inject(worker, release)
   try:
@@ -143,7 +137,8 @@ class _HangingEngine:
 
 def _hang_generator(worker, release):
   # Only the rollout pool's: the held-out pool shares the engine.
-  worker.pool.engine = _HangingEngine(worker.pool.engine, release)
+  scheduler = worker.pool._scheduler
+  scheduler.engine = _HangingEngine(scheduler.engine, release)
 
 
 def test_a_generator_that_never_returns_stops_the_run_checkpointed_and_named(tmp_path):

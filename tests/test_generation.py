@@ -7,15 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from async_rl import models, policy
-from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling
-from async_rl.generation import prefill_buckets, sample
-from async_rl.generation import engine as engine_lib
-from async_rl.generation import noise
-from async_rl.generation import sampling as sampling_lib
+from async_rl import cpu, models, policy
+from async_rl.config import ModelConfig
+from async_rl.generation import (Engine, GeneratorPool, Request, SamplingParams, SlotSampling,
+                                 noise, prefill_buckets, sample, sampling as sampling_lib)
 
-CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, d_ff=64)
+CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  head_dim=8, d_ff=64)
 T = 32
 
 
@@ -298,41 +296,33 @@ def test_samples_do_not_depend_on_steps_per_call(engine, params):
   assert reasons == {"stop", "length"}
 
 
-def test_samples_do_not_depend_on_decode_threads(engine, params):
+def _grouped(slots, groups):
+  """`slots` slots in `groups` slot groups, each decoded from its own thread."""
+  return cpu.SlotGroupEngine(Engine(CFG, max_concurrent_decodes=slots // groups,
+                                    max_prefill_length=16, max_target_length=T), groups)
+
+
+def test_samples_do_not_depend_on_slot_groups(engine, params):
   # The same requests on 4 slots in 1, 2 and 4 groups, each decoded from its own thread.
   requests = _varied_requests()
   expected = _run(engine, params, requests)
-  for threads in (1, 2, 4):
-    other = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=T,
-                   decode_threads=threads)
-    _assert_same_samples(expected, _run(other, params, requests))
+  for groups in (1, 2, 4):
+    _assert_same_samples(expected, _run(_grouped(4, groups), params, requests))
 
 
-def test_decode_threads_split_the_slots_into_groups(params, monkeypatch):
-  engine = Engine(CFG, max_concurrent_decodes=6, max_prefill_length=16, max_target_length=T,
-                  decode_threads=3)
+def test_slot_groups_interleave_the_slots(params):
+  engine = _grouped(6, 3)
   state = engine.init_decode_state()
   assert len(state) == 3 and all(s.tokens_S.shape == (2,) for s in state)
-  assert [engine.group_of(s) for s in range(6)] == [0, 0, 1, 1, 2, 2]
-  # Free slots are taken from the group with the most of them left.
-  assert engine.spread([0, 1, 2, 3, 4, 5]) == [0, 2, 4, 1, 3, 5]
-  assert engine.spread([1, 2, 3, 5]) == [2, 1, 3, 5]
+  assert engine.max_concurrent_decodes == 6
   prefix, _ = engine.prefill(params=params, padded_tokens=np.zeros(16, np.int32),
                              true_length=3, sampling=SlotSampling.create(SamplingParams(), 0, 0))
   sampling = SlotSampling.create(SamplingParams(), 0, 0)
-  with pytest.raises(ValueError, match="one slot group"):
-    engine.insert_samples(prefix, state, [0, 0], [1, 2], [sampling] * 2)
-  state, _ = engine.insert_samples(prefix, state, [0, 0], [2, 3], [sampling] * 2)
-  # Group 1 holds the samples (at the prompt's length); the other groups stay idle.
-  assert [np.asarray(s.positions_S).tolist() for s in state] == [[T, T], [3, 3], [T, T]]
-  with pytest.raises(ValueError, match="divide"):
-    Engine(CFG, max_concurrent_decodes=6, max_prefill_length=16, max_target_length=T,
-           decode_threads=4)
-  # One group per core on the CPU, in groups of at least MIN_GROUP_SLOTS; one elsewhere.
-  monkeypatch.setattr(engine_lib.cpu_threads, "cores", lambda: 4)
-  assert [engine_lib.default_decode_threads(s, "cpu") for s in (64, 48, 24, 12, 8)] == [
-      4, 4, 3, 1, 1]
-  assert engine_lib.default_decode_threads(64, "gpu") == 1
+  # Slot s is slot s // 3 of group s % 3: slots 2 and 3 are group 2's first, group 0's
+  # second (at the prompt's length); the other slots stay idle.
+  state, first = engine.insert_samples(prefix, state, [0, 0], [2, 3], [sampling] * 2)
+  assert [np.asarray(s.positions_S).tolist() for s in state] == [[T, 3], [T, T], [3, T]]
+  assert np.asarray(first.positions_S)[:2].tolist() == [3, 3]
 
 
 @contextlib.contextmanager
@@ -350,19 +340,19 @@ def _count_compilations():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_no_recompilation_after_warmup(params, threads):
+@pytest.mark.parametrize("groups", [1, 3])
+def test_no_recompilation_after_warmup(params, groups):
   # A fresh engine, so that only its own warmup has compiled anything.
-  engine = Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T,
-                  decode_threads=threads)
+  engine = (Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
+            if groups == 1 else _grouped(3, groups))
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
   # prefill and insert per bucket; prefill_many's batch, insert_samples (for one and
   # for a batch of prompts) and extend per prompt bucket; the draws of insert_samples (one,
   # a batch), generate, generate_chunk and init_decode_state once; with slot groups,
-  # the joins of generate's and generate_chunk's results.
+  # the joins of generate's and generate_chunk's results and insert_samples' gather.
   buckets = 2 * len(engine.prefill_buckets) + 4 * len(engine.prompt_buckets)
-  assert len(warmup_compiles) <= buckets + 5 + 2 * (threads > 1)
+  assert len(warmup_compiles) <= buckets + 5 + 3 * (groups > 1)
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

@@ -14,9 +14,10 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 pytest.importorskip("safetensors", reason="the HF loader needs safetensors")
 
 from async_rl import models  # noqa: E402
+from async_rl.config import ModelConfig  # noqa: E402
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
 from async_rl.models import hf, hf_config  # noqa: E402
-from hf_test_utils import COMMON, our_logits, torch_logits, torch_model  # noqa: E402
+from hf_test_utils import COMMON, load_hf, our_logits, torch_logits, torch_model  # noqa: E402
 
 # float32 reference vs float32 ours: differences are summation-order rounding, ~1e-6.
 TOL = 1e-4
@@ -44,7 +45,7 @@ def saved(request, tmp_path_factory):
 def test_config_from_hf_reads_the_fields(saved):
   name, _, model_dir = saved
   with open(os.path.join(model_dir, "config.json")) as f:
-    cfg = hf_config.config_from_hf(json.load(f))
+    cfg = ModelConfig(**hf_config.config_from_hf(json.load(f)))
   assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
           cfg.d_ff) == (128, 64, 2, 4, 2, 96)
   assert cfg.rms_eps == 1e-5
@@ -57,7 +58,7 @@ def test_config_from_hf_reads_the_fields(saved):
 
 def test_logits_match_transformers(saved):
   _, model, model_dir = saved
-  cfg, params = hf.load_hf(model_dir)
+  cfg, params = load_hf(model_dir)
   tokens = _tokens()
   diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(model, tokens)).max()
   assert diff <= TOL, diff
@@ -67,7 +68,7 @@ def test_sharded_load_matches(saved):
   _, model, model_dir = saved
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp",
                                                                           "tensor"))
-  cfg, params = hf.load_hf(model_dir, mesh=mesh)
+  cfg, params = load_hf(model_dir, mesh=mesh)
   assert params["layers"]["q"].sharding.mesh == mesh
   tokens = _tokens(1)
   diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(model, tokens)).max()
@@ -76,7 +77,7 @@ def test_sharded_load_matches(saved):
 
 def test_export_round_trips_through_transformers(saved, tmp_path):
   _, _, model_dir = saved
-  cfg, params = hf.load_hf(model_dir)
+  cfg, params = load_hf(model_dir)
   # Fresh random params, so the export cannot pass by echoing the source files.
   params = jax.tree.map(lambda a, b: a + 0.1 * b, params,
                         models.init_params(cfg, jax.random.key(7)))
@@ -89,14 +90,14 @@ def test_export_round_trips_through_transformers(saved, tmp_path):
   tokens = _tokens(2)
   diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(reloaded, tokens)).max()
   assert diff <= TOL, diff
-  cfg2, params2 = hf.load_hf(str(tmp_path))
+  cfg2, params2 = load_hf(str(tmp_path))
   assert cfg2 == cfg
   jax.tree.map(np.testing.assert_array_equal, params2, params)
 
 
 def test_greedy_generation_matches_transformers(saved):
   _, model, model_dir = saved
-  cfg, params = hf.load_hf(model_dir)
+  cfg, params = load_hf(model_dir)
   prompt, n_new = _tokens(3, 7), 16
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = 0
@@ -113,11 +114,11 @@ def test_greedy_generation_matches_transformers(saved):
 def test_bfloat16_checkpoint_loads(saved, tmp_path):
   _, model, _ = saved
   copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp_path))
-  cfg, params = hf.load_hf(str(tmp_path))
+  cfg, params = load_hf(str(tmp_path))
   assert cfg.param_dtype == "bfloat16" and params["embed"].dtype == jax.numpy.bfloat16
   ref = model.model.embed_tokens.weight.detach().to(torch.bfloat16).float().numpy()
   np.testing.assert_array_equal(np.asarray(params["embed"], np.float32), ref)
-  cfg32, params32 = hf.load_hf(str(tmp_path), dtype="float32")
+  cfg32, params32 = load_hf(str(tmp_path), dtype="float32")
   assert params32["layers"]["q"].dtype == np.float32
 
 
@@ -150,14 +151,14 @@ def test_missing_unexpected_and_misshaped_tensors_are_named(saved, tmp_path):
   }
   for case, (edit, message) in cases.items():
     with pytest.raises(ValueError, match=message):
-      hf.load_hf(_copy_with(model_dir, str(tmp_path / case), edit))
+      load_hf(_copy_with(model_dir, str(tmp_path / case), edit))
 
 
 def test_sharded_index_is_followed(saved, tmp_path):
   _, model, model_dir = saved
   model.save_pretrained(str(tmp_path), max_shard_size="20KB")
   assert os.path.exists(tmp_path / "model.safetensors.index.json")
-  cfg, params = hf.load_hf(str(tmp_path))
+  cfg, params = load_hf(str(tmp_path))
   tokens = _tokens(4)
   diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(model, tokens)).max()
   assert diff <= TOL, diff

@@ -14,20 +14,21 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 pytest.importorskip("math_verify")
 
-from async_rl.models import ModelConfig, hf  # noqa: E402
+from async_rl.config import ModelConfig  # noqa: E402
 from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: E402
 from async_rl.param_server import ParameterServer  # noqa: E402
+from async_rl.rl import build  # noqa: E402
 from async_rl.rl.checkpoint import restore_params  # noqa: E402
-from async_rl.rl.trainer_loop import TrainerLoop  # noqa: E402
+from async_rl.tasks.registry import make_task  # noqa: E402
 from hf_test_utils import (COMMON, MATH_CORPUS, MATH_HELDOUT, MATH_TRAIN,  # noqa: E402
-                           our_logits, save_tokenizer, torch_logits, torch_model, write_jsonl,
-                           write_model_dir)
+                           load_hf, our_logits, save_tokenizer, torch_logits, torch_model,
+                           write_jsonl, write_model_dir)
 from rl_test_utils import small_config  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 TOL = 1e-4  # float32 both sides, as in test_hf_parity.py.
 # The micro config with room for the chat-templated prompts (about 35 tokens).
-MATH_RUN = {"task_kind": "math", "rollout.reward_fn": "math",
+MATH_RUN = {"task.name": "math", "rollout.reward_fn": "math",
             "generation.max_prompt_len": 48, "model.max_seq_len": 64}
 
 
@@ -42,12 +43,14 @@ def test_trainer_and_generators_start_from_the_checkpoint(tmp_path):
                                          n_kv_heads=1, head_dim=16, d_ff=64),
                   corpus=MATH_CORPUS, seed=3)
   train, heldout = _math_files(tmp_path)
-  cfg = small_config(**MATH_RUN, **{"hf_model_dir": str(model_dir), "math.train_path": train,
-                                    "math.heldout_path": heldout})
+  cfg = build.resolve(small_config(**MATH_RUN, **{
+      "hf_model_dir": str(model_dir), "task.math.train_path": train,
+      "task.math.heldout_path": heldout}))
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
-  loop = TrainerLoop(cfg, str(tmp_path / "run"), server, echo=lambda _: None, progress=False)
+  loop = build.train_loop(cfg, str(tmp_path / "run"), server, task=make_task(cfg.task),
+                          echo=lambda _: None, progress=False)
   try:
-    _, expected = hf.load_hf(str(model_dir))
+    _, expected = load_hf(model_dir)
     trained = loop.trainer.state.params
     assert trained["layers"]["q"].sharding.mesh.axis_names == ("data", "fsdp", "tensor")
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(trained), expected)
@@ -77,12 +80,12 @@ def test_train_from_hf_dir_on_math_then_export_loads_in_transformers(tmp_path):
               ).save_pretrained(str(model_dir))
   train, heldout = _math_files(tmp_path)
   overrides = {**MATH_RUN, "num_steps": 2, "hf_model_dir": model_dir,
-               "math.train_path": train, "math.heldout_path": heldout}
+               "task.math.train_path": train, "task.math.heldout_path": heldout}
   out = _run("launch.train", "--config=configs/micro.py", f"--workdir={workdir}",
              *(f"--config.{k}={v}" for k, v in overrides.items()))
   assert "v=2 reward=" in out and "eval v=2" in out
   run = json.loads((workdir / "config.json").read_text())
-  assert run["hf_model_dir"] == str(model_dir) and run["task_kind"] == "math"
+  assert run["hf_model_dir"] == str(model_dir) and run["task"]["name"] == "math"
   assert (run["model"]["d_model"], run["model"]["n_layers"], run["model"]["vocab_size"]) == (
       COMMON["hidden_size"], COMMON["num_hidden_layers"], COMMON["vocab_size"])
   steps = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]

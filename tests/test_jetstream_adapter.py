@@ -20,7 +20,7 @@ import jax
 import optax
 import pytest
 
-from async_rl.config_dict import from_config_dict
+from async_rl.config import from_dict
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.sharding import make_mesh
@@ -107,17 +107,18 @@ def test_serve_binary_serves_the_latest_checkpoint(tmp_path):
   spec = importlib.util.spec_from_file_location("micro", ROOT / "configs" / "micro.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  cfg = from_config_dict(module.get_config())
+  cfg = from_dict(module.get_config())
   mesh = make_mesh(cfg.mesh, jax.devices()[:1])
   checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=3)
   states = {}
   for step, seed in ((2, 1), (5, 3)):
-    states[step] = create_train_state(cfg.model, optax.adam(1e-3), mesh, jax.random.key(seed))
+    states[step], _ = create_train_state(cfg.model, optax.adam(1e-3), mesh,
+                                         jax.random.key(seed))
     checkpointer.save(step, states[step], {"version": step}, wait=True)
   checkpointer.close()
 
   prompts, max_tokens, tokenizer = ["3+4=", "12*3=", "(5-1)*"], 8, CharTokenizer()
-  # The engine launch/serve_jetstream.py builds (jetstream_adapter.serving_engine):
+  # The engine launch/serve_jetstream.py builds (rl.export.serve_checkpoint):
   # micro's max_prompt_len 24 rounds up to JetStream's prefill length 32.
   engine = Engine(cfg.model, max_concurrent_decodes=cfg.generation.num_slots,
                   max_prefill_length=32, max_target_length=32 + cfg.generation.max_new_tokens)

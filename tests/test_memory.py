@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config_dict import from_config_dict
+from async_rl.config import from_dict
 from async_rl.models.memory import GIB, describe, estimate_memory
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -21,7 +21,7 @@ def _module(name):
 
 
 def test_qwen2_5_1_5b_by_hand():
-  cfg = from_config_dict(_module("qwen2_5_1_5b").get_config())
+  cfg = from_dict(_module("qwen2_5_1_5b").get_config())
   # Per layer: q,o 2*1536*12*128; k,v 2*1536*2*128; gate,up,down 3*1536*8960; two norms;
   # q/k/v biases (12+2+2)*128. Tied embedding 151936*1536, final norm 1536.
   per_layer = 2 * 1536 * 1536 + 2 * 1536 * 256 + 3 * 1536 * 8960 + 2 * 1536 + 16 * 128
@@ -37,7 +37,7 @@ def test_qwen2_5_1_5b_by_hand():
 @pytest.mark.parametrize("name", ACCELERATOR_CONFIGS)
 def test_docstring_quotes_the_estimate(name):
   module = _module(name)
-  cfg = from_config_dict(module.get_config())
+  cfg = from_dict(module.get_config())
   quoted = dict(re.findall(r"^  (\w+): ([\d.]+ GiB)", module.__doc__, re.MULTILINE))
   printed = dict(line.split(": ") for line in describe(cfg).splitlines())
   assert quoted == printed

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from async_rl import models
+from async_rl.config import ModelConfig, model_preset
 from async_rl.models import flops, transformer
 
 
 def _cfg(**kw):
-  return models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                            head_dim=8, d_ff=64, **kw)
+  return ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=8, d_ff=64, **kw)
 
 
 def _full_logits(params, cfg, tokens_T):
@@ -105,10 +106,10 @@ def test_the_serving_layout_prefills_and_decodes_as_the_stacked_one():
 
 
 def test_presets_have_documented_sizes():
-  assert 0.9e6 < models.preset("tiny").num_params() < 1.2e6
-  assert 20e6 < models.preset("small").num_params() < 30e6
-  assert abs(models.preset("qwen2.5-0.5b").num_params() - 494e6) < 1e6
-  cfg = models.preset("tiny")
+  assert 0.9e6 < model_preset("tiny").num_params() < 1.2e6
+  assert 20e6 < model_preset("small").num_params() < 30e6
+  assert abs(model_preset("qwen2.5-0.5b").num_params() - 494e6) < 1e6
+  cfg = model_preset("tiny")
   shapes = jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0))
   assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params()
 
@@ -152,13 +153,13 @@ def test_remat_and_what_it_saves_change_the_flops_not_the_values_or_gradients(sa
 
 def test_bad_model_config_names_field():
   with pytest.raises(ValueError, match="model.n_kv_heads"):
-    models.ModelConfig(n_heads=4, n_kv_heads=3)
+    ModelConfig(n_heads=4, n_kv_heads=3)
   with pytest.raises(ValueError, match="model.remat_saves: unknown"):
-    models.ModelConfig(remat=True, remat_saves=("mlp",))
+    ModelConfig(remat=True, remat_saves=("mlp",))
   with pytest.raises(ValueError, match="needs model.remat=True"):
-    models.ModelConfig(remat_saves=("qkv",))
+    ModelConfig(remat_saves=("qkv",))
   with pytest.raises(ValueError, match="unknown model preset"):
-    models.preset("huge")
+    model_preset("huge")
 
 
 @pytest.mark.parametrize("spec, shape_x, shape_w, n_in", [

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from async_rl import off_policy
+from async_rl import config, off_policy
 
 RTOL = 1e-6
 ATOL = 1e-6
@@ -78,7 +78,7 @@ def test_token_clamp_truncates_the_weight():
 
 
 def test_no_bound_no_correction_at_any_level():
-  for level in off_policy.LEVELS:
+  for level in config.REJECTION_LEVELS:
     weight, kept, corrected = off_policy.behaviour_weight(LOG_RHO, ONES, SEG, level=level)
     _close(weight, [[4, 2, 1, 0.5, 0.25]])
     np.testing.assert_array_equal(kept, ONES)

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from async_rl import models, policy
+from async_rl.config import ModelConfig
 
 
 def _setup():
-  cfg = models.ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                           head_dim=8, d_ff=64)
+  cfg = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=8, d_ff=64)
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 

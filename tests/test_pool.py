@@ -8,13 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from async_rl import models, policy
+from async_rl import cpu, models, policy
+from async_rl.config import ModelConfig
 from async_rl.generation import (FINISH_REASONS, Engine, GeneratorPool, Request,
                                  SamplingParams)
-from async_rl.generation import decode_thread
+from async_rl.generation import scheduler
 
-CFG = models.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, d_ff=64)
+CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  head_dim=8, d_ff=64)
 T = 64
 _init = jax.jit(models.init_params, static_argnums=0)
 _logp_and_entropy = jax.jit(policy.logp_and_entropy, static_argnums=1,
@@ -31,11 +32,14 @@ def new_params():
   return _init(CFG, jax.random.key(1))
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda g: f"{g}_decode_threads")
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda g: f"{g}_slot_groups")
 def engine(params, request):
   # Every pool behaviour with the two slots in one group and in one group each.
-  engine = Engine(CFG, max_concurrent_decodes=2, max_prefill_length=16, max_target_length=T,
-                  steps_per_call=8, decode_threads=request.param)
+  groups = request.param
+  engine = Engine(CFG, max_concurrent_decodes=2 // groups, max_prefill_length=16,
+                  max_target_length=T, steps_per_call=8)
+  if groups > 1:
+    engine = cpu.SlotGroupEngine(engine, groups)
   engine.warmup(params)
   return engine
 
@@ -77,7 +81,7 @@ def _pause_mid_generation(pool):
     calls += 1
     if calls == 2:
       reached.set()
-      while not pool._paused:
+      while not pool._inbox.paused:
         time.sleep(0.0005)
     return generate_chunk(params, state)
 
@@ -148,8 +152,8 @@ def test_an_idle_pool_admits_a_burst_of_submissions_together(engine, params, mon
   # Submissions 50 ms apart count as one burst under a 30 s quiet window, so both
   # samples start in one chunk (19 steps, as above) rather than "short" alone (2 steps
   # that end when it does, then "long"'s 19).
-  monkeypatch.setattr(decode_thread, "SETTLE_S", 30.0)
-  monkeypatch.setattr(decode_thread, "SETTLE_MAX_S", 30.0)
+  monkeypatch.setattr(scheduler, "SETTLE_S", 30.0)
+  monkeypatch.setattr(scheduler, "SETTLE_MAX_S", 30.0)
   with GeneratorPool(engine, params) as pool:
     short = pool.submit(Request("short", [5], sampling=SamplingParams(max_new_tokens=3)))
     time.sleep(0.05)
@@ -162,8 +166,8 @@ def test_an_idle_pool_admits_a_burst_of_submissions_together(engine, params, mon
 
 
 def test_an_idle_pool_waits_for_a_burst_at_most_settle_max_s(engine, params, monkeypatch):
-  monkeypatch.setattr(decode_thread, "SETTLE_S", 60.0)
-  monkeypatch.setattr(decode_thread, "SETTLE_MAX_S", 0.05)
+  monkeypatch.setattr(scheduler, "SETTLE_S", 60.0)
+  monkeypatch.setattr(scheduler, "SETTLE_MAX_S", 0.05)
   with GeneratorPool(engine, params) as pool:
     (sample,) = pool.submit(Request("alone", [5], sampling=SamplingParams(
         max_new_tokens=3))).result(timeout=30)

@@ -8,13 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from async_rl import cpu_threads, sharding, train_step
+from async_rl import cpu, sharding
 from async_rl.config import MeshConfig
-from async_rl.rl import rollout_worker, trainer_loop
-from async_rl.rl import run as run_module
-from async_rl.rl.components import make_engine
-from async_rl.rl.run import run_in_process
-from async_rl.rl.trainer import Trainer
+from async_rl.generation import Engine
+from async_rl.rl import build
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
@@ -27,7 +24,7 @@ def _steps(workdir):
 @pytest.mark.parametrize("eta, mode", [(1, "retract"), (0, "drain"), (2, "keep")])
 def test_run_trains_within_the_staleness_bound(tmp_path, eta, mode):
   cfg = small_config(**{"staleness.max_staleness": eta, "generation.update_mode": mode})
-  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 3
   steps, evals = _steps(tmp_path)
   assert [s["step"] for s in steps] == [1, 2, 3]
@@ -50,16 +47,15 @@ def test_run_trains_within_the_staleness_bound(tmp_path, eta, mode):
 
 def test_periodic_evaluations_and_the_final_one_evaluate_each_version_once(tmp_path,
                                                                            monkeypatch):
-  engines = []
+  engines, make_engine = [], build.make_engine
 
   def counting(cfg):
     engines.append(make_engine(cfg))
     return engines[-1]
 
-  for module in (run_module, trainer_loop, rollout_worker):
-    monkeypatch.setattr(module, "make_engine", counting)
+  monkeypatch.setattr(build, "make_engine", counting)
   cfg = small_config(**{"num_steps": 2, "eval.every_steps": 1})
-  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert len(engines) == 1, "the held-out and rollout pools share one engine"
   _, evals = _steps(tmp_path)
   assert [e["step"] for e in evals] == [0, 1, 2]
@@ -71,7 +67,7 @@ def test_periodic_evaluations_and_the_final_one_evaluate_each_version_once(tmp_p
 def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path):
   cfg = small_config(**{"rollout.reward_fn": "reward_fns_for_tests:raises",
                         "num_steps": 2})
-  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
   steps, _ = _steps(tmp_path)
   assert steps[-1]["rewards"]["errors"] >= 2 * 2 * 2
@@ -81,7 +77,7 @@ def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path)
 def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
   cfg = small_config(**{"num_steps": 2, "ppo.num_minibatches": 2, "ppo.prox_logp": "loglinear",
                         "rollout.reward_fn": "reward_fns_for_tests:length"})
-  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
   steps, _ = _steps(tmp_path)
   assert [s["applied_updates"] for s in steps] == [2, 2]
@@ -89,24 +85,31 @@ def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
   assert [s["server"]["version"] for s in steps] == [1, 2], "the version counts steps"
 
 
-def test_automatic_thread_counts_share_the_cores_when_both_sides_run_at_once(monkeypatch):
-  # On the CPU the engine's slot groups and the trainer's gradient threads take every
-  # core when generation and training take turns (η = 0), half each when they overlap.
-  monkeypatch.setattr(cpu_threads, "cores", lambda: 4)
-  assert [cpu_threads.cores_per_side(eta) for eta in (0, 1, None)] == [4, 2, 2]
+def test_automatic_thread_counts_share_the_cores_between_generator_and_trainer(monkeypatch):
+  # On the CPU the engine's slot groups and the trainer's gradient threads take half
+  # the cores each by default, whatever the algorithm's settings.
+  monkeypatch.setattr(cpu.threads, "cores", lambda: 4)
+  assert cpu.default_threads() == 2
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  for eta, threads in ((0, 4), (2, 2)):
+  for eta in (0, 2):
     cfg = small_config(**{"staleness.max_staleness": eta, "generation.num_slots": 32})
-    assert make_engine(cfg).decode_threads == threads
-    assert Trainer(cfg, mesh).grad_threads == threads
-  cfg = small_config(**{"generation.decode_threads": 1, "train.grad_threads": 3})
-  assert make_engine(cfg).decode_threads == 1 and Trainer(cfg, mesh).grad_threads == 3
+    engine = build.make_engine(cfg)
+    assert isinstance(engine, cpu.SlotGroupEngine) and engine.max_concurrent_decodes == 32
+    assert engine._groups == 2
+    assert build.make_trainer(cfg, mesh).steps.micro_batch_multiple == 2
+  cfg = small_config(**{"cpu.decode_threads": 1, "cpu.grad_threads": 3})
+  assert isinstance(build.make_engine(cfg), Engine)
+  assert build.make_trainer(cfg, mesh).steps.micro_batch_multiple == 3
   # Several devices run their shares already; accelerators run one program.
   def fake_mesh(n, platform):
     return types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform=platform)] * n))
-  assert train_step.default_grad_threads(fake_mesh(2, "cpu")) == 1
-  assert train_step.default_grad_threads(fake_mesh(1, "gpu")) == 1
-  assert train_step.default_grad_threads(fake_mesh(1, "cpu")) == 4
+  cfg = small_config()
+  assert build.grad_threads(cfg, fake_mesh(2, "cpu")) == 1
+  assert build.grad_threads(cfg, fake_mesh(1, "gpu")) == 1
+  assert build.grad_threads(cfg, fake_mesh(1, "cpu")) == 2
+  assert build.decode_groups(cfg, "gpu") == 1
+  # Slot groups hold at least cpu.engine.MIN_GROUP_SLOTS slots each.
+  assert [cpu.engine.num_groups(s, 4) for s in (64, 48, 24, 12, 8)] == [4, 4, 3, 1, 1]
 
 
 def test_the_trainer_packs_into_a_shape_it_compiled_within_the_slack():
@@ -122,10 +125,10 @@ def test_the_trainer_packs_into_a_shape_it_compiled_within_the_slack():
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
   shapes = {}
   for slack in (0.0, 0.5):
-    trainer = Trainer(small_config(**{"batching.max_tokens_per_mb": 320,
-                                      "batching.row_buckets": (40,),
-                                      "batching.reuse_slack": slack,
-                                      "train.grad_threads": 1}), mesh)
+    trainer = build.make_trainer(small_config(**{"batching.max_tokens_per_mb": 320,
+                                                 "batching.row_buckets": (40,),
+                                                 "batching.reuse_slack": slack,
+                                                 "cpu.grad_threads": 1}), mesh)
     shapes[slack] = [trainer.pack(groups(lengths)).tokens.shape
                      for lengths in ([22] * 8, [22] * 6 + [10] * 2)]
   assert shapes == {0.0: [(1, 8, 40), (1, 6, 40)], 0.5: [(1, 8, 40), (1, 8, 40)]}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from async_rl.generation import SamplingParams
-from async_rl.rl.prompt_source import PromptSource, sample_seed
+from async_rl.rl.rollout import PromptSource, sample_seed
 from async_rl.rl.rollout import RolloutController
 from async_rl.trajectory import Trajectory
 
@@ -52,6 +52,10 @@ class FakePool:
     self.version, self.updates, self.requests = 0, [], []
     self.rewards_by_prompt, self.abort, self.hang = rewards_by_prompt, abort, hang
     self.steps = 0
+
+  @property
+  def requested_version(self):  # its updates apply at once
+    return self.version
 
   def update_weights(self, params, version, mode):
     self.updates.append((params, version, mode))

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from async_rl import batching, sharding, sft, train_step
+from async_rl import batching, sft, sharding, train_step
 from async_rl.tasks import TrainStream, supervised
-from async_rl.tasks.arithmetic_task import SFT_SEED_OFFSET, ArithmeticTask
+from async_rl.tasks.arithmetic import ArithmeticTask, SFT_SEED_OFFSET
 from rl_test_utils import small_config
 
 
@@ -27,11 +27,17 @@ def test_sft_loss_is_the_mean_nll_of_masked_tokens():
   assert int(metrics["num_tokens"]) == 3
 
 
+def _warm_start(cfg, mesh, echo):
+  return sft.warm_start(ArithmeticTask(cfg.task.arithmetic), cfg.model, cfg.sft, cfg.batching,
+                        mesh, seed=cfg.seed, echo=echo)
+
+
 def test_sft_examples_train_on_the_solution_only():
   cfg = small_config()
-  stream = TrainStream(dataclasses.replace(cfg.task, seed=cfg.task.seed + SFT_SEED_OFFSET))
+  arithmetic = cfg.task.arithmetic
+  stream = TrainStream(dataclasses.replace(arithmetic, seed=arithmetic.seed + SFT_SEED_OFFSET))
   prompts = [next(stream) for _ in range(3)]
-  for p, s in zip(prompts, ArithmeticTask(cfg.task).sft_examples()):
+  for p, s in zip(prompts, ArithmeticTask(cfg.task.arithmetic).sft_examples()):
     assert list(s.tokens_T) == list(p.tokens) + list(p.target)
     assert s.prompt_len == len(p.tokens)
     np.testing.assert_array_equal(s.loss_mask_T, np.arange(len(s)) >= len(p.tokens))
@@ -55,10 +61,11 @@ def test_warm_start_lowers_the_nll_of_reference_solutions(monkeypatch):
 
   monkeypatch.setattr(train_step, "jit_train_step", recording)
   lines = []
-  params = sft.warm_start(cfg, mesh, echo=lines.append)
+  params = _warm_start(cfg, mesh, echo=lines.append)
   assert lines and lines[-1].startswith("sft step 30/30")
   assert len(shapes) == 1, "the warm start compiles its train step once"
-  seqs = [supervised(p.tokens, p.target) for p in itertools.islice(TrainStream(cfg.task), 16)]
+  seqs = [supervised(p.tokens, p.target)
+          for p in itertools.islice(TrainStream(cfg.task.arithmetic), 16)]
   batch = batching.pack_dynamic(seqs, np.zeros(len(seqs)), max_tokens_per_mb=64, num_shards=1,
                                 row_buckets=(64,))
 
@@ -67,13 +74,13 @@ def test_warm_start_lowers_the_nll_of_reference_solutions(monkeypatch):
     return -float(np.sum(np.asarray(logp) * batch.loss_mask) / batch.loss_mask.sum())
 
   fresh = train_step.create_train_state(cfg.model, train_step.make_optimizer(cfg.optimizer),
-                                        mesh, jax.random.key(cfg.seed)).params
+                                        mesh, jax.random.key(cfg.seed))[0].params
   assert nll(params) < 0.7 * nll(fresh)
 
 
 def test_warm_start_batches_pack_into_one_shape_that_holds_each():
   cfg = small_config()
-  examples = ArithmeticTask(cfg.task).sft_examples()
+  examples = ArithmeticTask(cfg.task.arithmetic).sft_examples()
   batches = [[next(examples) for _ in range(16)] for _ in range(30)]
   buckets = batching.default_row_buckets(256, smallest=32)
   pack = functools.partial(batching.pack_dynamic, max_tokens_per_mb=256, num_shards=1)
@@ -106,7 +113,7 @@ def test_a_warm_start_of_no_steps_returns_the_initial_params():
   cfg = small_config()
   cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=0))
   mesh = sharding.make_mesh(cfg.mesh)
-  params = sft.warm_start(cfg, mesh, echo=lambda _: None)
+  params = _warm_start(cfg, mesh, echo=lambda _: None)
   fresh = train_step.create_train_state(cfg.model, train_step.make_optimizer(cfg.optimizer),
-                                        mesh, jax.random.key(cfg.seed)).params
+                                        mesh, jax.random.key(cfg.seed))[0].params
   jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(fresh))

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from async_rl.tasks import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, CharTokenizer,
-                            TaskConfig, TrainStream, extract_answer, heldout_set,
+                            TrainStream, extract_answer, heldout_set,
                             is_heldout, length_stats, make_problem, verify)
-from async_rl.tasks.arithmetic import answer_correct, step_credit
-from async_rl.tasks.arithmetic import Problem
+from async_rl.config import ArithmeticConfig
+from async_rl.tasks import arithmetic
+from async_rl.tasks.arithmetic import Problem, answer_correct, step_credit
 from async_rl.tasks.tokenizer import CHARS
 
 TOK = CharTokenizer()
@@ -96,7 +97,7 @@ def test_step_credit_rewards_the_correct_start_and_only_the_solution_fully(compl
 
 
 def test_step_credit_ranks_every_wrong_completion_below_the_solution():
-  for problem in _problems(TaskConfig(max_terms=12), 300):
+  for problem in _problems(ArithmeticConfig(max_terms=12), 300):
     lines = problem.solution.split("\n")
     credits = [step_credit("\n".join(lines[:m]), problem) for m in range(len(lines) + 1)]
     assert credits == sorted(credits) and credits[-1] == 1.0
@@ -110,8 +111,8 @@ def test_verify_decoded_sample_ignores_tokens_after_eos():
   assert verify(TOK.decode(ids), P) == 0.0
 
 
-@pytest.mark.parametrize("cfg", [TaskConfig(), TaskConfig(max_operand=20, max_value=40),
-                                 TaskConfig(min_terms=3, max_terms=12, tail_exponent=0.0)])
+@pytest.mark.parametrize("cfg", [ArithmeticConfig(), ArithmeticConfig(max_operand=20, max_value=40),
+                                 ArithmeticConfig(min_terms=3, max_terms=12, tail_exponent=0.0)])
 def test_reference_solutions_are_correct_and_verify(cfg):
   for problem in _problems(cfg, 2000):
     assert verify(problem.solution, problem) == 1.0
@@ -131,61 +132,61 @@ def test_reference_solutions_are_correct_and_verify(cfg):
 
 
 def test_term_counts_follow_the_power_law():
-  cfg = TaskConfig()
-  probs = cfg.term_probs()
+  cfg = ArithmeticConfig()
+  probs = arithmetic.term_probs(cfg)
   assert probs.shape == (cfg.max_terms - cfg.min_terms + 1,)
   assert np.isclose(probs.sum(), 1.0) and np.all(np.diff(probs) < 0)
   n = 20_000
   counts = np.bincount([p.num_terms - cfg.min_terms for p in _problems(cfg, n)],
                        minlength=len(probs))
   assert np.all(np.abs(counts / n - probs) < 5 * np.sqrt(probs * (1 - probs) / n))
-  assert np.allclose(TaskConfig(tail_exponent=0.0).term_probs(), 1 / len(probs))
+  assert np.allclose(arithmetic.term_probs(ArithmeticConfig(tail_exponent=0.0)), 1 / len(probs))
 
 
 def test_solution_lengths_are_long_tailed_and_controllable():
-  heavy = length_stats(TaskConfig(), 5000)["solution_tokens"]
-  light = length_stats(TaskConfig(tail_exponent=3.0), 5000)["solution_tokens"]
+  heavy = length_stats(ArithmeticConfig(), 5000)["solution_tokens"]
+  light = length_stats(ArithmeticConfig(tail_exponent=3.0), 5000)["solution_tokens"]
   assert heavy["p99"] / heavy["median"] > 3
-  assert heavy["max"] >= TaskConfig().max_solution_tokens - 4
+  assert heavy["max"] >= arithmetic.max_solution_tokens(ArithmeticConfig()) - 4
   assert light["p99"] / light["median"] < heavy["p99"] / heavy["median"]
   assert light["mean"] < heavy["mean"]
 
 
 def test_default_config_fits_the_token_budgets():
-  cfg = TaskConfig()
-  assert cfg.max_prompt_tokens <= MAX_PROMPT_TOKENS
-  assert cfg.max_solution_tokens <= MAX_SOLUTION_TOKENS
+  cfg = ArithmeticConfig()
+  assert arithmetic.max_prompt_tokens(cfg) <= MAX_PROMPT_TOKENS
+  assert arithmetic.max_solution_tokens(cfg) <= MAX_SOLUTION_TOKENS
   for prompt in itertools.islice(TrainStream(cfg), 5000):
-    assert len(prompt.tokens) <= cfg.max_prompt_tokens
-    assert len(prompt.target) <= cfg.max_solution_tokens
+    assert len(prompt.tokens) <= arithmetic.max_prompt_tokens(cfg)
+    assert len(prompt.target) <= arithmetic.max_solution_tokens(cfg)
     assert max(prompt.tokens + prompt.target) < TOK.vocab_size <= 64
 
 
-@pytest.mark.parametrize("cfg", [TaskConfig(min_terms=8, max_terms=8),
-                                 TaskConfig(min_terms=3, max_terms=3, max_operand=20,
+@pytest.mark.parametrize("cfg", [ArithmeticConfig(min_terms=8, max_terms=8),
+                                 ArithmeticConfig(min_terms=3, max_terms=3, max_operand=20,
                                             max_value=40),
-                                 TaskConfig(min_terms=2, max_terms=2)])
+                                 ArithmeticConfig(min_terms=2, max_terms=2)])
 def test_length_bounds_are_tight(cfg):
   problems = _problems(cfg, 3000)
   prompt_lengths = [len(p.prompt) + 1 for p in problems]
   solution_lengths = [len(p.solution) + 1 for p in problems]
-  assert max(prompt_lengths) == cfg.max_prompt_tokens
-  assert max(solution_lengths) == cfg.max_solution_tokens
+  assert max(prompt_lengths) == arithmetic.max_prompt_tokens(cfg)
+  assert max(solution_lengths) == arithmetic.max_solution_tokens(cfg)
 
 
 def test_prompt_records_tokenize_the_problem():
-  for prompt in itertools.islice(TrainStream(TaskConfig()), 200):
+  for prompt in itertools.islice(TrainStream(ArithmeticConfig()), 200):
     assert prompt.tokens[0] == TOK.bos_id and prompt.target[-1] == TOK.eos_id
     assert TOK.decode(prompt.tokens) == prompt.problem.prompt
     assert TOK.decode(prompt.target) == prompt.problem.solution
 
 
 def test_train_and_heldout_never_overlap():
-  cfg = TaskConfig()
+  cfg = ArithmeticConfig()
   train = {p.problem.prompt for p in itertools.islice(TrainStream(cfg), 20_000)}
   for seed in (1, 2):
     train |= {p.problem.prompt
-              for p in itertools.islice(TrainStream(TaskConfig(seed=seed)), 5000)}
+              for p in itertools.islice(TrainStream(ArithmeticConfig(seed=seed)), 5000)}
   heldout = {p.problem.prompt for p in heldout_set(cfg, 3000)}
   assert not train & heldout
   assert all(is_heldout(p, cfg.heldout_fraction) for p in heldout)
@@ -199,17 +200,17 @@ def test_train_and_heldout_never_overlap():
 
 
 def test_same_seed_same_data():
-  first = list(itertools.islice(TrainStream(TaskConfig(seed=3)), 300))
-  again = list(itertools.islice(TrainStream(TaskConfig(seed=3)), 300))
-  other = list(itertools.islice(TrainStream(TaskConfig(seed=4)), 300))
+  first = list(itertools.islice(TrainStream(ArithmeticConfig(seed=3)), 300))
+  again = list(itertools.islice(TrainStream(ArithmeticConfig(seed=3)), 300))
+  other = list(itertools.islice(TrainStream(ArithmeticConfig(seed=4)), 300))
   assert first == again
   assert [p.problem for p in first] != [p.problem for p in other]
   assert len({p.id for p in first + other}) == 600
-  assert heldout_set(TaskConfig(seed=3), 100) == heldout_set(TaskConfig(seed=4), 100)
+  assert heldout_set(ArithmeticConfig(seed=3), 100) == heldout_set(ArithmeticConfig(seed=4), 100)
 
 
 def test_stream_resumes_exactly():
-  cfg = TaskConfig(seed=5)
+  cfg = ArithmeticConfig(seed=5)
   stream = TrainStream(cfg)
   reference = list(itertools.islice(TrainStream(cfg), 120))
   head = list(itertools.islice(stream, 37))
@@ -221,24 +222,24 @@ def test_stream_resumes_exactly():
 
 
 def test_stream_resume_rejects_a_mismatched_state():
-  with pytest.raises(ValueError, match="seed 1 does not match task.seed 0"):
-    TrainStream.resume(TaskConfig(), {"seed": 1, "index": 0})
+  with pytest.raises(ValueError, match="seed 1 does not match task.arithmetic.seed 0"):
+    TrainStream.resume(ArithmeticConfig(), {"seed": 1, "index": 0})
   with pytest.raises(ValueError, match="keys"):
-    TrainStream.resume(TaskConfig(), {"index": 0})
+    TrainStream.resume(ArithmeticConfig(), {"index": 0})
   with pytest.raises(ValueError, match="index"):
-    TrainStream(TaskConfig(), index=-1)
+    TrainStream(ArithmeticConfig(), index=-1)
 
 
 @pytest.mark.parametrize("values, field", [
-    ({"min_terms": 1}, "task.min_terms"),
-    ({"max_terms": 1}, "task.max_terms"),
-    ({"tail_exponent": -0.5}, "task.tail_exponent"),
-    ({"max_operand": 0}, "task.max_operand"),
-    ({"max_value": 17}, "task.max_value"),
-    ({"heldout_fraction": 0.0}, "task.heldout_fraction"),
-    ({"heldout_fraction": 1.0}, "task.heldout_fraction"),
-    ({"seed": -1}, "task.seed"),
+    ({"min_terms": 1}, "task.arithmetic.min_terms"),
+    ({"max_terms": 1}, "task.arithmetic.max_terms"),
+    ({"tail_exponent": -0.5}, "task.arithmetic.tail_exponent"),
+    ({"max_operand": 0}, "task.arithmetic.max_operand"),
+    ({"max_value": 17}, "task.arithmetic.max_value"),
+    ({"heldout_fraction": 0.0}, "task.arithmetic.heldout_fraction"),
+    ({"heldout_fraction": 1.0}, "task.arithmetic.heldout_fraction"),
+    ({"seed": -1}, "task.arithmetic.seed"),
 ])
 def test_invalid_config_names_the_field(values, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-    TaskConfig(**values)
+    ArithmeticConfig(**values)

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from async_rl import sharding
-from async_rl.rl.run import run_in_process
-from async_rl.rl.trainer import Trainer
-from async_rl.tasks import Problem, TaskConfig, TrainStream, verify
+from async_rl.config import ArithmeticConfig
+from async_rl.rl import build
+from async_rl.tasks import Problem, TrainStream, verify
 from async_rl.tasks.arithmetic import step_credit
-from async_rl.tasks.arithmetic_task import SFT_SEED_OFFSET
+from async_rl.tasks.arithmetic import SFT_SEED_OFFSET
 from async_rl.tasks.tool_task import Calculator, ToolTask, policy_chars
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
 P = Problem(prompt="7+2-5+3=", answer="7", num_terms=4, solution="7+2=9\n9-5=4\n4+3=7\n#7")
-TASK = ToolTask(TaskConfig(), max_tokens=64)
+TASK = ToolTask(ArithmeticConfig())
 TOK = TASK.tokenizer
 PROMPT = type("Prompt", (), {"tokens": (TOK.bos_id, *TOK.encode(P.prompt)), "problem": P})()
 
@@ -74,6 +74,7 @@ def _perfect_policy(solution):
         "stop") for _ in range(n)])
     return future
 
+  generate.max_new_tokens = 64  # the episode's budget (`tasks.workflow.Generate`)
   return generate
 
 
@@ -96,8 +97,8 @@ def test_a_sample_per_turn_trains_the_same_tokens_with_the_episodes_advantage():
   groups = [Group("g", (right.with_reward(1.0), wrong.with_reward(0.25)))]
   packed = {}
   for per_turn in (False, True):
-    cfg = small_config(**{"task_kind": "arithmetic_tool", "multi_turn.sample_per_turn": per_turn})
-    packed[per_turn] = Trainer(cfg, sharding.make_mesh(cfg.mesh)).pack(groups)
+    cfg = small_config(**{"task.name": "arithmetic_tool", "task.sample_per_turn": per_turn})
+    packed[per_turn] = build.make_trainer(cfg, sharding.make_mesh(cfg.mesh)).pack(groups)
   episode, turns = packed[False], packed[True]
   assert turns.loss_mask.sum() == episode.loss_mask.sum() == right.loss_mask_T.sum() + \
       wrong.loss_mask_T.sum()
@@ -110,12 +111,12 @@ def test_a_sample_per_turn_trains_the_same_tokens_with_the_episodes_advantage():
 
 
 def test_a_short_tool_run_trains_on_policy_tokens_within_the_bound(tmp_path):
-  cfg = small_config(**{"task_kind": "arithmetic_tool", "num_steps": 2, "sft.steps": 3,
+  cfg = small_config(**{"task.name": "arithmetic_tool", "num_steps": 2, "sft.steps": 3,
                         "sft.batch_size": 4, "rollout.reward_fn": "arithmetic_steps",
-                        "multi_turn.sample_per_turn": True,
+                        "task.sample_per_turn": True,
                         "eval.num_prompts": 2, "generation.max_new_tokens": 40,
                         "batching.max_tokens_per_mb": 64})
-  summary = run_in_process(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
   steps = [json.loads(l) for l in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
            if "eval" not in json.loads(l)]

@@ -13,9 +13,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from async_rl.models import ModelConfig
+from async_rl.config import ModelConfig
 from async_rl.rl.checkpoint import restore_params
-from async_rl.rl.run_stats import step_lines
+from benchmarks.common.run_stats import step_lines
 from rl_test_utils import check_prompt_accounting
 
 ROOT = Path(__file__).parents[1]

@@ -10,12 +10,13 @@ import numpy as np
 import optax
 import pytest
 
-from async_rl import batching, loss, models, off_policy, sharding, train_step
-from async_rl.config import MeshConfig, OptimizerConfig
+from async_rl import batching, loss, off_policy, sharding, train_step
+from async_rl.cpu import train_step as cpu_train_step
+from async_rl.config import MeshConfig, ModelConfig, OptimizerConfig
 from async_rl.trajectory import Trajectory
 
-CFG = models.ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, d_ff=64)
+CFG = ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  head_dim=8, d_ff=64)
 LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, rejection_upper=5.0)
 
 
@@ -36,7 +37,7 @@ def _pack_dynamic(n, seed=0, **kw):
 
 
 def _state(mesh, tx):
-  return train_step.create_train_state(CFG, tx, mesh, jax.random.key(0))
+  return train_step.create_train_state(CFG, tx, mesh, jax.random.key(0))[0]
 
 
 def _prox(batch, params):
@@ -218,7 +219,7 @@ def test_loglinear_second_minibatch_interpolates_from_the_moved_params():
 @pytest.mark.parametrize("threads, n, prox_mode", [(2, 1, "recompute"), (3, 2, "loglinear"),
                                                    (2, 2, "behav"), (1, 1, "behav")])
 def test_threaded_step_equals_the_fused_step(threads, n, prox_mode):
-  # train.grad_threads: each update's micro-batches shared among threads, then summed.
+  # cpu.grad_threads: each update's micro-batches shared among threads, then summed.
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
   batch = batching.pad_micro_batches(_versioned_batch(14, num_shards=1, budget=24), n * threads)
   assert batch.tokens.shape[0] >= 2 * n * threads and not batch.loss_mask[-1].any()
@@ -229,8 +230,8 @@ def test_threaded_step_equals_the_fused_step(threads, n, prox_mode):
           "loglinear": None}[prox_mode]
   fused = train_step.jit_train_step(mesh, shardings, model_cfg=CFG, loss_fn=LOSS,
                                     num_minibatches=n)
-  threaded = train_step.ThreadedTrainStep(mesh, shardings, threads=threads, model_cfg=CFG,
-                                          loss_fn=LOSS, num_minibatches=n)
+  threaded = cpu_train_step.ThreadedTrainStep(mesh, shardings, threads=threads, model_cfg=CFG,
+                                              loss_fn=LOSS, num_minibatches=n)
   copy = functools.partial(jax.tree.map, jnp.copy)  # Each step donates its state.
   bad = batch.replace(advantages=np.where(batch.loss_mask, np.inf, 0.0).astype(np.float32))
   for b in (batch, bad, batch):
@@ -254,7 +255,7 @@ def test_threaded_recompute_equals_recompute_logp(threads):
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
   batch = batching.pad_micro_batches(_versioned_batch(14, num_shards=1, budget=24), threads)
   params = _state(mesh, optax.sgd(1.0)).params
-  threaded = train_step.ThreadedRecompute(threads=threads, model_cfg=CFG)
+  threaded = cpu_train_step.ThreadedRecompute(threads=threads, model_cfg=CFG)
   np.testing.assert_allclose(threaded(params, batch),
                              train_step.recompute_logp(params, batch, model_cfg=CFG),
                              rtol=1e-6, atol=1e-6)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config_dict import from_config_dict
+from async_rl.config import from_dict
+from async_rl.rl import build
 from async_rl.tasks import CharTokenizer, Example, ListTask
 from async_rl.tasks.registry import make_task
 
@@ -51,10 +52,10 @@ def test_a_training_prompt_may_not_be_held_out():
 
 
 def test_a_task_factory_is_named_module_attr_and_reads_task_options():
-  cfg = from_config_dict({"task_kind": "examples.sums:make_task",
-                          "task_options": {"train": "examples/sums_train.jsonl",
-                                           "heldout": "examples/sums_heldout.jsonl"}})
-  task = make_task(cfg)
+  cfg = from_dict({"task": {"name": "examples.sums:make_task",
+                            "options": {"train": "examples/sums_train.jsonl",
+                                        "heldout": "examples/sums_heldout.jsonl"}}})
+  task = make_task(cfg.task)
   assert isinstance(task, ListTask) and len(task.train) == 200
   prompt = task.heldout(1)[0]
   assert TOK.decode(prompt.tokens) + task.reference(prompt) == "22+39=61"
@@ -62,23 +63,23 @@ def test_a_task_factory_is_named_module_attr_and_reads_task_options():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"task_kind": "examples.nothing_here:make_task"}, "cannot load the task factory"),
-    ({"task_kind": "no_colon"}, "or 'module:attr'"),
-    ({"task_options": {"f": float("nan")}}, "task_options must hold plain data"),
-    ({"task_options": ["a"]}, "task_options must be a mapping"),
+    ({"task": {"name": "examples.nothing_here:make_task"}}, "cannot load the task factory"),
+    ({"task": {"name": "no_colon"}}, "or 'module:attr'"),
+    ({"task": {"options": {"f": float("nan")}}}, "task.options must hold plain data"),
+    ({"task": {"options": ["a"]}}, "task.options must be a mapping"),
 ])
 def test_bad_task_names_and_options_name_the_field(values, message):
   with pytest.raises(ValueError, match=message):
-    from_config_dict(values)
+    build.check(from_dict(values))
 
 
 def test_a_factory_that_makes_no_task_is_an_error(monkeypatch):
   module = types.ModuleType("not_a_task_module")
   module.make = lambda cfg: types.SimpleNamespace(tokenizer=TOK, stream=None)
   monkeypatch.setitem(sys.modules, "not_a_task_module", module)
-  cfg = from_config_dict({"task_kind": "not_a_task_module:make"})
+  cfg = from_dict({"task": {"name": "not_a_task_module:make"}})
   with pytest.raises(ValueError, match="without reward_fn, workflow, heldout, reference"):
-    make_task(cfg)
+    make_task(cfg.task)
 
 
 def test_the_readme_shows_the_example_files_verbatim():

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from async_rl.param_server import ParameterServer
+from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
-from async_rl.rl.rollout_worker import RolloutWorker
-from async_rl.rl.trainer_loop import NonFiniteError, TrainerLoop
+from async_rl.rl.errors import NonFiniteError
+from async_rl.tasks.registry import make_task
 from async_rl.trajectory import Group
 from rl_test_utils import small_config
 
@@ -42,9 +43,11 @@ _VARIED = {"rollout.reward_fn": "reward_fns_for_tests:length"}
 def _run(cfg, workdir, poison):
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   lines = []
-  loop = TrainerLoop(cfg, str(workdir), _Poisoning(server, poison), echo=lines.append,
-                     progress=False)
-  worker = RolloutWorker(cfg, server)
+  cfg = build.resolve(cfg)
+  task = make_task(cfg.task)
+  loop = build.train_loop(cfg, str(workdir), _Poisoning(server, poison), task=task,
+                          echo=lines.append, progress=False)
+  worker = build.rollout_worker(cfg, server, task=task)
   try:
     return loop.run([worker]), lines
   finally:

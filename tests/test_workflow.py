@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from async_rl import models, policy
+from async_rl.config import ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl.episodes import EpisodeRunner
-from async_rl.tasks.workflow import MultiTurn, SingleTurn, split_turns
-from async_rl.trajectory import Trajectory
+from async_rl.tasks.workflow import MultiTurn, SingleTurn
+from async_rl.trajectory import Trajectory, split_turns
 
 CALL, EOS = 9, 2  # A turn ending in CALL is answered by the environment; EOS ends it.
 PROMPT = types.SimpleNamespace(id="p", tokens=(1, 5))
@@ -117,8 +118,8 @@ def test_split_turns_makes_one_sample_per_policy_turn():
   assert same.tokens_T.tolist() == single.tokens_T.tolist() and same.prompt_len == 2
 
 
-CFG = models.ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                         head_dim=16, d_ff=64)
+CFG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                  head_dim=16, d_ff=64)
 T = 32
 _logp_and_entropy = jax.jit(policy.logp_and_entropy, static_argnums=1,
                             static_argnames="temperature")

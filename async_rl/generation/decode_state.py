@@ -213,20 +213,6 @@ def generate_chunk(params, state, *, cfg, steps):
                             count_S=state.positions_S - start_S, steps=ran)
 
 
-def join_groups(results):
-  """The `ResultTokens` or `ChunkTokens` of the slot groups of one call, as one over all
-  their slots in order; a chunk's `steps` is the most any group ran (so the pool's
-  `wasted_slot_steps` also counts, for a group whose slots all stopped earlier, the
-  steps it did not run)."""
-  def cat(*x):
-    return jnp.concatenate(x)
-
-  if isinstance(results[0], ChunkTokens):
-    joined = jax.tree.map(cat, *(r.replace(steps=r.steps[None]) for r in results))
-    return joined.replace(steps=joined.steps.max())
-  return jax.tree.map(cat, *results)
-
-
 def init_decode_state(*, cfg, num_slots, max_len):
   """An empty cache with every slot idle."""
   return DecodeState(cache=models.init_cache(cfg, num_slots, max_len),

@@ -27,14 +27,8 @@ insert_samples once per bucket a prompt can take and prefix size (1 or
 generate_chunk once. Slot indices, sample counts and extension lengths are traced, so
 filling different slots never recompiles.
 
-Decode threads. XLA:CPU runs a decode step's small ops one after another on one
-thread, so one program over all S slots uses one core. With `decode_threads` = G > 1
-the slots split into G groups of S / G, each with its own decode state (the engine's
-state is then a tuple of G `DecodeState`s) and its chunks dispatched from its own
-thread: the G programs run at once, one per core. Every call but `generate_chunk` and
-`generate` touches one slot's group; the pool sees S slots either way, and a chunk's
-tokens are the same whatever G (keys depend only on (seed, sample index, position)).
-`default_decode_threads` picks G for a backend.
+A CPU-only variant (`cpu.SlotGroupEngine`) splits the slots among several of these
+engines, one per core; nothing here depends on it.
 """
 
 import functools
@@ -44,31 +38,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from async_rl import cpu_threads, models, sharding
-from async_rl.generation import decode_state as ds
-from async_rl.generation import sampling as sampling_lib
+from async_rl import models, sharding
+from async_rl.generation import decode_state as ds, sampling as sampling_lib
 from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
 from async_rl.generation.sampling import SlotSampling
 
 _MIN_BUCKET = 16
 PREFILL_ROWS = 8  # Prompts per batched prefill call (`Engine.prefill_many`).
-MIN_GROUP_SLOTS = 8  # The fewest slots `default_decode_threads` gives a decode thread.
 
 
 def _stack(samplings):
   return jax.tree.map(lambda *x: np.stack(x), *samplings)
-
-
-def default_decode_threads(num_slots: int, backend: str | None = None,
-                           cores: int | None = None) -> int:
-  """G for `Engine(decode_threads=)`: on the CPU backend the most groups, at most one per
-  core (`cores`; default all this process may use), that split `num_slots` evenly into
-  groups of at least `MIN_GROUP_SLOTS`; 1 on accelerators (one program keeps the
-  device busy)."""
-  if (backend or jax.default_backend()) != "cpu":
-    return 1
-  return max([g for g in range(1, (cores or cpu_threads.cores()) + 1)
-              if num_slots % g == 0 and num_slots // g >= MIN_GROUP_SLOTS] or [1])
 
 
 def prefill_buckets(max_length: int) -> tuple[int, ...]:
@@ -90,31 +70,23 @@ class Engine:
     max_target_length: T, the cache length: prompt plus completion never exceed it.
       Re-prefilling a sequence (retract) may use prefill lengths up to T.
     steps_per_call: decode steps per `generate_chunk` call.
-    decode_threads: G, slot groups decoded at once from their own threads (module
-      docstring); must divide S.
     mesh: devices of this engine; defaults to the first local device.
     param_sharding: a sharding (or pytree prefix of shardings) for the params on
       `mesh`; defaults to fully replicated.
   """
 
-  def __init__(self, cfg: models.ModelConfig, *, max_concurrent_decodes: int,
-               max_prefill_length: int, max_target_length: int, steps_per_call: int = 8,
-               decode_threads: int = 1, mesh: Mesh | None = None, param_sharding=None):
+  def __init__(self, cfg, *, max_concurrent_decodes: int, max_prefill_length: int,
+               max_target_length: int, steps_per_call: int = 8, mesh: Mesh | None = None,
+               param_sharding=None):
     if max_concurrent_decodes < 1:
       raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
-    if decode_threads < 1 or max_concurrent_decodes % decode_threads:
-      raise ValueError(f"decode_threads ({decode_threads}) must be >= 1 and divide "
-                       f"max_concurrent_decodes ({max_concurrent_decodes})")
     if not 1 <= max_prefill_length < max_target_length:
       raise ValueError(f"need 1 <= max_prefill_length ({max_prefill_length}) < "
                        f"max_target_length ({max_target_length})")
     self.cfg = cfg
     self._num_slots = max_concurrent_decodes
-    self.decode_threads = decode_threads
-    self._group_slots = max_concurrent_decodes // decode_threads
-    self._dispatchers = cpu_threads.Dispatchers(decode_threads, "decode-group")
     self._max_prefill_length = max_prefill_length
     self._max_target_length = max_target_length
     self.steps_per_call = steps_per_call
@@ -142,10 +114,9 @@ class Engine:
         functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call), donate_argnums=(1,),
         out_shardings=replicated)
     self._init_fn = jax.jit(functools.partial(ds.init_decode_state, cfg=cfg,
-                                              num_slots=self._group_slots,
+                                              num_slots=max_concurrent_decodes,
                                               max_len=max_target_length),
                             out_shardings=replicated)
-    self._join_fn = jax.jit(ds.join_groups, out_shardings=replicated)
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -177,39 +148,9 @@ class Engine:
     """
     return self._split_fn(sharding.reshard(params, self._param_sharding))
 
-  def init_decode_state(self) -> DecodeState | tuple[DecodeState, ...]:
-    """Every slot idle: a DecodeState, or G of them with `decode_threads` = G > 1."""
-    if self.decode_threads == 1:
-      return self._init_fn()
-    return tuple(self._init_fn() for _ in range(self.decode_threads))
-
-  def group_of(self, slot: int) -> int:
-    """The slot group (and decode thread) that `slot` belongs to."""
-    return slot // self._group_slots
-
-  def spread(self, slots: Sequence[int]) -> list[int]:
-    """`slots` (free ones) in the order that fills the groups evenly: each next slot is
-    from the group with the most of `slots` left, so the first k taken split as evenly
-    as the groups' free slots allow."""
-    by_group: dict[int, list[int]] = {}
-    for slot in slots:
-      by_group.setdefault(self.group_of(slot), []).append(slot)
-    order = []
-    while by_group:
-      g = max(by_group, key=lambda g: (len(by_group[g]), -g))
-      order.append(by_group[g].pop(0))
-      if not by_group[g]:
-        del by_group[g]
-    return order
-
-  def _in_group(self, decode_state, slot: int, fn):
-    """`fn(group_state, slot within the group)` -> (new group state, result), applied
-    to `slot`'s group; returns the whole new state and the result."""
-    if self.decode_threads == 1:
-      return fn(decode_state, slot)
-    g, local = divmod(slot, self._group_slots)
-    state, result = fn(decode_state[g], local)
-    return decode_state[:g] + (state,) + decode_state[g + 1:], result
+  def init_decode_state(self) -> DecodeState:
+    """Every slot idle."""
+    return self._init_fn()
 
   def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
     """Right-pads `tokens` with zeros to the smallest bucket; returns (padded, length)."""
@@ -262,8 +203,7 @@ class Engine:
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Puts the (first) prompt of `prefix` into `slot`; the old `decode_state` is
     donated (unusable after)."""
-    return self._in_group(decode_state, slot, lambda state, slot: (
-        self._insert_fn(prefix, state, np.int32(slot)), None))[0]
+    return self._insert_fn(prefix, decode_state, np.int32(slot))
 
   def insert_samples(self, prefix: Prefix, decode_state: DecodeState, rows: Sequence[int],
                      slots: Sequence[int], samplings: Sequence[SlotSampling]
@@ -273,21 +213,19 @@ class Engine:
     draw `prefill` would make with it). Returns the new state (the old one is
     donated) and the first tokens, row i for sample i.
 
-    Two device calls whatever the number of samples; the arrays are padded to the
-    group's S / G rows so that neither recompiles for another count. The slots must
-    lie in one group (`group_of`).
+    Two device calls whatever the number of samples; the arrays are padded to S rows
+    so that neither recompiles for another count.
     """
-    n, S = len(slots), self._group_slots
-    groups = {self.group_of(slot) for slot in slots}
-    if not 1 <= n <= S or len(groups) != 1:
-      raise ValueError(f"insert_samples takes 1 to {S} slots, all in one slot group; got "
-                       f"{n} in groups {sorted(groups)}")
+    n, S = len(slots), self._num_slots
+    if not 1 <= n <= S:
+      raise ValueError(f"insert_samples takes 1 to {S} slots, got {n}")
     rows_S, slots_S = np.zeros(S, np.int32), np.zeros(S, np.int32)
-    rows_S[:n], slots_S[:n] = rows, np.asarray(slots) % S
+    rows_S[:n], slots_S[:n] = rows, slots
     sampling_S = _stack([*samplings, *[samplings[0]] * (S - n)])
     first = self._draw_fn(prefix.logits_BV, prefix.lengths_B, rows_S, sampling_S)
-    return self._in_group(decode_state, slots[0], lambda state, _: (self._insert_samples_fn(
-        prefix, state, rows_S, slots_S, first.tokens_S, sampling_S, np.int32(n)), first))
+    state = self._insert_samples_fn(prefix, decode_state, rows_S, slots_S, first.tokens_S,
+                                    sampling_S, np.int32(n))
+    return state, first
 
   def extend(self, params, decode_state: DecodeState, slot: int, tokens, start: int,
              sampling: SlotSampling) -> tuple[DecodeState, ResultTokens]:
@@ -302,26 +240,18 @@ class Engine:
     if start + count >= self.max_target_length:
       raise ValueError(f"extending to {start + count} tokens leaves no room in the cache "
                        f"of {self.max_target_length}")
-    return self._in_group(decode_state, slot, lambda state, slot: self._extend_fn(
-        params, state, padded, np.int32(count), np.int32(slot), np.int32(start), sampling))
+    return self._extend_fn(params, decode_state, padded, np.int32(count), np.int32(slot),
+                           np.int32(start), sampling)
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step over all slots; the old `decode_state` is donated."""
-    return self._each_group(self._generate_fn, params, decode_state)
+    return self._generate_fn(params, decode_state)
 
   def generate_chunk(self, params,
                      decode_state: DecodeState) -> tuple[DecodeState, ChunkTokens]:
-    """Up to `steps_per_call` decode steps of the live slots in one device call (one
-    per slot group, at once); the old `decode_state` is donated."""
-    return self._each_group(self._generate_chunk_fn, params, decode_state)
-
-  def _each_group(self, fn, params, decode_state):
-    """`fn(params, group state)` for every group, each dispatched from its group's
-    thread; returns the new state and the groups' results joined over the slots."""
-    if self.decode_threads == 1:
-      return fn(params, decode_state)
-    states, results = zip(*self._dispatchers.map(fn, [(params, s) for s in decode_state]))
-    return states, self._join_fn(results)
+    """Up to `steps_per_call` decode steps of the live slots in one device call; the old
+    `decode_state` is donated."""
+    return self._generate_chunk_fn(params, decode_state)
 
   def warmup(self, params) -> None:
     """Compiles every call the pool makes: prefill and insert for every bucket,

@@ -6,7 +6,7 @@ imports it.
 
 `JetStreamEngine` subclasses `jetstream.engine.engine_api.Engine` around our
 `Engine`, so JetStream's own orchestrator (`Driver`, `LLMOrchestrator`) can serve a
-trained policy; `serve_checkpoint` does that for a training checkpoint.
+trained policy (`rl.export.serve_checkpoint` does that for a training checkpoint).
 
 The first generated token. Our engine samples it in `prefill`. JetStream 0.2.2's
 Driver hands whatever `prefill` returns to `insert` and streams only the tokens that
@@ -54,26 +54,24 @@ for _handler in set(_root_logger.handlers) - set(_root_handlers):
   _root_logger.removeHandler(_handler)
 
 from async_rl import models  # noqa: E402
-from async_rl.config import ExperimentConfig  # noqa: E402
 from async_rl.generation import engine as engine_lib  # noqa: E402
 from async_rl.generation.sampling import SamplingParams, SlotSampling  # noqa: E402
-from async_rl.rl.checkpoint import restore_params  # noqa: E402
-from async_rl.tasks import CharTokenizer  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
-_TOKENIZER_PATH = "async_rl.tasks.CharTokenizer"
+_TOKENIZER_PATH = "async_rl"  # build_tokenizer gives the engine's own tokenizer
 # JetStream pads prompts to these lengths, cut at the engine's max_prefill_length,
 # which must be one of them (token_utils.pad_tokens).
 PREFILL_LENGTHS = tuple(2 ** i for i in range(4, 16))
 
 
-class CharTokenizerApi(tokenizer_api.Tokenizer):
-  """Our `CharTokenizer` behind JetStream's tokenizer API.
+class TokenizerApi(tokenizer_api.Tokenizer):
+  """A task's tokenizer (`tasks.protocol.Tokenizer` with pad, BOS and EOS ids) behind
+  JetStream's tokenizer API.
 
   Generation stops at EOS only, as in training (JetStream's default also stops at PAD).
   """
 
-  def __init__(self, tokenizer: CharTokenizer):
+  def __init__(self, tokenizer):
     self._tokenizer = tokenizer
 
   def encode(self, s: str, **kwargs):
@@ -134,18 +132,18 @@ class JetStreamEngine(engine_api.Engine):
       top_k, top_p and seed apply: a JetStream request sets its own length and the
       tokenizer's `stop_tokens` end it. Request i draws with (seed, i), so a run is
       reproducible for a fixed seed and arrival order.
-    tokenizer: what `build_tokenizer` wraps.
+    tokenizer: the task's tokenizer, which `build_tokenizer` wraps.
   """
 
   def __init__(self, engine: engine_lib.Engine, params, *,
-               sampling: SamplingParams = GREEDY, tokenizer: CharTokenizer | None = None):
+               tokenizer, sampling: SamplingParams = GREEDY):
     if engine.max_prefill_length not in PREFILL_LENGTHS:
       raise ValueError(f"max_prefill_length must be one of JetStream's prefill lengths "
                        f"{PREFILL_LENGTHS}, got {engine.max_prefill_length}")
     self.engine = engine
     self._params = params
     self._sampling = sampling
-    self._tokenizer = CharTokenizer() if tokenizer is None else tokenizer
+    self._tokenizer = tokenizer
     self._requests = itertools.count()
 
   def load_params(self):
@@ -190,10 +188,10 @@ class JetStreamEngine(engine_api.Engine):
   def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
     return tokenizer_pb2.TokenizerParameters(path=_TOKENIZER_PATH)
 
-  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> CharTokenizerApi:
+  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> TokenizerApi:
     if metadata.path != _TOKENIZER_PATH:
       raise ValueError(f"unknown tokenizer {metadata.path!r}; expected {_TOKENIZER_PATH!r}")
-    return CharTokenizerApi(self._tokenizer)
+    return TokenizerApi(self._tokenizer)
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -307,36 +305,3 @@ class JetStreamServer:
 
   def __exit__(self, *exc):
     self.stop()
-
-
-def serving_engine(cfg: ExperimentConfig) -> engine_lib.Engine:
-  """An engine for the run's model: `num_slots` slots, prompts up to the JetStream
-  prefill length that holds `max_prompt_len`, then `max_new_tokens` more."""
-  g = cfg.generation
-  prefill_length = next((n for n in PREFILL_LENGTHS if n >= g.max_prompt_len), None)
-  if prefill_length is None:
-    raise ValueError(f"generation.max_prompt_len {g.max_prompt_len} exceeds JetStream's "
-                     f"longest prefill length {PREFILL_LENGTHS[-1]}")
-  return engine_lib.Engine(cfg.model, max_concurrent_decodes=g.num_slots,
-                           max_prefill_length=prefill_length,
-                           max_target_length=prefill_length + g.max_new_tokens)
-
-
-def serve_checkpoint(cfg: ExperimentConfig, checkpoint_dir: str,
-                     prompts: Sequence[str | Sequence[int]], *, max_tokens: int | None = None,
-                     step: int | None = None,
-                     sampling: SamplingParams = GREEDY) -> list[Completion]:
-  """Serves a training checkpoint with JetStream's orchestrator and completes `prompts`.
-
-  Args:
-    cfg: the run's config (its model, and generation sizes for the engine).
-    checkpoint_dir: the run's checkpoint directory (`<workdir>/checkpoints`).
-    prompts: text or token ids, as for `JetStreamServer.complete`.
-    max_tokens: tokens per completion; default `cfg.generation.max_new_tokens`.
-    step: the checkpoint to serve; default the latest.
-    sampling: as for `JetStreamEngine`; greedy by default.
-  """
-  params = restore_params(checkpoint_dir, cfg.model, step=step)
-  engine = JetStreamEngine(serving_engine(cfg), params, sampling=sampling)
-  with JetStreamServer(engine) as server:
-    return server.complete(prompts, max_tokens=max_tokens or cfg.generation.max_new_tokens)

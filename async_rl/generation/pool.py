@@ -7,7 +7,7 @@ device work happens on that thread. The device decodes in chunks of the engine's
 `steps_per_call` steps (`Engine.generate_chunk`), ending samples inside a chunk; new
 samples, aborts, pauses and weight updates apply between two chunks. Free slots are
 refilled from a FIFO queue of samples before each chunk, so short samples never wait
-for long ones (see `batch` for when a chunk's tokens are read).
+for long ones (see `host_batch` for when a chunk's tokens are read).
 
 Weight updates (DESIGN.md, "Interruptible generation"), applied between two chunks:
   * "retract": every in-flight sequence is re-prefilled (prompt + tokens so far)
@@ -30,17 +30,16 @@ the slot instead, so that a turn starts from the cache a fresh request would hav
 
 import threading
 import time
-from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import Future
 
 import jax
 import numpy as np
 
-from async_rl.generation.batch import HostBatch, Job
-from async_rl.generation.decode_thread import DecodeThread, Stats, Update
+from async_rl.generation.host_batch import Job
 from async_rl.generation.engine import Engine
 from async_rl.generation.request import Request, SlotHandle, validate
+from async_rl.generation.scheduler import Inbox, Scheduler, Update
 from async_rl.timeline import Timeline
 
 UPDATE_MODES = ("retract", "keep", "drain")
@@ -53,7 +52,7 @@ def _running_future() -> Future:
   return future
 
 
-class GeneratorPool(DecodeThread):
+class GeneratorPool:
   """Serves `Request`s on one engine from a background decode thread.
 
   Futures complete on the decode thread, so their callbacks must be quick and must
@@ -73,26 +72,15 @@ class GeneratorPool(DecodeThread):
                timeline: Timeline | None = None):
     self.engine = engine
     self.timeline = Timeline() if timeline is None else timeline
-    self._params = engine.load_params(params)
-    self._version = version
-    self._state = engine.init_decode_state()
-    self._batch = HostBatch(engine.max_concurrent_decodes, engine.max_target_length,
-                            self._complete)
-    self._cv = threading.Condition()
+    self._inbox = Inbox()
+    self._cv = self._inbox.cv
+    self._scheduler = Scheduler(engine, engine.load_params(params), version, self._inbox,
+                                self.timeline)
     self._update_lock = threading.Lock()
-    self._queue: deque[tuple[Job, int]] = deque()
-    self._extends: deque[Job] = deque()
-    self._releases: list[SlotHandle] = []
-    self._jobs: dict[Hashable, Job] = {}
-    self._aborts: list[Job] = []
-    self._updates: deque[Update] = deque()
     self._requested_version = version
-    self._paused = self._halted = self._closing = False
-    self._pause_started = self._last_submit = 0.0
-    self._error: BaseException | None = None
     self._seeds = np.random.default_rng(seed)
-    self._stats = Stats()
-    self._thread = threading.Thread(target=self._run, name="generator-pool", daemon=True)
+    self._thread = threading.Thread(target=self._scheduler.run, name="generator-pool",
+                                    daemon=True)
     self._thread.start()
 
   # Public API: called from any thread.
@@ -100,7 +88,12 @@ class GeneratorPool(DecodeThread):
   @property
   def version(self) -> int:
     """Version of the params now used for decoding."""
-    return self._version
+    return self._scheduler.version
+
+  @property
+  def requested_version(self) -> int:
+    """The newest version handed to `update_weights` (`version` once it is live)."""
+    return self._requested_version
 
   def submit(self, request: Request) -> Future:
     """Queues `request`; the future resolves to its n `Trajectory`s, in index order
@@ -112,8 +105,8 @@ class GeneratorPool(DecodeThread):
     """
     with self._cv:
       job = self._new_job(request)
-      self._queue.extend((job, i) for i in range(request.n))
-      self._last_submit = time.perf_counter()
+      self._inbox.queue.extend((job, i) for i in range(request.n))
+      self._inbox.last_submit = time.perf_counter()
       self._cv.notify_all()
     return job.future
 
@@ -135,14 +128,14 @@ class GeneratorPool(DecodeThread):
     with self._cv:
       job = self._new_job(request)
       job.handle = handle
-      self._extends.append(job)
+      self._inbox.extends.append(job)
       self._cv.notify_all()
     return job.future
 
   def release(self, handle: SlotHandle) -> None:
     """Frees the slot `handle` holds (the episode ended); a no-op if it is not held."""
     with self._cv:
-      self._releases.append(handle)
+      self._inbox.releases.append(handle)
       self._cv.notify_all()
 
   def _new_job(self, request: Request) -> Job:
@@ -150,13 +143,13 @@ class GeneratorPool(DecodeThread):
     prompt_P = validate(request, vocab_size=self.engine.cfg.vocab_size,
                         max_prefill_length=self.engine.max_prefill_length)
     self._check_open()
-    if request.request_id in self._jobs:
+    if request.request_id in self._inbox.jobs:
       raise ValueError(f"request_id {request.request_id!r} is already in flight")
     seed = request.sampling.seed
     if seed is None:
       seed = int(self._seeds.integers(2 ** 32))
     job = Job(request, prompt_P, seed, _running_future(), [None] * request.n, request.n)
-    self._jobs[request.request_id] = job
+    self._inbox.jobs[request.request_id] = job
     return job
 
   def abort(self, request_id: Hashable) -> bool:
@@ -164,11 +157,11 @@ class GeneratorPool(DecodeThread):
     future resolves with what was generated (unfinished samples: "aborted").
     Returns False if the request is unknown or already finished."""
     with self._cv:
-      job = self._jobs.get(request_id)
+      job = self._inbox.jobs.get(request_id)
       if job is None or job.aborted:
         return False
       job.aborted = True
-      self._aborts.append(job)
+      self._inbox.aborts.append(job)
       self._cv.notify_all()
       return True
 
@@ -177,18 +170,19 @@ class GeneratorPool(DecodeThread):
 
     Aborts and weight updates are still applied while paused (a "drain" update
     waits for `resume`, since draining needs decoding)."""
+    box = self._inbox
     with self._cv:
-      if not self._paused:
-        self._paused, self._halted = True, False
-        self._pause_started = time.perf_counter()
+      if not box.paused:
+        box.paused, box.halted, box.pause_started = True, False, time.perf_counter()
         self._cv.notify_all()
-      self._cv.wait_for(lambda: self._halted or self._closing or self._error is not None)
+      self._cv.wait_for(lambda: box.halted or box.closing or box.error is not None)
 
   def resume(self) -> None:
+    box = self._inbox
     with self._cv:
-      if self._paused:
-        self._stats.paused_s += time.perf_counter() - self._pause_started
-        self._paused = False
+      if box.paused:
+        self._scheduler.stats.paused_s += time.perf_counter() - box.pause_started
+        box.paused = False
         self._cv.notify_all()
 
   def update_weights(self, params, version: int, mode: str = "retract") -> Future:
@@ -217,7 +211,7 @@ class GeneratorPool(DecodeThread):
       with self._cv:
         self._check_open()
         self._requested_version = version
-        self._updates.append(update)
+        self._inbox.updates.append(update)
         self._cv.notify_all()
     return update.future
 
@@ -232,17 +226,17 @@ class GeneratorPool(DecodeThread):
     after a weight update, `evictions` held slots freed for queued samples.
     """
     with self._cv:
-      s, b = self._stats, self._batch
-      paused_s = s.paused_s + (time.perf_counter() - self._pause_started if self._paused else 0)
+      s, b, box = self._scheduler.stats, self._scheduler.batch, self._inbox
+      paused_s = s.paused_s + (time.perf_counter() - box.pause_started if box.paused else 0)
       return {
-          "version": self._version,
+          "version": self._scheduler.version,
           "active_slots": b.num_active(),
           "held_slots": len(b.held),
           "extended_in_slot": s.extended_in_slot,
           "extended_reprefilled": s.extended_reprefilled,
           "evictions": s.evictions,
           "slot_occupancy": b.step_tokens / max(b.steps * len(b.slots), 1),
-          "queue_length": len(self._queue),
+          "queue_length": len(box.queue),
           "decode_steps": b.steps,
           "decode_calls": b.calls,
           "steps_per_call": b.steps / max(b.calls, 1),
@@ -261,7 +255,7 @@ class GeneratorPool(DecodeThread):
   def shutdown(self) -> None:
     """Aborts everything outstanding and stops the decode thread; idempotent."""
     with self._cv:
-      self._closing = True
+      self._inbox.closing = True
       self._cv.notify_all()
     self._thread.join()
 
@@ -272,7 +266,7 @@ class GeneratorPool(DecodeThread):
     self.shutdown()
 
   def _check_open(self):
-    if self._error is not None:
-      raise RuntimeError("the generator pool's decode thread failed") from self._error
-    if self._closing:
+    if self._inbox.error is not None:
+      raise RuntimeError("the generator pool's decode thread failed") from self._inbox.error
+    if self._inbox.closing:
       raise RuntimeError("the generator pool is shut down")

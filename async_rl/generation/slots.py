@@ -8,7 +8,7 @@ with the batch's next `flush`.
 
 import numpy as np
 
-from async_rl.generation.batch import Held, HostBatch, Job
+from async_rl.generation.host_batch import Held, HostBatch, Job
 from async_rl.generation.decode_state import DecodeState
 from async_rl.generation.engine import Engine
 from async_rl.generation.sampling import SlotSampling
@@ -28,14 +28,12 @@ def start_samples(engine: Engine, params, version: int, state: DecodeState, batc
         samplings=[SlotSampling.create(job.request.sampling, job.seed, 0) for job in stale])
     for job, ref in zip(stale, refs):
       job.prefix, job.prefix_version = ref, version
-  # One insert_samples call per Prefix and slot group: prompts prefilled together
-  # start together.
+  # One insert_samples call per Prefix: prompts prefilled together start together.
   starts = {}
   for slot, (job, index) in zip(free, taken):
     prefix, row = job.prefix
     sampling = SlotSampling.create(job.request.sampling, job.seed, index)
-    starts.setdefault((id(prefix), engine.group_of(slot)), (prefix, []))[1].append(
-        (slot, job, index, sampling, row))
+    starts.setdefault(id(prefix), (prefix, []))[1].append((slot, job, index, sampling, row))
     job.unstarted -= 1
   for job in jobs:
     if not job.unstarted:

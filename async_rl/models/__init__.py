@@ -1,5 +1,7 @@
-"""Decoder-only transformers as pure functions of a params pytree."""
+"""Decoder-only transformers as pure functions of a params pytree.
 
-from async_rl.models.config import ModelConfig, PRESETS, preset
+Every function takes the model's shape and numerics as `cfg`, a `config.ModelConfig`.
+"""
+
 from async_rl.models.transformer import (cache_len, decode, forward, hidden, init_cache,
                                          init_params, prefill, split_layers, unembed)

@@ -15,8 +15,7 @@ and s <= t: causal order within a segment is row order, and positions are not ne
     `jax._src.cudnn` module, on Hopper and later.)
   * elsewhere (CPU): `blockwise`, plain XLA: the row is cut into at most
     `_MAX_BLOCKS` query blocks and block i scores only the keys of blocks 0..i, so
-    about (n + 1) / 2n of the dense T x T work runs (on a 2-core CPU its forward and
-    backward took 0.25x to 0.6x the time of the dense masked einsum at T = 128..1024);
+    about (n + 1) / 2n of the dense T x T work runs (Z = T / n tokens per block);
     and when the micro-batch's longest sequence is short, only a band of key blocks
     that holds it (`windows`).
 
@@ -66,9 +65,9 @@ def windows(T: int) -> tuple[int, ...]:
   """Key windows `blockwise` chooses among: T, and those of T/8, T/4, T/2 whose band
   (n blocks, each over b + 1 blocks of keys) costs less than the causal triangle."""
   n = num_blocks(T)
-  C = T // n
-  band = lambda w: -(-(w - 1) // C)
-  return tuple(w for w in (T // 8, T // 4, T // 2) if w >= C and T % w == 0
+  Z = T // n
+  band = lambda w: -(-(w - 1) // Z)
+  return tuple(w for w in (T // 8, T // 4, T // 2) if w >= Z and T % w == 0
                and n * (band(w) + 1) < n * (n + 1) // 2) + (T,)
 
 
@@ -104,19 +103,19 @@ def _causal_blocks(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
   B, T, H, E = q_BTHE.shape
   K = k_BTKE.shape[2]
   n = num_blocks(T)
-  C = T // n
-  q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
+  Z = T // n
+  q_BTKQE = q_BTHE.reshape(B, T, K, H // K, E)
   out = []
-  # A static loop: block i has its own key length (i + 1) C, and n <= 16 keeps the
+  # A static loop: block i has its own key length (i + 1) Z, and n <= 16 keeps the
   # program small.
   for i in range(n):
-    keys = slice(0, (i + 1) * C)
-    seg_q, seg_k = segment_ids_BT[:, i * C:(i + 1) * C], segment_ids_BT[:, keys]
-    causal_CS = i * C + jnp.arange(C)[:, None] >= jnp.arange((i + 1) * C)[None, :]
-    mask_BCS = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] > 0) & causal_CS
-    out.append(_scores_to_out(q_BTKGE[:, i * C:(i + 1) * C], k_BTKE[:, keys],
-                              v_BTKE[:, keys], mask_BCS[:, None, None],
-                              "bckge,bske->bkgcs", "bkgcs,bske->bckge"))
+    keys = slice(0, (i + 1) * Z)
+    seg_q, seg_k = segment_ids_BT[:, i * Z:(i + 1) * Z], segment_ids_BT[:, keys]
+    causal_ZS = i * Z + jnp.arange(Z)[:, None] >= jnp.arange((i + 1) * Z)[None, :]
+    mask_BZS = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] > 0) & causal_ZS
+    out.append(_scores_to_out(q_BTKQE[:, i * Z:(i + 1) * Z], k_BTKE[:, keys],
+                              v_BTKE[:, keys], mask_BZS[:, None, None],
+                              "bzkqe,bske->bkqzs", "bkqzs,bske->bzkqe"))
   return jnp.concatenate(out, axis=1).reshape(B, T, H, E)
 
 
@@ -125,22 +124,22 @@ def _band(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, window):
   B, T, H, E = q_BTHE.shape
   K = k_BTKE.shape[2]
   n = num_blocks(T)
-  C = T // n
-  b = -(-(window - 1) // C)  # blocks back
+  Z = T // n
+  b = -(-(window - 1) // Z)  # blocks back
   # Front padding is segment 0, which no query sees; slot s of block i's window is
-  # key i C - b C + s.
+  # key i Z - b Z + s.
   def windows_of(x):
-    x = jnp.pad(x, ((0, 0), (b * C, 0)) + ((0, 0),) * (x.ndim - 2))
-    return jnp.concatenate([x[:, j * C:(j + n) * C].reshape(B, n, C, *x.shape[2:])
+    x = jnp.pad(x, ((0, 0), (b * Z, 0)) + ((0, 0),) * (x.ndim - 2))
+    return jnp.concatenate([x[:, j * Z:(j + n) * Z].reshape(B, n, Z, *x.shape[2:])
                             for j in range(b + 1)], axis=2)
   k_BnSKE, v_BnSKE, seg_BnS = (windows_of(x) for x in (k_BTKE, v_BTKE, segment_ids_BT))
-  seg_BnC = segment_ids_BT.reshape(B, n, C)
-  causal_CS = jnp.arange(C)[:, None] + b * C >= jnp.arange((b + 1) * C)[None, :]
-  mask_BnCS = ((seg_BnC[..., :, None] == seg_BnS[..., None, :]) & (seg_BnS[..., None, :] > 0)
-               & causal_CS)
-  out = _scores_to_out(q_BTHE.reshape(B, n, C, K, H // K, E), k_BnSKE, v_BnSKE,
-                       mask_BnCS[:, :, None, None], "bnckge,bnske->bnkgcs",
-                       "bnkgcs,bnske->bnckge")
+  seg_BnZ = segment_ids_BT.reshape(B, n, Z)
+  causal_ZS = jnp.arange(Z)[:, None] + b * Z >= jnp.arange((b + 1) * Z)[None, :]
+  mask_BnZS = ((seg_BnZ[..., :, None] == seg_BnS[..., None, :]) & (seg_BnS[..., None, :] > 0)
+               & causal_ZS)
+  out = _scores_to_out(q_BTHE.reshape(B, n, Z, K, H // K, E), k_BnSKE, v_BnSKE,
+                       mask_BnZS[:, :, None, None], "bnzkqe,bnske->bnkqzs",
+                       "bnkqzs,bnske->bnzkqe")
   return out.reshape(B, T, H, E)
 
 
@@ -154,10 +153,10 @@ def flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, interpret: bool = False
   # Imported here: the Pallas GPU modules add half a second to every CPU process.
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
   B, T, H, E = q_BTHE.shape
-  G = H // k_BTKE.shape[2]
+  Q = H // k_BTKE.shape[2]
   block = min(_GPU_BLOCK, 1 << max(T - 1, 15).bit_length())
   pad = -T % block
-  k_BTHE, v_BTHE = (jnp.repeat(x, G, axis=2) for x in (k_BTKE, v_BTKE))
+  k_BTHE, v_BTHE = (jnp.repeat(x, Q, axis=2) for x in (k_BTKE, v_BTKE))
   padded = [jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q_BTHE, k_BTHE, v_BTHE)]
   bwd = min(block, _GPU_BWD_BLOCK)
   sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=bwd,

@@ -18,24 +18,23 @@ import re
 
 import numpy as np
 
-from async_rl.models.config import ModelConfig
 
 
-def matmul_params(cfg: ModelConfig) -> int:
+def matmul_params(cfg) -> int:
   """N: params that take part in a matmul per token."""
   D, F, H, K, E, L, V = (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                          cfg.n_layers, cfg.vocab_size)
   return L * (D * (H + 2 * K) * E + H * E * D + 3 * D * F) + D * V
 
 
-def train_flops(cfg: ModelConfig, positions) -> float:
+def train_flops(cfg, positions) -> float:
   """Model FLOPs of a forward and backward over tokens at `positions` (valid tokens only)."""
   positions = np.asarray(positions)
   LHE = cfg.n_layers * cfg.n_heads * cfg.head_dim
   return 6.0 * matmul_params(cfg) * positions.size + 12.0 * LHE * float((positions + 1).sum())
 
 
-def attention_break_even_len(cfg: ModelConfig) -> float:
+def attention_break_even_len(cfg) -> float:
   """Row length at which a row's causal attention costs as many FLOPs as its matmuls.
 
   Over a row of T tokens causal attention averages about T / 2 keys per token, so

@@ -18,11 +18,8 @@ from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from async_rl import sharding
-from async_rl.models.config import ModelConfig
-from async_rl.models.hf_config import config_to_hf, read_config
+from async_rl.models.hf_config import config_to_hf
 from async_rl.models.transformer import Params, init_params
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -33,7 +30,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "me
 class _Rule:
   hf_name: str  # "{}" stands for the layer index.
   path: tuple[str, ...]  # Leaf of our params tree.
-  hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+  hf_shape: Callable[[Any], tuple[int, ...]]  # of the model config
   transposed: bool
 
 
@@ -73,7 +70,7 @@ def _get(tree, path):
   return tree
 
 
-def _abstract_params(cfg: ModelConfig):
+def _abstract_params(cfg):
   return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
 
 
@@ -124,7 +121,7 @@ class _Reader:
     return self._open[file].get_tensor(name)
 
 
-def _host_leaf(rule: _Rule, cfg: ModelConfig, leaf, read) -> np.ndarray:
+def _host_leaf(rule: _Rule, cfg, leaf, read) -> np.ndarray:
   names = ([rule.hf_name.format(i) for i in range(cfg.n_layers)] if "{}" in rule.hf_name
            else [rule.hf_name])
   shape = leaf.shape[1:] if "{}" in rule.hf_name else leaf.shape
@@ -138,16 +135,16 @@ def _host_leaf(rule: _Rule, cfg: ModelConfig, leaf, read) -> np.ndarray:
   return np.stack(parts) if "{}" in rule.hf_name else parts[0]
 
 
-def load_hf(model_dir: str, *, mesh: Optional[Mesh] = None,
-            dtype: Optional[str] = None) -> tuple[ModelConfig, Params]:
-  """Reads a Hugging Face Qwen2/Qwen3 directory into (config, params).
+def load_hf(model_dir: str, cfg, *, shardings=None) -> Params:
+  """Reads the weights of a Hugging Face Qwen2/Qwen3 directory.
 
-  Each leaf is assembled on the host and put straight onto its sharding from
-  `sharding.param_shardings` (on `mesh`; the default device when None), so no
-  device ever holds more than its shards. Missing, unexpected and mis-shaped
-  tensors raise ValueError naming the tensor.
+  `cfg` is the model's `config.ModelConfig`, its architecture that of the directory's
+  `config.json` (`hf_config.read_config`). Each leaf is assembled on the host and put
+  straight onto its sharding in `shardings` (a tree like the params', e.g.
+  `sharding.param_shardings`; None: the default device), so no device ever holds
+  more than its shards. Missing, unexpected and mis-shaped tensors raise ValueError
+  naming the tensor.
   """
-  cfg = read_config(model_dir, dtype=dtype)
   abstract = _abstract_params(cfg)
   rules = _active_rules(abstract)
   where = _tensor_files(model_dir)
@@ -164,8 +161,8 @@ def load_hf(model_dir: str, *, mesh: Optional[Mesh] = None,
     raise ValueError(f"{model_dir}: unexpected tensor {unexpected[0]!r}"
                      + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
 
-  shardings = (sharding.param_shardings(abstract, mesh) if mesh is not None
-               else jax.tree.map(lambda _: None, abstract))
+  if shardings is None:
+    shardings = jax.tree.map(lambda _: None, abstract)
   read = _Reader(where)
   flat = {}
   for rule in rules:
@@ -174,10 +171,10 @@ def load_hf(model_dir: str, *, mesh: Optional[Mesh] = None,
     flat[rule.path] = jax.device_put(host) if target is None else jax.device_put(host, target)
   params = jax.tree_util.tree_map_with_path(
       lambda path, _: flat[tuple(k.key for k in path)], abstract)
-  return cfg, params
+  return params
 
 
-def save_hf(cfg: ModelConfig, params: Params, out_dir: str, *,
+def save_hf(cfg, params: Params, out_dir: str, *,
             tokenizer_dir: Optional[str] = None) -> None:
   """Writes `config.json` and `model.safetensors` that `transformers` loads, plus the
   tokenizer and generation files found in `tokenizer_dir`, if given."""

@@ -1,14 +1,13 @@
-"""Hugging Face Qwen2/Qwen3 `config.json` <-> our `ModelConfig` (no weights, no JAX work).
+"""Hugging Face Qwen2/Qwen3 `config.json` <-> the fields of our `config.ModelConfig`.
 
-Kept apart from `models/hf.py` (weights) so that the experiment config can read a
-checkpoint's architecture without importing sharding or the trainer.
+No weights and no JAX work (`models/hf.py` has the weights), so that the builder can
+read a checkpoint's architecture before anything is compiled.
 """
 
 import json
 import os
 from typing import Optional
 
-from async_rl.models.config import ModelConfig
 
 _ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -22,8 +21,8 @@ def _rope_theta(config_json: dict) -> float:
   return float(rope.get("rope_theta", config_json.get("rope_theta", 10000.0)))
 
 
-def config_from_hf(config_json: dict, *, dtype: Optional[str] = None) -> ModelConfig:
-  """Our `ModelConfig` for a Hugging Face Qwen2/Qwen3 `config.json` dict.
+def config_from_hf(config_json: dict, *, dtype: Optional[str] = None) -> dict:
+  """The `config.ModelConfig` fields of a Hugging Face Qwen2/Qwen3 `config.json` dict.
 
   `dtype` sets both compute and storage dtypes; by default the checkpoint's own
   (`dtype`, or `torch_dtype` in older files), else float32.
@@ -41,7 +40,7 @@ def config_from_hf(config_json: dict, *, dtype: Optional[str] = None) -> ModelCo
   if dtype not in _DTYPES:
     raise ValueError(f"config.json: dtype must be one of {_DTYPES}, got {dtype!r}")
   d_model, n_heads = config_json["hidden_size"], config_json["num_attention_heads"]
-  return ModelConfig(
+  return dict(
       vocab_size=config_json["vocab_size"],
       d_model=d_model,
       n_layers=config_json["num_hidden_layers"],
@@ -60,13 +59,13 @@ def config_from_hf(config_json: dict, *, dtype: Optional[str] = None) -> ModelCo
   )
 
 
-def read_config(model_dir: str, *, dtype: Optional[str] = None) -> ModelConfig:
+def read_config(model_dir: str, *, dtype: Optional[str] = None) -> dict:
   """`config_from_hf` of the `config.json` in `model_dir`."""
   with open(os.path.join(model_dir, "config.json")) as f:
     return config_from_hf(json.load(f), dtype=dtype)
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg) -> dict:
   """The `config.json` dict that `transformers` reads back as the same model."""
   if cfg.qk_norm:
     arch, extra = "Qwen3ForCausalLM", {"model_type": "qwen3", "attention_bias": cfg.qkv_bias}

@@ -19,10 +19,9 @@ from collections.abc import Iterable
 from typing import Optional
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-DEFAULT_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def chat_prompt(question: str, system: Optional[str] = DEFAULT_SYSTEM) -> str:
+def chat_prompt(question: str, system: Optional[str] = None) -> str:
   """The Qwen chat template for one user turn, ending where the assistant begins.
 
   `<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{question}<|im_end|>\\n
@@ -111,6 +110,6 @@ class HFTokenizer:
       kept.append(int(token))
     return self._tok.decode(kept, skip_special_tokens=skip_special_tokens)
 
-  def encode_chat(self, question: str, system: Optional[str] = DEFAULT_SYSTEM) -> list[int]:
+  def encode_chat(self, question: str, system: Optional[str] = None) -> list[int]:
     """The ids of `chat_prompt(question, system)`."""
     return self.encode(chat_prompt(question, system))

@@ -24,13 +24,12 @@ cast to the params' dtype, and the activations of a micro-batch (they scale with
 
 import jax.numpy as jnp
 
-from async_rl.config import ExperimentConfig
-
 GIB = 2**30
 
 
-def estimate_memory(cfg: ExperimentConfig) -> dict[str, int]:
-  """Bytes of params, optimizer, gradients, kv_cache, and the trainer/generator sums."""
+def estimate_memory(cfg) -> dict[str, int]:
+  """Bytes of params, optimizer, gradients, kv_cache, and the trainer/generator sums of
+  an experiment (`config.ExperimentConfig`: its `model` and `generation`)."""
   m, g = cfg.model, cfg.generation
   n = m.num_params()
   param_bytes = jnp.dtype(m.param_dtype).itemsize
@@ -47,6 +46,6 @@ def estimate_memory(cfg: ExperimentConfig) -> dict[str, int]:
   return out
 
 
-def describe(cfg: ExperimentConfig) -> str:
+def describe(cfg) -> str:
   """`estimate_memory(cfg)` as one line per entry, in GiB (what config docstrings quote)."""
   return "\n".join(f"{k}: {v / GIB:.2f} GiB" for k, v in estimate_memory(cfg).items())

@@ -23,14 +23,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from async_rl.models.attention import attention
-from async_rl.models.config import ModelConfig
 
 Params = dict[str, Any]
 
 _NEG_INF = -1e30
 
 
-def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+def init_params(cfg, key: jax.Array) -> Params:
   """Random params (truncated-normal scaled by fan-in); pure, so `jax.eval_shape` works."""
   D, F, H, K, E, L, V = (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, cfg.n_layers, cfg.vocab_size)
@@ -90,12 +89,12 @@ def _attention(q_BTHE, k_BSKE, v_BSKE, mask_BTS):
   """Grouped-query attention; `mask_BTS` is True where query t may see key s."""
   B, T, H, E = q_BTHE.shape
   K = k_BSKE.shape[2]
-  q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
-  scores = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE,
+  q_BTKQE = q_BTHE.reshape(B, T, K, H // K, E)
+  scores = jnp.einsum("btkqe,bske->bkqts", q_BTKQE, k_BSKE,
                       preferred_element_type=jnp.float32) * (E ** -0.5)
   scores = jnp.where(mask_BTS[:, None, None], scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
-  out = jnp.einsum("bkgts,bske->btkge", probs, v_BSKE)
+  out = jnp.einsum("bkqts,bske->btkqe", probs, v_BSKE)
   return out.reshape(B, T, H, E)
 
 
@@ -103,12 +102,12 @@ def _decode_attention(q_S1HE, k_SKTE, v_SKTE, mask_ST):
   """`_attention` of one query per slot against a cache laid out [S, K, T, E]."""
   S, _, H, E = q_S1HE.shape
   K = k_SKTE.shape[1]
-  q_SKGE = q_S1HE.reshape(S, K, H // K, E)
-  scores = jnp.einsum("skge,skte->skgt", q_SKGE, k_SKTE,
+  q_SKQE = q_S1HE.reshape(S, K, H // K, E)
+  scores = jnp.einsum("skqe,skte->skqt", q_SKQE, k_SKTE,
                       preferred_element_type=jnp.float32) * (E ** -0.5)
   scores = jnp.where(mask_ST[:, None, None], scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_SKTE.dtype)
-  return jnp.einsum("skgt,skte->skge", probs, v_SKTE).reshape(S, 1, H, E)
+  return jnp.einsum("skqt,skte->skqe", probs, v_SKTE).reshape(S, 1, H, E)
 
 
 @jax.custom_vjp
@@ -147,21 +146,20 @@ def _linear(x, w, n_in=1):
 def _project_qkv(lp, cfg, h_BTD, positions_BT):
   """q, k and v in one matmul: each kv head's query group, key and value side by side.
 
-  The weights are joined per call as [D, K, G + 2, E] (G = H / K query heads per kv
-  head): joining along G keeps the K axis, which tensor parallelism shards, where it
-  was. On a 2-core CPU one matmul instead of three (and one input gradient instead of
-  a sum of three) took the forward and backward of issue 16's micro-batches to 0.91x
-  their time and a decode step to 0.95x. (Gate and up joined the same way: 1.04x.)
+  The weights are joined per call as [D, K, Q + 2, E] (Q = H / K query heads per kv
+  head): joining along Q keeps the K axis, which tensor parallelism shards, where it
+  was. One matmul instead of three (and one input gradient instead of a sum of three)
+  is faster on a CPU (BENCHMARKS.md, "Train step").
   """
   H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  G = H // K
+  Q = H // K
   join = lambda q, k, v: jnp.concatenate(
-      [q.reshape(*q.shape[:-2], K, G, E), k[..., None, :], v[..., None, :]], axis=-2)
+      [q.reshape(*q.shape[:-2], K, Q, E), k[..., None, :], v[..., None, :]], axis=-2)
   qkv = _linear(h_BTD, join(lp["q"], lp["k"], lp["v"]))
   if cfg.qkv_bias:
     qkv = qkv + join(lp["q_bias"], lp["k_bias"], lp["v_bias"]).astype(qkv.dtype)
-  q = qkv[..., :G, :].reshape(*qkv.shape[:-3], H, E)
-  k, v = qkv[..., G, :], qkv[..., G + 1, :]
+  q = qkv[..., :Q, :].reshape(*qkv.shape[:-3], H, E)
+  k, v = qkv[..., Q, :], qkv[..., Q + 1, :]
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
@@ -193,7 +191,7 @@ def _embed(params, cfg, tokens_BT):
   return params["embed"][tokens_BT].astype(cfg.dtype)
 
 
-def unembed(params: Params, cfg: ModelConfig, x_BTD):
+def unembed(params: Params, cfg, x_BTD):
   """Final RMSNorm and LM head: float32 logits [B, T, V] of hidden states [B, T, D]."""
   x = rms_norm(x_BTD, params["final_norm"], cfg.rms_eps)
   head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
@@ -205,7 +203,7 @@ def unembed(params: Params, cfg: ModelConfig, x_BTD):
 _logits = unembed
 
 
-def hidden(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_ids_BT):
+def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT):
   """Hidden states [B, T, D] of packed rows after the last layer, before `unembed`.
 
   Query t sees key s iff both are in the same non-padding segment and s <= t
@@ -225,7 +223,7 @@ def hidden(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_id
   return x
 
 
-def forward(params: Params, cfg: ModelConfig, tokens_BT, positions_BT, segment_ids_BT):
+def forward(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT):
   """Logits [B, T, V] (float32) for packed rows: `unembed` of `hidden`."""
   return unembed(params, cfg, hidden(params, cfg, tokens_BT, positions_BT, segment_ids_BT))
 
@@ -257,7 +255,7 @@ def _layer_list(params: Params):
   return split_layers(params)["layers"]
 
 
-def init_cache(cfg: ModelConfig, num_slots: int, max_len: int):
+def init_cache(cfg, num_slots: int, max_len: int):
   """Empty KV cache: k and v are tuples of L arrays [S, K, T, E] in the compute dtype.
 
   One buffer per layer: decoding's attention reads (and its scatter updates) the
@@ -277,7 +275,7 @@ def cache_len(cache) -> int:
   return cache["k"][0].shape[2]
 
 
-def prefill(params: Params, cfg: ModelConfig, tokens_BT, lengths_B):
+def prefill(params: Params, cfg, tokens_BT, lengths_B):
   """Runs right-padded prompts; returns (logits [B, T, V], cache for those rows).
 
   Row b holds `lengths_B[b]` real tokens at positions 0..len-1. The cache (laid out
@@ -298,7 +296,7 @@ def prefill(params: Params, cfg: ModelConfig, tokens_BT, lengths_B):
   return _logits(params, cfg, x), {"k": tuple(ks), "v": tuple(vs)}
 
 
-def decode(params: Params, cfg: ModelConfig, cache, tokens_S, positions_S):
+def decode(params: Params, cfg, cache, tokens_S, positions_S):
   """One token per slot: writes its K/V at `positions_S` and attends to positions <= it.
 
   Returns (logits [S, V] float32, updated cache). Slots whose position is past the

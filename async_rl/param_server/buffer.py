@@ -10,9 +10,9 @@ from typing import Optional
 
 import numpy as np
 
+from async_rl.config import ON_STALE
 from async_rl.trajectory import Group, staleness_counts
 
-ON_STALE = ("drop", "mask_tokens", "admit")
 # Samples by completion length: offered, admitted, dropped (at offer or while
 # waiting), handed to the trainer; and "trained_tokens", the tokens those trained
 # samples of each length kept in the loss.

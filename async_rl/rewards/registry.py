@@ -36,10 +36,4 @@ def resolve_reward_fn(name: str | RewardFn) -> RewardFn:
     return name
   if not isinstance(name, str):
     raise ValueError(f"a reward function must be a name or a callable, got {name!r}")
-  if name in REWARD_FNS:
-    return REWARD_FNS[name]
-  fn = named.load_named(name, "reward_fn", "reward function")
-  if fn is None:
-    raise ValueError(f"unknown reward function {name!r}: use one of "
-                     f"{sorted(REWARD_FNS)} or 'module:function'")
-  return fn
+  return named.lookup(REWARD_FNS, name, "reward_fn", "reward function")

@@ -22,6 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from async_rl import models
+from async_rl.config import ModelConfig
 from async_rl.rl.errors import NoUsableCheckpointError
 
 
@@ -120,7 +121,7 @@ class Checkpointer:
     self._manager.close()
 
 
-def restore_params(directory: str, cfg: models.ModelConfig, *, step: int | None = None,
+def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,
                    sharding: jax.sharding.Sharding | None = None):
   """The params of a `Checkpointer` checkpoint under `directory`, without its optimizer state.
 

@@ -117,6 +117,7 @@ class _Generate:
   def __init__(self, pool, follow, request: Request):
     self._pool, self._follow, self._request = pool, follow, request
     self._calls = itertools.count()
+    self.max_new_tokens = request.sampling.max_new_tokens
 
   def __call__(self, tokens, n=1, *, max_new_tokens=None, stop_ids=None, hold_slot=False,
                slot=None) -> Future:

@@ -5,6 +5,11 @@ that would start a JAX backend.
 """
 
 
+class ConfigError(ValueError):
+  """A setting that cannot work, found before the run starts; the message names the
+  field."""
+
+
 class RunError(RuntimeError):
   """A run stopped on a fault it could not survive."""
 

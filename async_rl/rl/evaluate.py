@@ -1,11 +1,14 @@
-"""Held-out evaluation: greedy accuracy and pass@k through a generator pool."""
+"""Held-out evaluation: greedy accuracy and pass@k through a generator pool (`evaluate`),
+and the `Evaluator` a run keeps for its evaluations."""
 
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from async_rl.config import EvalConfig
 from async_rl.generation import GeneratorPool, Request, SamplingParams
+from async_rl.rewards import RewardTask
 from async_rl.rl.episodes import EpisodeRunner
 
 
@@ -46,3 +49,59 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
   lengths = [len(s.completion_C) for s in greedy_samples]
   return {"accuracy": float(np.mean(correct)), f"pass_at_{pass_k}": float(np.mean(passed)),
           "completion_len": float(np.mean(lengths))}
+
+
+class Evaluator:
+  """Held-out metrics of successive params, through one generator pool and one reward
+  service kept open, so that an evaluation compiles nothing after the first.
+
+  Args:
+    pool: the held-out `GeneratorPool` (its engine may be the rollout worker's).
+    rewards: a `RewardService` that scores the completions.
+    task: the task (its held-out prompts, reference, tokenizer and workflow).
+    cfg: how many prompts, and k of pass@k.
+    reward_fn: the reward function (or its name) scoring a completion.
+    max_new_tokens: the generation budget of a completion.
+    seed: the sampling seed.
+    vocab_size: the model's vocabulary (a workflow's tokens must lie in it).
+    wait: `wait(future, what)` returns a future's result; the run waits with its
+      deadlines, naming `what`.
+  """
+
+  def __init__(self, pool: GeneratorPool, rewards, task, cfg: EvalConfig, *,
+               reward_fn, max_new_tokens: int, seed: int = 0,
+               vocab_size: Optional[int] = None,
+               wait: Callable[[Future, str], Any] = lambda f, _: f.result()):
+    self.pool, self.rewards, self.task, self.cfg = pool, rewards, task, cfg
+    self._reward_fn, self._max_new_tokens = reward_fn, max_new_tokens
+    self._seed, self._vocab_size, self._wait = seed, vocab_size, wait
+
+  def load(self, params, version: int) -> None:
+    """Makes `params` (at `version`) the ones evaluated, unless they already are."""
+    if version > self.pool.version:
+      self._wait(self.pool.update_weights(params, version, "keep"),
+                 "the held-out generator's weight update")
+
+  def evaluate(self, prompts: Optional[Sequence] = None, pass_k: Optional[int] = None
+               ) -> dict[str, float]:
+    """`evaluate` of the loaded params on `prompts` (default: the task's first
+    `cfg.num_prompts` held-out prompts) with `pass_k` (default `cfg.pass_k`)."""
+    task = self.task
+    prompts = task.heldout(self.cfg.num_prompts) if prompts is None else prompts
+
+    def score(pairs):
+      futures = [self.rewards.submit(RewardTask(self._reward_fn, text, task.reference(p)))
+                 for p, text in pairs]
+      return [self._wait(f, "held-out rewards") for f in futures]
+
+    return evaluate(
+        self.pool, prompts, score=score, decode=task.tokenizer.decode,
+        max_new_tokens=self._max_new_tokens, stop_token_ids=task.tokenizer.stop_ids,
+        pass_k=self.cfg.pass_k if pass_k is None else pass_k, seed=self._seed,
+        workflow=task.workflow, vocab_size=self._vocab_size,
+        wait=lambda f: self._wait(f, "held-out generation"))
+
+  def close(self) -> None:
+    """Shuts the pool and the reward service down."""
+    self.pool.shutdown()
+    self.rewards.close()

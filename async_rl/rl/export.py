@@ -1,11 +1,16 @@
-"""A run's trained policy as a Hugging Face directory, the way back from `hf_model_dir`."""
+"""A run's trained policy out of its workdir: as a Hugging Face directory (the way back
+from `hf_model_dir`), or served by JetStream's orchestrator."""
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Optional
 
-from async_rl.models import ModelConfig, hf
+from async_rl.config import ExperimentConfig, ModelConfig
+from async_rl.generation import Engine, SamplingParams
+from async_rl.models import hf
 from async_rl.rl.checkpoint import restore_params
+from async_rl.tasks.registry import make_task
 
 
 def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None:
@@ -25,3 +30,38 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None
                             "is not a directory")
   params = restore_params(os.path.join(workdir, "checkpoints"), model_cfg, step=step)
   hf.save_hf(model_cfg, params, out_dir, tokenizer_dir=tokenizer_dir)
+
+
+def serve_checkpoint(cfg: ExperimentConfig, checkpoint_dir: str, prompts: Sequence, *,
+                     max_tokens: Optional[int] = None, step: Optional[int] = None,
+                     sampling: Optional[SamplingParams] = None) -> list:
+  """Serves a training checkpoint with JetStream's orchestrator (extra `jetstream`) and
+  completes `prompts`, with the task's tokenizer.
+
+  Args:
+    cfg: the run's config (its model and task, and generation sizes for the engine).
+    checkpoint_dir: the run's checkpoint directory (`<workdir>/checkpoints`).
+    prompts: text or token ids, as for `jetstream_adapter.JetStreamServer.complete`.
+    max_tokens: tokens per completion; default `cfg.generation.max_new_tokens`.
+    step: the checkpoint to serve; default the latest.
+    sampling: as for `JetStreamEngine`; greedy by default.
+
+  Returns:
+    A `jetstream_adapter.Completion` per prompt.
+  """
+  from async_rl.generation import jetstream_adapter as js  # noqa: PLC0415 (an extra)
+  g = cfg.generation
+  # JetStream pads prompts to its prefill lengths; the engine's must be one of them.
+  prefill_length = next((n for n in js.PREFILL_LENGTHS if n >= g.max_prompt_len), None)
+  if prefill_length is None:
+    raise ValueError(f"generation.max_prompt_len {g.max_prompt_len} exceeds JetStream's "
+                     f"longest prefill length {js.PREFILL_LENGTHS[-1]}")
+  engine = Engine(cfg.model, max_concurrent_decodes=g.num_slots,
+                  max_prefill_length=prefill_length,
+                  max_target_length=prefill_length + g.max_new_tokens)
+  params = restore_params(checkpoint_dir, cfg.model, step=step)
+  tokenizer = make_task(cfg.task).tokenizer
+  served = js.JetStreamEngine(engine, params, tokenizer=tokenizer,
+                              sampling=sampling or js.GREEDY)
+  with js.JetStreamServer(served) as server:
+    return server.complete(prompts, max_tokens=max_tokens or g.max_new_tokens)

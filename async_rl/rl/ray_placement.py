@@ -37,9 +37,10 @@ from tqdm import tqdm
 
 from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
+from async_rl.rl import build
 from async_rl.rl.errors import RolloutWorkerError, StallError
-from async_rl.rl.rollout_worker import RolloutWorker
-from async_rl.rl.trainer_loop import TrainerLoop
+from async_rl.rl.rollout import RolloutWorker
+from async_rl.tasks.registry import make_task
 
 _POLL_S = 0.5
 _CLOSE_TIMEOUT_S = 60.0
@@ -141,20 +142,30 @@ class _RolloutHandle:
     self._proxy.start()
 
 
+class RolloutWorkerActor(RolloutWorker):
+  """A rollout worker built in its actor's process (whose name, `ray::RolloutWorker...`,
+  says what it is)."""
+
+  def __init__(self, cfg, server, index):
+    worker = build.rollout_worker(cfg, server, index=index)
+    super().__init__(worker.index, worker.controller, worker.pool, worker.rewards)
+
+
 def _rollout_actor(cfg, server, index, options):
-  return ray.remote(RolloutWorker).options(**{"num_cpus": 0, **(options or {})}).remote(
-      cfg, _Proxy(server, "server", cfg.run.stall_timeout_s), worker_index=index)
+  return ray.remote(RolloutWorkerActor).options(**{"num_cpus": 0, **(options or {})}).remote(
+      cfg, _Proxy(server, "server", cfg.run.stall_timeout_s), index)
 
 
 class _Trainer:
-  """The trainer actor: a `TrainerLoop` whose step lines the driver collects."""
+  """The trainer actor: a `TrainLoop` whose step lines the driver collects."""
 
   def __init__(self, cfg, workdir, server, init_params):
     self._lines = queue.SimpleQueue()
     self._rollouts = []
     # The server is another process: publish host copies (one device_get per step).
-    self.loop = TrainerLoop(cfg, workdir, server, init_params=init_params,
-                            echo=self._lines.put, progress=False, publish_on_host=True)
+    self.loop = build.train_loop(cfg, workdir, server, task=make_task(cfg.task),
+                                 init_params=init_params, echo=self._lines.put, progress=False,
+                                 publish_on_host=True)
 
   def run(self, rollouts):
     self._rollouts = rollouts
@@ -193,7 +204,7 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
 
   Args:
     cfg: the experiment.
-    workdir: as for `run_in_process`; every actor must see it (a shared file system
+    workdir: as for `rl.build.run`; every actor must see it (a shared file system
       on a cluster).
     address: an existing Ray cluster; None starts a local instance (or uses the one
       this process already started) for the run.
@@ -213,7 +224,7 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
     The trainer loop's summary, its `history` of step metrics and `pids`: the process
     id of the driver, the server, the trainer and each rollout worker.
   """
-  workdir = os.path.abspath(workdir)
+  cfg, workdir = build.resolve(cfg), os.path.abspath(workdir)
   started = not ray.is_initialized()
   if started:
     _init_ray(address)

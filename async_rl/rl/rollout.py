@@ -1,35 +1,98 @@
-"""The rollout controller: keeps the generator pool fed within the staleness gate.
+"""The rollout side of a run: a worker's prompts, the controller that keeps its generator
+pool fed within the staleness gate, and the worker that holds them.
 
-One thread loops: hand the newest published weights to the pool (and give it up to a
-poll to apply them), draw a prompt, acquire a ticket for its group from the gate (at
-the pool's version, so a lagging generator never starts a group whose tokens would
-arrive too stale), hand it to the task's workflow (`rl.episodes`; single-turn by
-default). Trajectories are scored asynchronously by the reward service and offered
-to the parameter server as one group; nothing here blocks the pool's decode thread.
+Prompts (`PromptSource`). The parameter server's ledger tells a starting worker where
+to resume (`ParameterServer.register_worker`): positions of prompts whose groups were
+lost, to be issued again in order, and the cursor its stream continues from. A
+position is the stream's state just before the prompt was drawn, so reopening the
+stream there and drawing once gives the same prompt back. A sample's random seed is a
+function of the run's seed, the worker and the prompt's position (`sample_seed`), not
+of how many requests came before it: a prompt issued again after a crash or a resume
+is sampled exactly as it would have been.
+
+The controller (`RolloutController`). One thread loops: hand the newest published
+weights to the pool (and give it up to a poll to apply them), draw a prompt, acquire a
+ticket for its group from the gate (at the pool's version, so a lagging generator
+never starts a group whose tokens would arrive too stale), hand it to the task's
+workflow (`rl.episodes`; single-turn by default). Trajectories are scored
+asynchronously by the reward service and offered to the parameter server as one
+group; nothing here blocks the pool's decode thread.
 
 Failures: an exception in the loop, in the workflow or in a completion callback
 rejects the group it concerned (so its capacity is freed), is logged with its
 traceback and kept in `error`, and the controller stops; the trainer loop then stops
 the run. `waits` says what the controller has been awaiting and for how long, for the
 trainer loop's deadlines.
+
+A `RolloutWorker` (built by `rl.build.rollout_worker`) talks to the parameter server
+only through its methods, so the server may be the object itself (in process) or a
+proxy to a Ray actor.
 """
 
 import dataclasses
+import hashlib
+import json
 import logging
+import os
 import threading
 import time
+import traceback
 from concurrent import futures
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
 from async_rl.generation import Request, SamplingParams
 from async_rl.rewards import RewardTask
 from async_rl.rl.episodes import EpisodeRunner
-from async_rl.rl.prompt_source import PromptSource, sample_seed
 from async_rl.tasks.protocol import RewardFnLike
 from async_rl.tasks.workflow import Workflow
+from async_rl.timeline import Span
 from async_rl.trajectory import Group
+
+_CLOSE_TIMEOUT_S = 30.0
+
+
+class Drawn(NamedTuple):
+  """A prompt, its position in the stream and the stream's state after it."""
+  prompt: Any
+  position: dict
+  next_position: dict
+
+
+class PromptSource:
+  """Draws a worker's prompts: the replays first, then the stream from `cursor`.
+
+  Args:
+    open_stream: a stream state (or None for the start) -> an iterator of prompts
+      with a `state()` method, the task's resumable stream.
+    cursor: the stream state to continue from; None: the stream's start.
+    replay: positions of prompts to issue again first, in order.
+  """
+
+  def __init__(self, open_stream: Callable[[Optional[dict]], Iterator], *,
+               cursor: Optional[dict] = None, replay=()):
+    self._open = open_stream
+    self._stream = open_stream(cursor)
+    self._replay = list(replay)
+
+  def draw(self) -> Drawn:
+    if self._replay:
+      position = self._replay.pop(0)
+      return Drawn(next(self._open(position)), position, self._stream.state())
+    position = self._stream.state()
+    prompt = next(self._stream)
+    return Drawn(prompt, position, self._stream.state())
+
+  def state(self) -> dict:
+    """The stream's cursor (the replays are the server's to keep)."""
+    return self._stream.state()
+
+
+def sample_seed(seed: int, worker: int, position: dict) -> int:
+  """The sampling seed, in [0, 2**32), of the group drawn at `position` by `worker`."""
+  key = json.dumps([seed, worker, position], sort_keys=True).encode()
+  return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
 
 
 @dataclasses.dataclass
@@ -79,7 +142,6 @@ class RolloutController:
     self._worker, self._seed = worker, seed
     self._lock = threading.Lock()
     self._stop = threading.Event()
-    self._requested_version = pool.version
     self._swap = None  # The future of the newest weight update until the pool applies it.
     self._drawn = None
     # ticket -> (the part it waits on: "generator", "rewards" or "server", since when)
@@ -161,11 +223,10 @@ class RolloutController:
     self._stop.set()
 
   def _sync_weights(self):
-    got = self.server.fetch(self._requested_version)
+    got = self.server.fetch(self.pool.requested_version)
     if got is not None:
       version, params = got
       self._swap = self.pool.update_weights(params, version, self._update_mode)
-      self._requested_version = version
     if self._swap is not None:
       # Until the pool applies the weights, `acquire` counts at its old version, where
       # the gate may have no room (with η = 0 it has none) and would hold the loop for
@@ -261,3 +322,54 @@ class RolloutController:
     with self._lock:
       del self._in_flight[ticket]
       setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+
+
+class RolloutWorker:
+  """Generates, scores and offers groups until closed (`rl.build.rollout_worker` builds
+  one).
+
+  Args:
+    index: which worker this is (its prompt stream and seeds depend on it).
+    controller: the rollout controller, which feeds `pool` and scores with `rewards`.
+    pool: the `GeneratorPool`.
+    rewards: the `RewardService`.
+  """
+
+  def __init__(self, index: int, controller: RolloutController, pool, rewards):
+    self.index, self.controller, self.pool, self.rewards = index, controller, pool, rewards
+
+  def start(self) -> None:
+    self.controller.start()
+
+  def error(self) -> Optional[str]:
+    """The controller's failure with its traceback, if it failed (a string, so it
+    crosses processes)."""
+    e = self.controller.error
+    return None if e is None else "".join(traceback.format_exception(e))
+
+  def waits(self) -> dict[str, float]:
+    """What this worker awaits and for how many seconds (`RolloutController.waits`),
+    each named with the worker's index."""
+    return {f"rollout worker {self.index} {what}": s
+            for what, s in self.controller.waits().items()}
+
+  def timeline(self) -> list[Span]:
+    """The generator's busy spans so far."""
+    return self.pool.timeline.spans()
+
+  def metrics(self) -> dict[str, Any]:
+    return {"rollout": self.controller.metrics(), "pool": self.pool.metrics(),
+            "rewards": self.rewards.metrics(), "pid": os.getpid()}
+
+  def close(self) -> None:
+    """Stops the controller, the pool and the reward service, each within a deadline
+    (a hung decode step must not keep the run from ending)."""
+    self.controller.stop(_CLOSE_TIMEOUT_S)
+    for name, closer in (("generator pool", self.pool.shutdown),
+                         ("reward service", self.rewards.close)):
+      thread = threading.Thread(target=closer, name=f"close {name}", daemon=True)
+      thread.start()
+      thread.join(_CLOSE_TIMEOUT_S)
+      if thread.is_alive():
+        logging.error("rollout worker %d: the %s did not shut down in %.0f s; left behind",
+                      self.index, name, _CLOSE_TIMEOUT_S)

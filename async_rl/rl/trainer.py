@@ -14,11 +14,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from async_rl import advantages, batching, cpu_threads, loss, sharding, train_step
-from async_rl.config import ExperimentConfig
+from async_rl import batching as batching_lib, sharding, train_step
+from async_rl.config import BatchingConfig, ModelConfig, PPOConfig
 from async_rl.models import flops
-from async_rl.tasks.workflow import split_turns
-from async_rl.trajectory import staleness_counts
+from async_rl.trajectory import split_turns
 
 
 def group_advantages(groups, advantage_fn, group_size: int):
@@ -36,38 +35,37 @@ def group_advantages(groups, advantage_fn, group_size: int):
 class Trainer:
   """Holds the policy being trained; `train(groups)` runs one training step.
 
+  Args:
+    state: the sharded train state to start from (`train_step.create_train_state`).
+    state_shardings: its shardings.
+    mesh: the trainer's devices.
+    steps: the compiled update and proximal recompute (`train_step.jit_steps`).
+    model: the model's config (for the packing's cost estimate).
+    ppo: the objective; `prox_logp` says where π_prox comes from.
+    batching: how batches pack into micro-batches.
+    advantage_fn: the advantage estimator (`advantages.from_config`).
+    group_size: samples per group, which every group must hold.
+    max_length: the longest sequence (prompt plus completion).
+    sample_per_turn: train each policy turn of an episode as a sample of its own
+      (`trajectory.split_turns`).
+
   `version` is the number of training steps done (a host int, read from the device
   only when a checkpoint is restored).
   """
 
-  def __init__(self, cfg: ExperimentConfig, mesh, *, params=None, key=None):
-    self.cfg = cfg
-    self.mesh = mesh
-    key = jax.random.key(cfg.seed) if key is None else key
-    tx = train_step.make_optimizer(cfg.optimizer)
-    self.state = train_step.create_train_state(cfg.model, tx, mesh, key, params=params)
+  def __init__(self, state, state_shardings, mesh, steps: train_step.StepFns, *,
+               model: ModelConfig, ppo: PPOConfig, batching: BatchingConfig,
+               advantage_fn, group_size: int, max_length: int, sample_per_turn: bool = False):
+    self.state, self.state_shardings, self.mesh = state, state_shardings, mesh
     self.version = 0
-    self.state_shardings = train_step.train_state_shardings(
-        jax.eval_shape(lambda: self.state), mesh)
-    self.loss_fn = loss.from_config(cfg.ppo)
-    policy_kw = dict(model_cfg=cfg.model, temperature=cfg.generation.logp_temperature)
-    step_kw = dict(policy_kw, loss_fn=self.loss_fn, num_minibatches=cfg.ppo.num_minibatches)
-    self.grad_threads = cfg.train.grad_threads or train_step.default_grad_threads(
-        mesh, cores=cpu_threads.cores_per_side(cfg.staleness.max_staleness))
-    if self.grad_threads > 1:
-      self._step = train_step.ThreadedTrainStep(mesh, self.state_shardings,
-                                                threads=self.grad_threads, **step_kw)
-      self._prox = train_step.ThreadedRecompute(threads=self.grad_threads, **policy_kw)
-    else:
-      self._step = train_step.jit_train_step(mesh, self.state_shardings, **step_kw)
-      self._prox = train_step.jit_recompute_logp(mesh, self.state_shardings.params, **policy_kw)
+    self.steps, self._ppo, self._batching = steps, ppo, batching
+    self._advantage_fn, self._group_size = advantage_fn, group_size
+    self._sample_per_turn = sample_per_turn
     self._batch_sharding = train_step.batch_shardings(mesh)
-    self._advantage_fn = advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
-    b = cfg.batching
-    self._row_buckets = b.row_buckets or batching.default_row_buckets(
-        b.max_tokens_per_mb, longest=cfg.generation.max_prompt_len + cfg.generation.max_new_tokens)
+    self._row_buckets = batching.row_buckets or batching_lib.default_row_buckets(
+        batching.max_tokens_per_mb, longest=max_length)
     self._num_shards = sharding.num_batch_shards(mesh)
-    self._attention_len = flops.attention_break_even_len(cfg.model)
+    self._attention_len = flops.attention_break_even_len(model)
     self._compiled = set()  # the [M, R, T] shapes the step has run
 
   def restore(self, state, packed_shapes=()) -> None:
@@ -83,50 +81,45 @@ class Trainer:
     packing depends on them, so a checkpoint keeps them."""
     return sorted(map(list, self._compiled))
 
-  def pack(self, groups) -> batching.PackedBatch:
-    trajs, adv_N = group_advantages(groups, self._advantage_fn, self.cfg.generation.group_size)
-    if self.cfg.multi_turn.sample_per_turn:
+  def pack(self, groups) -> batching_lib.PackedBatch:
+    trajs, adv_N = group_advantages(groups, self._advantage_fn, self._group_size)
+    if self._sample_per_turn:
       turns = [split_turns(t) for t in trajs]
       trajs, adv_N = [s for ts in turns for s in ts], np.repeat(adv_N, [len(ts) for ts in turns])
-    parts = self.cfg.ppo.num_minibatches * self.grad_threads  # equal shares of the batch
-    batch = batching.pack_dynamic(trajs, adv_N,
-                                  max_tokens_per_mb=self.cfg.batching.max_tokens_per_mb,
-                                  num_shards=self._num_shards, row_buckets=self._row_buckets,
-                                  attention_len=self._attention_len,
-                                  with_versions=self.cfg.ppo.prox_logp == "loglinear",
-                                  num_parts=parts, compiled=self._compiled,
-                                  reuse_slack=self.cfg.batching.reuse_slack)
-    batch = batching.pad_micro_batches(batch, parts)
+    parts = self.steps.micro_batch_multiple  # equal shares of the batch
+    batch = batching_lib.pack_dynamic(trajs, adv_N,
+                                      max_tokens_per_mb=self._batching.max_tokens_per_mb,
+                                      num_shards=self._num_shards, row_buckets=self._row_buckets,
+                                      attention_len=self._attention_len,
+                                      with_versions=self._ppo.prox_logp == "loglinear",
+                                      num_parts=parts, compiled=self._compiled,
+                                      reuse_slack=self._batching.reuse_slack)
+    batch = batching_lib.pad_micro_batches(batch, parts)
     self._compiled.add(batch.tokens.shape)
     return batch
 
   def train(self, groups: SequenceOf) -> dict:
-    """One training step on `groups`; returns host metrics, with staleness and timings.
+    """One training step on `groups`; returns host metrics, with timings.
 
     The version advances even when the step is skipped (metric `skipped` = 1).
     """
     t0 = time.perf_counter()
     batch = jax.device_put(self.pack(groups), self._batch_sharding)
     t_pack = time.perf_counter()
-    mode = self.cfg.ppo.prox_logp
+    mode = self._ppo.prox_logp
     if mode == "recompute":
-      prox_logp = self._prox(self.state.params, batch)
+      prox_logp = self.steps.recompute(self.state.params, batch)
     elif mode == "behav":  # naive PPO
       prox_logp = batch.behav_logp
     else:  # "loglinear": estimated inside the step from batch.versions
       prox_logp = None
-    self.state, metrics = self._step(self.state, batch, prox_logp)
+    self.state, metrics = self.steps.step(self.state, batch, prox_logp)
     metrics = jax.device_get(metrics)
     t_done = time.perf_counter()
-    counts = staleness_counts(groups, self.version)
     self.version += 1
     metrics = {k: float(v) for k, v in metrics.items()}
-    stale_tokens = int(counts.sum())
     metrics.update(
         skipped=int(metrics["skipped"]), applied_updates=int(metrics["applied_updates"]),
-        staleness_mean=float(np.arange(counts.size) @ counts) / max(stale_tokens, 1),
-        staleness_max=int(counts.size - 1) if stale_tokens else 0,
-        staleness_hist={k: int(c) for k, c in enumerate(counts) if c},
         trained_tokens=int(metrics["num_tokens"]),
         packed_tokens=int(np.prod(batch.tokens.shape)),
         time_pack_s=t_pack - t0, time_train_s=t_done - t_pack)

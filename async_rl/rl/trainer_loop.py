@@ -12,9 +12,8 @@ failed rollout worker checkpoints the current version and stops the run with an
 error that names it.
 """
 
-import json
+import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -23,124 +22,98 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from async_rl import config_dict, sharding
-from async_rl.config import ExperimentConfig
-from async_rl.generation import GeneratorPool
-from async_rl.models import hf
 from async_rl.param_server.buffer import length_summary
-from async_rl.rewards import RewardService, RewardTask
 from async_rl.rl.checkpoint import Checkpointer
-from async_rl.rl.components import make_engine, reward_fn
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError
-from async_rl.rl.evaluate import evaluate
+from async_rl.rl.evaluate import Evaluator
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
-from async_rl.sft import warm_start
-from async_rl.tasks.registry import make_task
 from async_rl.timeline import Timeline
 
 _BATCH_POLL_S = 0.5
 
 
-class TrainerLoop:
-  """Builds the trainer, resumes from `workdir` if it holds a checkpoint, publishes v.
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What a run resumes with: the step counts kept beside the train state, and how
+  many newer checkpoints were damaged (and moved aside)."""
+  skipped_steps: int = 0
+  applied_updates: int = 0
+  damaged_checkpoints: int = 0
+
+
+class TrainLoop:
+  """Takes B admitted groups, trains, publishes v + 1, logs, evaluates, checkpoints.
+
+  Built by `rl.build.train_loop` with the trainer (restored), the server (which holds
+  the published version), the held-out evaluator, the checkpointer, the metrics log and
+  the run's deadlines.
 
   Args:
-    cfg: the experiment.
-    workdir: checkpoints, `metrics.jsonl`, TensorBoard files and `config.json`.
-    server: the parameter server or a proxy with the same methods.
-    init_params: params to start from when not resuming; by default those of
-      `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
-    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
-    echo: receives the one-line summary of every step, and warnings.
+    num_steps: train until the version reaches it.
+    eval_every: evaluate every this many steps (0: only before and after).
+    checkpoint_every: checkpoint every this many steps.
+    max_consecutive_skips: non-finite steps in a row that stop the run.
+    restored: the counts the run resumes with.
     publish_on_host: publish host (numpy) copies of the params, for a server in
       another process; by default they stay device arrays (`Trainer.device_params`).
-    task: the task (`tasks.protocol.Task`) to warm-start on and evaluate; None builds
-      `cfg.task_kind`'s.
-    engine: the held-out evaluation's generator engine (None: `make_engine(cfg)`); in
-      one process the rollout worker's, so its programs compile once.
+    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
+    echo: receives the one-line summary of every step, and warnings.
+    progress: show a progress bar.
   """
 
-  def __init__(self, cfg: ExperimentConfig, workdir: str, server, *, init_params=None,
-               stop: Optional[threading.Event] = None,
-               echo: Callable[[str], None] = print, progress: bool = True, task=None,
-               publish_on_host: bool = False, engine=None):
-    self.cfg, self.workdir, self.server = cfg, workdir, server
+  def __init__(self, trainer: Trainer, server, evaluator: Evaluator, checkpointer: Checkpointer,
+               log: MetricsLog, deadlines: Deadlines, *, num_steps: int, eval_every: int,
+               checkpoint_every: int, max_consecutive_skips: int,
+               restored: Restored = Restored(), publish_on_host: bool = False,
+               stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
+               progress: bool = True):
+    self.trainer, self.server, self.evaluator = trainer, server, evaluator
+    self.checkpointer, self.log, self.deadlines = checkpointer, log, deadlines
+    self.num_steps = num_steps
+    self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
+    self.max_consecutive_skips = max_consecutive_skips
+    self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
+    self.damaged_checkpoints = restored.damaged_checkpoints
     self.publish_on_host = publish_on_host
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress
-    self.deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
     self._checkpoint_stalled = False
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config_dict.to_dict(cfg), f, indent=2)
-    self.task = make_task(cfg) if task is None else task
-    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                     keep=cfg.checkpoint.keep)
-    mesh = sharding.make_mesh(cfg.mesh)
-    if self.checkpointer.latest_step() is None and init_params is None:
-      init_params = _initial_params(cfg, mesh, echo, self.task)
-    self.trainer = Trainer(cfg, mesh, params=init_params)
-    self.skipped_steps = self.applied_updates = 0
-    self.damaged_checkpoints = self._maybe_restore()
-    params = self._published_params()
-    server.publish(self.trainer.version, params)
-    self.eval_pool = GeneratorPool(engine or make_engine(cfg), params,
-                                   version=self.trainer.version)
-    self.eval_rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
-                                      allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)
-    self.log = MetricsLog(workdir)
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
     self._last_eval: tuple[Optional[int], dict[str, float]] = (None, {})
+
+  @staticmethod
+  def restore(checkpointer: Checkpointer, trainer: Trainer, server,
+              echo: Callable[[str], None] = print) -> Restored:
+    """Restores the newest checkpoint that reads whole into `trainer` and `server`."""
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
+    restored = checkpointer.restore_latest(
+        abstract, accept=lambda state, meta: server.load_state_dict(meta["server"]))
+    if restored is None:
+      return Restored()
+    for step, why, moved in restored.damaged:
+      echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
+    trainer.restore(restored.state, restored.meta.get("packed_shapes", ()))
+    echo(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
+    return Restored(int(restored.meta["skipped_steps"]), int(restored.meta["applied_updates"]),
+                    len(restored.damaged))
 
   def _published_params(self):
     if self.publish_on_host:
       return self.trainer.host_params()
     return self.trainer.device_params()
 
-  def _maybe_restore(self) -> int:
-    """Restores the newest checkpoint that reads whole; returns how many were damaged."""
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(lambda: self.trainer.state),
-                            self.trainer.state_shardings)
-    restored = self.checkpointer.restore_latest(
-        abstract, accept=lambda state, meta: self.server.load_state_dict(meta["server"]))
-    if restored is None:
-      return 0
-    for step, why, moved in restored.damaged:
-      self.echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
-    self.trainer.restore(restored.state, restored.meta.get("packed_shapes", ()))
-    self.skipped_steps = int(restored.meta["skipped_steps"])
-    self.applied_updates = int(restored.meta["applied_updates"])
-    self.echo(f"resumed from checkpoint {restored.step} in {self.workdir}")
-    return len(restored.damaged)
-
   def evaluate(self) -> dict[str, float]:
     """Held-out metrics of the trainer's current params (greedy, pass@k)."""
-    version = self.trainer.version
-    if version > self.eval_pool.version:
-      self.deadlines.result(
-          self.eval_pool.update_weights(self.trainer.device_params(), version, "keep"),
-          "the held-out generator's weight update")
-    fn = reward_fn(self.cfg, self.task)
-
-    def score(pairs):
-      futures = [self.eval_rewards.submit(RewardTask(fn, text, self.task.reference(p)))
-                 for p, text in pairs]
-      return [self.deadlines.result(f, "held-out rewards") for f in futures]
-
-    return evaluate(
-        self.eval_pool, self.task.heldout(self.cfg.eval.num_prompts), score=score,
-        decode=self.task.tokenizer.decode, max_new_tokens=self.cfg.generation.max_new_tokens,
-        stop_token_ids=self.task.tokenizer.stop_ids, pass_k=self.cfg.eval.pass_k,
-        seed=self.cfg.seed, workflow=self.task.workflow, vocab_size=self.cfg.model.vocab_size,
-        wait=lambda f: self.deadlines.result(f, "held-out generation"))
+    self.evaluator.load(self.trainer.device_params(), self.trainer.version)
+    return self.evaluator.evaluate()
 
   def run(self, rollouts: Sequence) -> dict[str, Any]:
-    """Starts `rollouts` and trains to `cfg.num_steps` (or until `stop`).
+    """Starts `rollouts` and trains to `num_steps` (or until `stop`).
 
     Raises:
       StallError: a wait passed `run.stall_timeout_s`.
@@ -148,7 +121,6 @@ class TrainerLoop:
       NonFiniteError: too many non-finite steps in a row.
       In the first two cases the current version is checkpointed first.
     """
-    cfg = self.cfg
     start_version = self.trainer.version
     summary: dict[str, Any] = {"start_version": start_version,
                                "damaged_checkpoints": self.damaged_checkpoints}
@@ -158,9 +130,10 @@ class TrainerLoop:
       r.start()
     if start_version == 0:
       summary["eval_before"] = self._eval_and_log()
-    bar = tqdm(total=cfg.num_steps, initial=start_version, desc="train", unit="step",
+    bar = tqdm(total=self.num_steps, initial=start_version, desc="train", unit="step",
                disable=not self.progress, dynamic_ncols=True)
-    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0}
+    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0,
+            "staleness_hist": np.asarray(self.server.metrics()["staleness_hist"], np.int64)}
 
     def waits():
       return {what: s for r in rollouts for what, s in r.waits().items()}
@@ -175,7 +148,7 @@ class TrainerLoop:
     self._checkpoint(wait=True)
     summary["end_version"] = self.trainer.version
     summary["timeline"] = self.timeline.spans() + [s for r in rollouts for s in r.timeline()]
-    if self.trainer.version >= cfg.num_steps:
+    if self.trainer.version >= self.num_steps:
       summary["eval_after"] = self._eval_and_log()
     summary["server"] = {**self.server.metrics(),
                          "length_hist": self.server.length_histograms()}
@@ -183,8 +156,7 @@ class TrainerLoop:
     return summary
 
   def _steps(self, rollouts, bar, last):
-    cfg = self.cfg
-    while self.trainer.version < cfg.num_steps and not self.stop.is_set():
+    while self.trainer.version < self.num_steps and not self.stop.is_set():
       groups, waited = self._next_batch(rollouts)
       if groups is None:
         break
@@ -193,9 +165,9 @@ class TrainerLoop:
       self.echo(_line(version, metrics))
       self._count_skip(version, metrics, groups)
       bar.update(1)
-      if cfg.eval.every_steps and version % cfg.eval.every_steps == 0:
+      if self.eval_every and version % self.eval_every == 0:
         self._eval_and_log()
-      if version % cfg.checkpoint.every_steps == 0:
+      if version % self.checkpoint_every == 0:
         self._checkpoint()
 
   def _checkpoint_before_stopping(self) -> str:
@@ -226,9 +198,9 @@ class TrainerLoop:
       while not self.stop.is_set():
         self.deadlines.check()
         waited = time.monotonic() - since
-        run = self.cfg.run
-        if (waited >= run.stall_timeout_s + run.warn_after_s
-            and self.deadlines.longest(besides=what) < run.warn_after_s):
+        d = self.deadlines
+        if (waited >= d.stall_timeout_s + d.warn_after_s
+            and d.longest(besides=what) < d.warn_after_s):
           raise self.deadlines.stall(what, waited)
         for r in rollouts:
           if (error := r.error()) is not None:
@@ -252,12 +224,17 @@ class TrainerLoop:
         f"publishing version {version + 1}", may_stall=False):
       self.server.publish(self.trainer.version, self._published_params())
     now, logging_since = time.perf_counter(), time.time()
+    server = self.server.metrics()
+    # The server counted the batch's tokens by staleness when it handed the batch out.
+    hist = np.asarray(server["staleness_hist"], np.int64)
+    counts = hist - np.pad(last["staleness_hist"], (0, hist.size - last["staleness_hist"].size))
+    last["staleness_hist"] = hist
+    metrics.update(_staleness(counts))
     self.skipped_steps += metrics["skipped"]
     self.applied_updates += metrics["applied_updates"]
     rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
-    server = self.server.metrics()
     metrics.update(
         reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
@@ -289,7 +266,7 @@ class TrainerLoop:
     self.echo(f"WARNING: step {version} skipped ({cause}); params unchanged, "
               f"{self.consecutive_skips} in a row")
     logging.warning("step %d skipped: %s", version, cause)
-    limit = self.cfg.train.max_consecutive_skips
+    limit = self.max_consecutive_skips
     if self.consecutive_skips >= limit:
       raise NonFiniteError(
           f"{limit} consecutive training steps were skipped as non-finite, the last at "
@@ -326,8 +303,7 @@ class TrainerLoop:
       raise
 
   def close(self):
-    closers = (("eval pool", self.eval_pool.shutdown),
-               ("eval rewards", self.eval_rewards.close),
+    closers = (("held-out evaluator", self.evaluator.close),
                ("checkpointer", self.checkpointer.close), ("metrics log", self.log.close))
     for name, closer in closers:
       try:
@@ -336,14 +312,12 @@ class TrainerLoop:
         logging.exception("error while closing the %s", name)
 
 
-def _initial_params(cfg: ExperimentConfig, mesh, echo, task):
-  """A fresh run's params: the checkpoint, loaded straight onto the trainer's shardings;
-  else the warm start on `task`; else None (a random init)."""
-  if cfg.hf_model_dir is not None:
-    return hf.load_hf(cfg.hf_model_dir, mesh=mesh, dtype=cfg.model.param_dtype)[1]
-  if cfg.sft.steps:
-    return warm_start(cfg, mesh, task=task, echo=echo)
-  return None
+def _staleness(counts) -> dict:
+  """A batch's staleness metrics from `counts[k]`, its trained tokens of staleness k."""
+  tokens = int(counts.sum())
+  return {"staleness_mean": float(np.arange(counts.size) @ counts) / max(tokens, 1),
+          "staleness_max": int(np.flatnonzero(counts)[-1]) if tokens else 0,
+          "staleness_hist": {k: int(c) for k, c in enumerate(counts) if c}}
 
 
 def _skip_cause(metrics, groups) -> str:

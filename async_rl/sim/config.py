@@ -5,8 +5,9 @@ from typing import Optional
 
 import numpy as np
 
+from async_rl.config import UPDATE_MODES
+
 MODES = ("sync", "async")
-UPDATE_MODES = ("retract", "keep", "drain")
 LENGTH_DISTS = ("constant", "lognormal", "pareto", "empirical")
 
 

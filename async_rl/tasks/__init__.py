@@ -4,10 +4,10 @@ several turns), code (programs run in the sandbox) and math (GSM8K/MATH files);
 `ListTask` holds a user's own examples. Workflows (`workflow`) turn a prompt group
 into trajectories."""
 
-from async_rl.tasks.arithmetic import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, Problem,
-                                       TaskConfig, extract_answer, make_problem, verify)
-from async_rl.tasks.dataset import Prompt, TrainStream, heldout_set, is_heldout, length_stats
+from async_rl.tasks.arithmetic import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, Problem, Prompt,
+                                       TrainStream, extract_answer, heldout_set, length_stats,
+                                       make_problem, verify)
 from async_rl.tasks.list_task import Example, ListTask
-from async_rl.tasks.protocol import Task, Tokenizer, supervised
+from async_rl.tasks.protocol import Task, Tokenizer, is_heldout, supervised
 from async_rl.tasks.tokenizer import CharTokenizer
 from async_rl.tasks.workflow import MultiTurn, SingleTurn, Workflow

@@ -1,4 +1,4 @@
-"""Small synthetic programs with unit tests: the code task (`task_kind="code"`).
+"""Small synthetic programs with unit tests: the code task (`task.name="code"`).
 
 A problem asks for a program that reads an integer n from stdin and prints an
 expression of it; the prompt is a comment, the reference solution two lines:
@@ -14,7 +14,7 @@ in [0, 99]; the default reward, `code_tests`, scores the share of them the
 completion's program passes, running each in the sandbox (`rewards.sandbox`). Text is
 tokenized a character at a time over printable ASCII (`CODE_CHARS`, 99 ids).
 
-The split and the streams work as the arithmetic task's (`tasks.dataset`): a prompt is
+The split and the streams work as the arithmetic task's (`tasks.arithmetic`): a prompt is
 held out iff its hash falls below `code.heldout_fraction`, and problem i of a stream is
 drawn from a generator seeded by (stream, seed, i), so a stream resumes from
 `{"seed", "index"}`.
@@ -26,9 +26,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from async_rl.tasks.arithmetic_task import SFT_SEED_OFFSET, WORKER_SEED_STRIDE, check_char_task
-from async_rl.tasks.dataset import is_heldout
-from async_rl.tasks.protocol import RewardFnLike, supervised
+from async_rl.config import CodeConfig, ExperimentConfig, TaskConfig
+from async_rl.tasks.arithmetic import SFT_SEED_OFFSET, WORKER_SEED_STRIDE, check_char_task
+from async_rl.tasks.protocol import RewardFnLike, is_heldout, supervised
 from async_rl.tasks.tokenizer import CODE_CHARS, CharTokenizer
 from async_rl.trajectory import Trajectory
 
@@ -39,34 +39,6 @@ _HEADER = "n=int(input())\nprint("
 _MAX_INPUT = 99
 _TRAIN_STREAM, _HELDOUT_STREAM = 0, 1
 _MAX_ATTEMPTS = 10_000
-
-
-def _fail(field, value, why):
-  raise ValueError(f"code.{field} {why}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class CodeTaskConfig:
-  """The code task's problems (the `code` section of the config): programs that read n
-  and print an expression of it with `min_ops` to `max_ops` operations, `num_tests`
-  test cases each; a hashed `heldout_fraction` of the prompts is held out."""
-  min_ops: int = 1
-  max_ops: int = 2
-  num_tests: int = 3
-  heldout_fraction: float = 0.1
-  seed: int = 0
-
-  def __post_init__(self):
-    if self.min_ops < 1:
-      _fail("min_ops", self.min_ops, "must be >= 1")
-    if self.max_ops < self.min_ops:
-      _fail("max_ops", self.max_ops, f"must be >= code.min_ops ({self.min_ops})")
-    if self.num_tests < 1:
-      _fail("num_tests", self.num_tests, "must be >= 1")
-    if not 0 < self.heldout_fraction < 1:
-      _fail("heldout_fraction", self.heldout_fraction, "must lie in (0, 1)")
-    if self.seed < 0:
-      _fail("seed", self.seed, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +57,7 @@ class CodePrompt:
   tests: tuple[dict, ...]
 
 
-def make_program(rng: np.random.Generator, cfg: CodeTaskConfig) -> tuple[str, str, tuple]:
+def make_program(rng: np.random.Generator, cfg: CodeConfig) -> tuple[str, str, tuple]:
   """(prompt text, reference solution, test cases) of one problem drawn with `rng`."""
   expr, prev, steps = "n", None, []
   for _ in range(int(rng.integers(cfg.min_ops, cfg.max_ops + 1))):
@@ -103,7 +75,7 @@ def make_program(rng: np.random.Generator, cfg: CodeTaskConfig) -> tuple[str, st
   return f"# print {expr}\n", f"{_HEADER}{expr})", tuple(tests)
 
 
-def max_expr_chars(cfg: CodeTaskConfig) -> int:
+def max_expr_chars(cfg: CodeConfig) -> int:
   """An upper bound on an expression's length: each operation adds at most `()`, `//`
   and a digit."""
   return 1 + 5 * cfg.max_ops
@@ -112,7 +84,7 @@ def max_expr_chars(cfg: CodeTaskConfig) -> int:
 class _Problems:
   """Problem i of the train (per seed) or held-out stream, tokenized."""
 
-  def __init__(self, cfg: CodeTaskConfig, tokenizer: CharTokenizer):
+  def __init__(self, cfg: CodeConfig, tokenizer: CharTokenizer):
     self.cfg, self.tokenizer = cfg, tokenizer
 
   def prompt(self, heldout: bool, seed: int, index: int) -> CodePrompt:
@@ -155,7 +127,7 @@ class CodeTask:
     cfg: the problem distribution and split.
     reward_fn: "code_tests" (the share of tests passed), "code_tests_all", or any.
   """
-  cfg: CodeTaskConfig
+  cfg: CodeConfig
   reward_fn: RewardFnLike = "code_tests"
   tokenizer: CharTokenizer = dataclasses.field(
       default_factory=lambda: CharTokenizer(CODE_CHARS))
@@ -185,16 +157,16 @@ class CodeTask:
             for p in CodeStream(self._problems, self.cfg.seed + SFT_SEED_OFFSET))
 
 
-def check(cfg) -> None:
-  """The run's checks for `task_kind="code"`."""
+def check(cfg: ExperimentConfig) -> None:
+  """The run's checks for `task.name="code"`."""
   vocab = CharTokenizer(CODE_CHARS).vocab_size
   if cfg.model.vocab_size < vocab:
     raise ValueError(f"model.vocab_size must hold the code task's {vocab} token ids, got "
                      f"{cfg.model.vocab_size}")
-  expr = max_expr_chars(cfg.code)
+  expr = max_expr_chars(cfg.task.code)
   check_char_task(cfg, max_prompt_tokens=1 + len("# print \n") + expr,
                   max_target_tokens=len(_HEADER) + expr + 2)
 
 
-def make(cfg) -> CodeTask:
+def make(cfg: TaskConfig) -> CodeTask:
   return CodeTask(cfg.code)

@@ -1,12 +1,12 @@
 """GSM8K/MATH-style JSONL problems as a run's task, tokenized by the model's own tokenizer.
 
-`MathTask` is the task `task_kind="math"` (`tasks.protocol.Task`): a resumable
+`MathTask` is the task `task.name="math"` (`tasks.protocol.Task`): a resumable
 training stream per rollout worker, a held-out set, the tokenizer of the model
 directory (its `stop_ids` end generation), the "math" reward and its reference (the
 final answer).
 
 The held-out set is `heldout_path`'s problems, or, without one, the training file's
-problems whose question hashes below `heldout_fraction` (`tasks.dataset.is_heldout`).
+problems whose question hashes below `heldout_fraction` (`tasks.protocol.is_heldout`).
 Either way no held-out question is trained on: training problems whose question is
 held out are dropped. Problems whose prompt is longer than `generation.max_prompt_len`
 tokens are dropped too, with a warning that counts them; a split left empty is an
@@ -14,61 +14,16 @@ error.
 """
 
 import dataclasses
-import os
-from typing import Optional
 
 from absl import logging
 
-from async_rl.models.hf_tokenizer import DEFAULT_SYSTEM, HFTokenizer
-from async_rl.tasks.dataset import is_heldout
+from async_rl.config import ExperimentConfig, MathConfig, TaskConfig
+from async_rl.models.hf_tokenizer import HFTokenizer
+from async_rl.tasks.protocol import is_heldout
 from async_rl.tasks.math_data import MathProblem, MathStream, format_prompt, load_jsonl
 
 # Each rollout worker draws from its own permutation of the training problems.
 _WORKER_SEED_STRIDE = 1000
-
-
-def _fail(field, value, why):
-  raise ValueError(f"math.{field} {why}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MathTaskConfig:
-  """The math task (`task_kind="math"`): its JSONL files and how a prompt is written.
-
-  Attributes:
-    train_path: JSONL file of training problems (see `tasks.math_data.load_jsonl`).
-    heldout_path: JSONL file of held-out problems; None holds out a hashed
-      `heldout_fraction` of the training file's questions instead.
-    heldout_fraction: the held-out share of the training file without `heldout_path`.
-    template: the user text, `{question}` replaced by the question.
-    chat: wrap the text in the Qwen chat template (`HFTokenizer.encode_chat`); false
-      for a base model, which then sees the template's text alone.
-    system: the chat's system turn; "" leaves it out.
-    seed: seeds the training order (rollout worker i uses seed + 1000 i).
-
-  Paths are checked to exist and made absolute (Ray actors may run elsewhere).
-  """
-  train_path: Optional[str] = None
-  heldout_path: Optional[str] = None
-  heldout_fraction: float = 0.1
-  template: str = "{question}"
-  chat: bool = True
-  system: str = DEFAULT_SYSTEM
-  seed: int = 0
-
-  def __post_init__(self):
-    for name in ("train_path", "heldout_path"):
-      path = getattr(self, name)
-      if path is not None:
-        if not os.path.isfile(path):
-          _fail(name, path, "is not a file")
-        object.__setattr__(self, name, os.path.abspath(path))
-    if not 0 < self.heldout_fraction < 1:
-      _fail("heldout_fraction", self.heldout_fraction, "must lie in (0, 1)")
-    if "{question}" not in self.template:
-      _fail("template", self.template, "must contain '{question}'")
-    if self.seed < 0:
-      _fail("seed", self.seed, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +69,7 @@ class MathTask:
   reward_fn = "math"
   workflow = None
 
-  def __init__(self, cfg: MathTaskConfig, tokenizer_dir: str, *, max_prompt_len: int):
+  def __init__(self, cfg: MathConfig, tokenizer_dir: str, *, max_prompt_len: int):
     self.cfg = cfg
     self.tokenizer = HFTokenizer(tokenizer_dir)
     self.max_prompt_len = max_prompt_len
@@ -145,7 +100,7 @@ class MathTask:
     """The problems whose prompt fits; `field` names the file they came from."""
     path = getattr(self.cfg, field)
     if not problems:
-      raise ValueError(f"math.{field}: {path} gives no {split} problems" +
+      raise ValueError(f"task.math.{field}: {path} gives no {split} problems" +
                        (" (every question is held out)" if split == "train" else ""))
     kept = []
     for p in problems:
@@ -159,7 +114,7 @@ class MathTask:
                       "generation.max_prompt_len=%d tokens and are skipped",
                       self.num_too_long[split], len(problems), split, self.max_prompt_len)
     if not kept:
-      raise ValueError(f"math.{field}: none of the {len(problems)} {split} problems in "
+      raise ValueError(f"task.math.{field}: none of the {len(problems)} {split} problems in "
                        f"{path} has a prompt of at most generation.max_prompt_len="
                        f"{self.max_prompt_len} tokens")
     return kept
@@ -174,7 +129,7 @@ class MathTask:
     if state:
       stream = MathStream.resume(self._train, state, template=self.cfg.template)
       if stream.seed != seed:
-        raise ValueError(f"stream state seed {stream.seed} does not match math.seed + "
+        raise ValueError(f"stream state seed {stream.seed} does not match task.math.seed + "
                          f"{_WORKER_SEED_STRIDE} * worker {worker_index} = {seed}")
     else:
       stream = MathStream(self._train, seed=seed, template=self.cfg.template)
@@ -186,23 +141,21 @@ class MathTask:
             for p in self._heldout[:n]]
 
 
-def check(cfg) -> None:
-  """The run's checks for `task_kind="math"`."""
-  if cfg.math.train_path is None:
-    raise ValueError("math.train_path must name a JSONL file when task_kind='math', got None")
-  if cfg.hf_model_dir is None:
+def check(cfg: ExperimentConfig) -> None:
+  """The run's checks for `task.name="math"`."""
+  if cfg.task.math.train_path is None:
+    raise ValueError("task.math.train_path must name a JSONL file when task.name='math', "
+                     "got None")
+  if cfg.hf_model_dir is None and cfg.task.tokenizer_dir is None:
     raise ValueError("hf_model_dir must name the model (and tokenizer) directory when "
-                     "task_kind='math', got None")
+                     "task.name='math', got None")
   if cfg.sft.steps:
-    raise ValueError(f"sft.steps must be 0 with task_kind='math': the task has no reference "
+    raise ValueError(f"sft.steps must be 0 with task.name='math': the task has no reference "
                      f"solutions to warm-start on (a hf_model_dir checkpoint is the start), "
                      f"got {cfg.sft.steps}")
 
 
-def make(cfg) -> MathTask:
-  task = MathTask(cfg.math, cfg.hf_model_dir, max_prompt_len=cfg.generation.max_prompt_len)
-  if task.tokenizer.vocab_size > cfg.model.vocab_size:
-    raise ValueError(f"hf_model_dir {cfg.hf_model_dir!r}: its tokenizer has "
-                     f"{task.tokenizer.vocab_size} tokens, more than model.vocab_size="
-                     f"{cfg.model.vocab_size}")
-  return task
+def make(cfg: TaskConfig) -> MathTask:
+  """The math task; `cfg.tokenizer_dir` and `cfg.max_prompt_len` are set (the builder
+  fills them in from `hf_model_dir` and `generation.max_prompt_len`)."""
+  return MathTask(cfg.math, cfg.tokenizer_dir, max_prompt_len=cfg.max_prompt_len)

@@ -8,6 +8,7 @@ named "module:attr" (a factory called with the `ExperimentConfig`), so it needs 
 of the library. `ListTask` builds one from lists of examples.
 """
 
+import hashlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Optional, Protocol, Union
 
@@ -85,3 +86,10 @@ def supervised(prompt_P: Sequence[int], target_C: Sequence[int],
                     loss_mask_T=np.concatenate([np.zeros(P, bool), train_C]),
                     logp_T=np.zeros(P + C, np.float32), versions_T=np.full(P + C, -1, np.int32),
                     prompt_len=P, finish_reason="stop")
+
+
+def is_heldout(prompt: str, fraction: float) -> bool:
+  """Whether `prompt` belongs to the held-out split of the given size: a hash of the
+  prompt alone decides, so a prompt keeps its side whatever else changes."""
+  digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "big") < fraction * 2 ** 64

@@ -1,17 +1,18 @@
-"""Tasks by name: `cfg.task_kind` is a key of `TASKS` or "module:attr".
+"""Tasks by name: `task.name` is a key of `TASKS` or "module:attr".
 
-"module:attr" names a factory `f(cfg: ExperimentConfig) -> Task` (`tasks.protocol`)
-that the trainer's and every rollout worker's process can import; it reads its own
-options from `cfg.task_options` and checks them itself. A built-in task also has a
-`check(cfg)`, run with the config's other checks before anything is built
-(`config_check`), so that a bad value stops a binary at once.
+A task is made from its config section (`config.TaskConfig`). "module:attr" names a
+factory `f(cfg: TaskConfig) -> Task` (`tasks.protocol`) that the trainer's and every
+rollout worker's process can import; it reads its own options from `cfg.options` and
+checks them itself. A built-in task also has a `check(cfg: ExperimentConfig)` of how it
+fits the rest of the run, which the builder runs before anything is compiled
+(`rl.build.preflight`), so that a bad value stops a binary at once.
 """
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from async_rl import named
-from async_rl.tasks import arithmetic_task, code_task, math_task, tool_task
+from async_rl.tasks import arithmetic, code_task, math_task, tool_task
 
 
 class _Entry(NamedTuple):
@@ -20,8 +21,8 @@ class _Entry(NamedTuple):
 
 
 TASKS: dict[str, _Entry] = {
-    "arithmetic": _Entry(arithmetic_task.make, arithmetic_task.check),
-    "arithmetic_tool": _Entry(tool_task.make, arithmetic_task.check),
+    "arithmetic": _Entry(arithmetic.make, arithmetic.check),
+    "arithmetic_tool": _Entry(tool_task.make, arithmetic.check),
     "code": _Entry(code_task.make, code_task.check),
     "math": _Entry(math_task.make, math_task.check),
 }
@@ -31,32 +32,27 @@ _MEMBERS = ("tokenizer", "reward_fn", "workflow", "stream", "heldout", "referenc
 
 def resolve_task(name: str) -> Callable[[Any], Any]:
   """The factory of the task called `name`; raises ValueError for an unknown one."""
-  if name in TASKS:
-    return TASKS[name].make
-  factory = named.load_named(name, "task_kind", "task factory")
-  if factory is None:
-    raise ValueError(f"task_kind must be one of {sorted(TASKS)} or 'module:attr' naming a "
-                     f"task factory, got {name!r}")
-  return factory
+  found = named.lookup(TASKS, name, "task.name", "task factory")
+  return found.make if isinstance(found, _Entry) else found
 
 
 def check_task(cfg) -> None:
-  """The checks `cfg.task_kind` owns; for "module:attr", that the factory loads."""
-  if cfg.task_kind in TASKS:
-    TASKS[cfg.task_kind].check(cfg)
+  """The checks `cfg.task.name` owns; for "module:attr", that the factory loads."""
+  if cfg.task.name in TASKS:
+    TASKS[cfg.task.name].check(cfg)
   else:
-    resolve_task(cfg.task_kind)
+    resolve_task(cfg.task.name)
 
 
 def make_task(cfg):
-  """The task of `cfg.task_kind`, built from `cfg`.
+  """The task `cfg.task.name` of a `config.TaskConfig`, built from it.
 
   Raises:
     ValueError: an unknown name, or a factory's result that lacks a member of a task.
   """
-  task = resolve_task(cfg.task_kind)(cfg)
+  task = resolve_task(cfg.name)(cfg)
   missing = [m for m in _MEMBERS if not hasattr(task, m)]
   if missing:
-    raise ValueError(f"task_kind {cfg.task_kind!r} made a {type(task).__name__} without "
+    raise ValueError(f"task.name {cfg.name!r} made a {type(task).__name__} without "
                      f"{', '.join(missing)} (see async_rl.tasks.protocol.Task)")
   return task

@@ -1,4 +1,4 @@
-"""Arithmetic with a calculator tool: a multi-turn task (`task_kind="arithmetic_tool"`).
+"""Arithmetic with a calculator tool: a multi-turn task (`task.name="arithmetic_tool"`).
 
 The problems and the transcript are those of the arithmetic task,
 
@@ -21,9 +21,9 @@ from typing import Optional
 
 import numpy as np
 
-from async_rl.tasks import arithmetic_task
-from async_rl.tasks.arithmetic_task import ArithmeticTask
-from async_rl.tasks.dataset import TrainStream
+from async_rl.config import TaskConfig
+from async_rl.tasks import arithmetic
+from async_rl.tasks.arithmetic import ArithmeticTask, TrainStream
 from async_rl.tasks.protocol import supervised
 from async_rl.tasks.tokenizer import CharTokenizer
 from async_rl.tasks.workflow import MultiTurn
@@ -64,27 +64,24 @@ class ToolTask(ArithmeticTask):
   """The arithmetic task, with the calculator answering the policy's calls.
 
   Attributes:
-    max_tokens: the episode's budget after the prompt (`generation.max_new_tokens`).
     max_turns: the most policy turns; None: `cfg.max_terms` (a call per step and the
       answer).
   """
-  max_tokens: int = 64
   max_turns: Optional[int] = None
 
   def __post_init__(self):
     self.workflow = MultiTurn(
         Calculator(self.tokenizer), max_turns=self.max_turns or self.cfg.max_terms,
-        max_tokens=self.max_tokens, turn_stop_ids=tuple(self.tokenizer.encode("=")),
+        turn_stop_ids=tuple(self.tokenizer.encode("=")),
         stop_ids=self.tokenizer.stop_ids)
 
   def sft_examples(self) -> Iterator[Trajectory]:
     """The warm-start stream of the arithmetic task, trained on the policy's part only."""
     stream = TrainStream(dataclasses.replace(
-        self.cfg, seed=self.cfg.seed + arithmetic_task.SFT_SEED_OFFSET))
+        self.cfg, seed=self.cfg.seed + arithmetic.SFT_SEED_OFFSET))
     return (supervised(p.tokens, p.target, policy_chars(p.problem.solution) + [True])
             for p in stream)
 
 
-def make(cfg) -> ToolTask:
-  return ToolTask(cfg.task, max_tokens=cfg.generation.max_new_tokens,
-                  max_turns=cfg.multi_turn.max_turns)
+def make(cfg: TaskConfig) -> ToolTask:
+  return ToolTask(cfg.arithmetic, max_turns=cfg.max_turns)

@@ -16,8 +16,8 @@ validated once, by the runner (`trajectory.validate`).
 turns with environment turns: a policy turn that ends in one of `turn_stop_ids` (a tool
 call, say) is answered by `respond`, whose tokens are appended with loss mask 0, no
 behaviour log-prob and version -1; the next policy turn continues from the whole
-episode so far. The episode is one trajectory; `split_turns` makes one training sample
-per policy turn of it instead (`multi_turn.sample_per_turn`).
+episode so far. The episode is one trajectory; `trajectory.split_turns` makes one
+training sample per policy turn of it instead (`task.sample_per_turn`).
 
 Each policy turn after the first continues the episode in the slot its last turn
 held (`hold_slots`), so the generator computes only the environment's tokens; where
@@ -41,6 +41,9 @@ from async_rl.trajectory import Trajectory
 
 
 class Generate(Protocol):
+  """Submits one generator request of the group (see the module docstring)."""
+  max_new_tokens: int  # the group's budget of tokens after its prompt
+
   def __call__(self, tokens: Sequence[int], n: int = 1, *, max_new_tokens: Optional[int] = None,
                stop_ids: Optional[Sequence[int]] = None, hold_slot: bool = False,
                slot: Any = None) -> Future: ...
@@ -101,7 +104,8 @@ class MultiTurn:
     respond: the environment (see `Respond`); runs on the workflow's thread.
     max_turns: the most policy turns of an episode.
     max_tokens: the episode's budget of tokens after the prompt, policy and
-      environment tokens together (at most `generation.max_new_tokens`).
+      environment tokens together; None: the run's `max_new_tokens`
+      (`generate.max_new_tokens`).
     turn_stop_ids: token ids that end a policy turn and hand over to `respond`.
     stop_ids: token ids that end the episode (the tokenizer's stop ids).
     hold_slots: keep each episode's slot and KV cache between its turns; False
@@ -109,15 +113,15 @@ class MultiTurn:
   """
   respond: Respond
   max_turns: int
-  max_tokens: int
   turn_stop_ids: tuple[int, ...]
   stop_ids: tuple[int, ...]
+  max_tokens: Optional[int] = None
   hold_slots: bool = True
 
   def __post_init__(self):
     if self.max_turns < 1:
       raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
-    if self.max_tokens < 1:
+    if self.max_tokens is not None and self.max_tokens < 1:
       raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
     if set(self.turn_stop_ids) & set(self.stop_ids):
       raise ValueError(f"turn_stop_ids {self.turn_stop_ids} and stop_ids {self.stop_ids} "
@@ -125,20 +129,21 @@ class MultiTurn:
 
   def run(self, prompt, n: int, generate: Generate) -> list[Trajectory]:
     prompt_P = np.asarray(prompt.tokens, np.int32)
+    budget = generate.max_new_tokens if self.max_tokens is None else self.max_tokens
     episodes = [_Episode([prompt_P], [np.zeros(prompt_P.size, np.float32)],
                          [np.full(prompt_P.size, -1, np.int32)]) for _ in range(n)]
     stops = (*self.turn_stop_ids, *self.stop_ids)
     active = episodes
     kw = {"stop_ids": stops, "hold_slot": self.hold_slots}
     try:
-      turns = generate(prompt_P, n, max_new_tokens=self.max_tokens, **kw).result()
+      turns = generate(prompt_P, n, max_new_tokens=budget, **kw).result()
       while True:
         for ep, turn in zip(active, turns):
           ep.slot = turn.metadata.get("slot")
         for ep, turn in zip(active, turns):
-          self._policy_turn(ep, turn)
+          self._policy_turn(ep, turn, budget)
           if ep.finish is None:
-            self._environment_turn(prompt, ep)
+            self._environment_turn(prompt, ep, budget)
           if ep.finish is not None and ep.slot is not None:
             generate.release(ep.slot)
             ep.slot = None
@@ -147,7 +152,7 @@ class MultiTurn:
           break
         futures = []
         for ep in active:
-          futures.append(generate(ep.context(), 1, max_new_tokens=self.max_tokens - ep.used,
+          futures.append(generate(ep.context(), 1, max_new_tokens=budget - ep.used,
                                   slot=ep.slot, **kw))
           ep.slot = None  # Handed on: the pool continues or has evicted it.
         turns = [f.result()[0] for f in futures]
@@ -160,7 +165,7 @@ class MultiTurn:
                        prompt_len=prompt_P.size, finish_reason=ep.finish,
                        metadata={"turns": ep.turns}) for ep in episodes]
 
-  def _policy_turn(self, ep: _Episode, turn: Trajectory):
+  def _policy_turn(self, ep: _Episode, turn: Trajectory, budget: int):
     P = turn.prompt_len
     ep.append(turn.completion_C, turn.logp_T[P:], turn.versions_T[P:])
     ep.turns += 1
@@ -170,42 +175,16 @@ class MultiTurn:
       ep.finish = "stop"
     elif ep.turns == self.max_turns:
       ep.finish = "max_turns"
-    elif ep.used >= self.max_tokens:
+    elif ep.used >= budget:
       ep.finish = "length"
 
-  def _environment_turn(self, prompt, ep: _Episode):
+  def _environment_turn(self, prompt, ep: _Episode, budget: int):
     reply = self.respond(prompt, ep.context())
     if reply is None:
       ep.finish = "stop"
       return
     reply = np.asarray(reply, np.int32).reshape(-1)
-    room = self.max_tokens - ep.used
+    room = budget - ep.used
     ep.append(reply[:room])
     if reply.size >= room:
       ep.finish = "length"
-
-
-def split_turns(traj: Trajectory) -> list[Trajectory]:
-  """One sample per policy turn of `traj` (a maximal run of policy tokens): the episode
-  up to the turn's end, whose earlier tokens are its prompt. Each keeps the turn's
-  loss mask, log-probs and versions, and the episode's reward; all but the last end
-  in "stop". A trajectory without policy tokens is returned as it is."""
-  policy = np.concatenate([[0], (traj.versions_T >= 0).astype(np.int8), [0]])
-  edges = np.flatnonzero(np.diff(policy))
-  starts, ends = edges[::2], edges[1::2]
-  out = []
-  for k, (start, end) in enumerate(zip(starts, ends)):
-    out.append(Trajectory(
-        tokens_T=traj.tokens_T[:end], loss_mask_T=_within(traj.loss_mask_T, start, end, False),
-        logp_T=_within(traj.logp_T, start, end, 0),
-        versions_T=_within(traj.versions_T, start, end, -1), prompt_len=int(start),
-        finish_reason=traj.finish_reason if k == len(starts) - 1 else "stop",
-        reward=traj.reward, metadata={**traj.metadata, "turn": k}))
-  return out or [traj]
-
-
-def _within(a: np.ndarray, start: int, end: int, fill) -> np.ndarray:
-  """`a[:end]` with everything before `start` replaced by `fill`."""
-  b = np.full(end, fill, a.dtype)
-  b[start:end] = a[start:end]
-  return b

@@ -1,5 +1,6 @@
 """Figures of a finished run, from its step metrics and the busy spans it recorded, and
-the held-out accuracy of the params it left.
+the held-out accuracy of the params it left; what became of every prompt of a run's
+stream (`prompt_accounting`, which the tests also check).
 
 Used by the benchmarks that run the system end to end.
 """
@@ -8,12 +9,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from async_rl import timeline
+from async_rl import sharding, timeline
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
-from async_rl.rewards import RewardService, RewardTask
-from async_rl.rl.components import make_engine, reward_fn
-from async_rl.rl.evaluate import evaluate
+from async_rl.rewards import RewardService
+from async_rl.rl import build
+from async_rl.rl.evaluate import Evaluator
+from async_rl.sft import warm_start
 from async_rl.tasks.registry import make_task
 
 
@@ -90,48 +92,48 @@ def measure(cfg: ExperimentConfig, summary: dict) -> dict:
   }
 
 
+def warm_params(cfg: ExperimentConfig, task):
+  """The params of `cfg`'s warm start on `task` (its initial params with `sft.steps` = 0),
+  on the host: every run of a benchmark's grid starts from them."""
+  return warm_start(task, cfg.model, cfg.sft, cfg.batching, sharding.make_mesh(cfg.mesh),
+                    seed=cfg.seed, echo=lambda _: None)
+
+
 def longest_heldout(cfg: ExperimentConfig, n: int, longest: int):
   """The task, its first `n` held-out prompts, and the `longest` of them with the
   longest reference solutions (the longest chains)."""
-  task = make_task(cfg)
+  task = make_task(build.resolve(cfg).task)
   prompts = task.heldout(n)
   return task, prompts, sorted(prompts, key=lambda p: -len(p.target))[:longest]
 
 
 class HeldoutEval:
-  """Greedy accuracy of successive params on held-out prompts, through one generator
-  pool and reward service kept open, so that an evaluation compiles nothing.
+  """Greedy accuracy of successive params on held-out prompts, through one `Evaluator`
+  kept open, so that an evaluation compiles nothing after the first.
 
-  `load(params)` swaps params in; `accuracy(prompts)` scores the loaded ones. A
-  context manager: leaving it closes the pool and the reward workers.
+  `load(params)` swaps params in; `accuracy(prompts)` scores the loaded ones (fully
+  correct solutions only: reward >= 1). A context manager: leaving it closes the pool
+  and the reward workers.
   """
 
   def __init__(self, cfg: ExperimentConfig, task, params):
-    self._cfg, self._task, self._version = cfg, task, 0
-    self._fn = reward_fn(cfg, task)
-    self._pool = GeneratorPool(make_engine(cfg), params)
-    self._rewards = RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s)
+    cfg = build.resolve(cfg)
+    self._version = 0
+    self._evaluator = Evaluator(
+        GeneratorPool(build.make_engine(cfg), params),
+        RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s),
+        task, cfg.eval, reward_fn=build.reward_fn(cfg, task),
+        max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed)
 
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
-    self._rewards.close()
-    self._pool.shutdown()
+    self._evaluator.close()
 
   def load(self, params) -> None:
     self._version += 1
-    self._pool.update_weights(params, self._version).result()
+    self._evaluator.load(params, self._version)
 
   def accuracy(self, prompts) -> float:
-    """Greedy accuracy of the loaded params on `prompts` (fully correct solutions only:
-    reward >= 1)."""
-    task = self._task
-
-    def score(pairs):
-      return self._rewards.score_batch(
-          [RewardTask(self._fn, text, task.reference(p)) for p, text in pairs])
-    return evaluate(self._pool, prompts, score=score, decode=task.tokenizer.decode,
-                    max_new_tokens=self._cfg.generation.max_new_tokens,
-                    stop_token_ids=task.tokenizer.stop_ids, pass_k=1,
-                    seed=self._cfg.seed)["accuracy"]
+    return self._evaluator.evaluate(prompts, pass_k=1)["accuracy"]

@@ -1,0 +1,274 @@
+"""The generator pool's decode thread: what it does between two decode chunks.
+
+`GeneratorPool`'s public methods only post work (queued samples, extensions, releases,
+aborts, pauses, weight updates) to an `Inbox` under its condition variable; the
+`Scheduler`, run on the pool's one decode thread, owns the engine's params, version and
+decode state and the host's view of the slots, applies that work between two decode
+chunks and runs the chunks.
+"""
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable
+from concurrent.futures import Future
+
+from async_rl.generation import slots
+from async_rl.generation.host_batch import HostBatch, Job
+from async_rl.generation.request import SlotHandle, empty_sample
+from async_rl.timeline import Timeline
+
+# An idle pool admits a burst of submissions together: it starts once none came for
+# SETTLE_S (or the queue fills its slots), at most SETTLE_MAX_S after the first.
+SETTLE_S, SETTLE_MAX_S = 0.005, 0.05
+
+
+@dataclasses.dataclass(eq=False)
+class Update:
+  params: object
+  version: int
+  mode: str
+  future: Future
+  transfer_s: float
+  blocked_since: float | None = None
+
+
+@dataclasses.dataclass
+class Stats:
+  decode_s: float = 0.0
+  paused_s: float = 0.0
+  swaps: int = 0
+  swap_transfer_s: float = 0.0
+  swap_pause_s: float = 0.0
+  swap_transfer_s_total: float = 0.0
+  swap_pause_s_total: float = 0.0
+  extended_in_slot: int = 0
+  extended_reprefilled: int = 0
+  evictions: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Inbox:
+  """What the pool's callers post for the decode thread, and the pool's state flags;
+  read and written only under `cv`."""
+  cv: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+  queue: deque = dataclasses.field(default_factory=deque)  # (Job, sample index)
+  extends: deque = dataclasses.field(default_factory=deque)  # Jobs continuing a held slot
+  releases: list[SlotHandle] = dataclasses.field(default_factory=list)
+  aborts: list[Job] = dataclasses.field(default_factory=list)
+  updates: deque = dataclasses.field(default_factory=deque)  # Updates, oldest first
+  jobs: dict[Hashable, Job] = dataclasses.field(default_factory=dict)
+  paused: bool = False
+  halted: bool = False  # paused, and no chunk runs
+  closing: bool = False
+  error: BaseException | None = None
+  last_submit: float = 0.0
+  pause_started: float = 0.0
+
+
+class Scheduler:
+  """The decode thread's half of `GeneratorPool`: `run` is the thread's loop.
+
+  Args:
+    engine: the engine it decodes with.
+    params: the initial params, already on the engine's devices (`load_params`).
+    version: their version.
+    inbox: where the pool posts work.
+    timeline: where the decode thread records its busy spans.
+  """
+
+  def __init__(self, engine, params, version: int, inbox: Inbox, timeline: Timeline):
+    self.engine, self.params, self.version = engine, params, version
+    self.inbox, self.timeline = inbox, timeline
+    self._state = engine.init_decode_state()
+    self.batch = HostBatch(engine.max_concurrent_decodes, engine.max_target_length,
+                           self._complete)
+    self.stats = Stats()
+
+  def _update_ready(self) -> bool:
+    updates = self.inbox.updates
+    return bool(updates) and (updates[0].mode != "drain" or not self.batch.num_active())
+
+  def _has_work(self) -> bool:
+    box = self.inbox
+    if box.closing or box.aborts or box.releases or (box.paused and not box.halted):
+      return True
+    if self._update_ready():
+      return True
+    return not box.paused and (bool(box.queue) or bool(box.extends)
+                               or self.batch.num_active() > 0)
+
+  def run(self):
+    try:
+      while self._iterate():
+        pass
+      self._close_out()
+    except BaseException as e:  # noqa: BLE001 - every waiter must learn of the failure.
+      self._fail(e)
+
+  def _iterate(self) -> bool:
+    box = self.inbox
+    with box.cv:
+      box.cv.wait_for(self._has_work)
+      if box.closing:
+        return False
+      aborts, box.aborts = box.aborts, []
+      releases, box.releases = box.releases, []
+      box.queue = deque(item for item in box.queue if item[0] not in aborts)
+      box.extends = deque(job for job in box.extends if job not in aborts)
+      halt = box.paused and not box.halted
+      paused = box.paused
+      update = box.updates[0] if box.updates else None
+      queued = bool(box.queue)
+    if aborts or paused or update is not None:
+      # Everything below needs every token produced so far.
+      self.batch.flush()
+    if halt:
+      with box.cv:
+        box.halted = box.paused
+        box.cv.notify_all()
+    for job in aborts:
+      self._abort_job(job)
+    for handle in releases:
+      self.batch.drop_held(handle)
+    if update is not None:
+      if update.mode != "drain" or not self.batch.num_active():
+        self._apply(update)
+        return True
+      update.blocked_since = update.blocked_since or time.perf_counter()
+    if paused:
+      return True
+    start, wall_start = time.perf_counter(), time.time()
+    if update is None:
+      if queued and not self.batch.num_active():
+        self._settle()
+      if queued:
+        # Reading the pending chunk first frees the slots it finished, so queued
+        # samples take them in the next chunk. With nothing queued a freed slot would
+        # stay empty anyway, so the next chunk is dispatched before the pending one
+        # is read (`add_chunk`), and the host's bookkeeping overlaps the device.
+        self.batch.flush()
+      self._admit()
+    if self.batch.num_active():
+      self._state, result = self.engine.generate_chunk(self.params, self._state)
+      self.batch.add_chunk(result, self.version)
+    self.stats.decode_s += time.perf_counter() - start
+    self.timeline.record("generator", "decode", wall_start, time.time(), merge=True)
+    return True
+
+  def _settle(self):
+    """Waits, with no sample running, for a burst of submissions to end (SETTLE_S):
+    a step's groups arrive one by one from the workflows' threads, and a chunk
+    started for the first alone would run every slot for its few samples."""
+    box = self.inbox
+    first, free = time.perf_counter(), len(self.batch.free_slots())
+    with box.cv:
+      while not (box.closing or box.aborts or box.updates or box.paused or box.extends
+                 or len(box.queue) >= free):
+        wait = min(box.last_submit + SETTLE_S, first + SETTLE_MAX_S) - time.perf_counter()
+        if wait <= 0:
+          return
+        box.cv.wait(wait)
+
+  def _admit(self):
+    box = self.inbox
+    self._start_extensions()
+    free = self.batch.free_slots()
+    with box.cv:
+      short = len(box.queue) - len(free)
+    if short > 0 and self.batch.held:
+      self.stats.evictions += self.batch.evict(short)
+      free = self.batch.free_slots()
+    with box.cv:
+      taken = [box.queue.popleft() for _ in range(min(len(free), len(box.queue)))]
+    if taken:
+      self._state = slots.start_samples(self.engine, self.params, self.version, self._state,
+                                        self.batch, taken, free)
+
+  def _start_extensions(self):
+    box = self.inbox
+    with box.cv:
+      jobs, box.extends = list(box.extends), deque()
+    for job in jobs:
+      held = self.batch.take_held(job.handle)
+      if held is None:
+        self._resolve(job, None)
+      elif not slots.continues(job, held):
+        self._resolve(job, error=ValueError(
+            f"request {job.request.request_id!r}: the prompt does not continue the "
+            f"{held.tokens_T.size} tokens its slot holds"))
+      else:
+        self._state, in_slot = slots.continue_held(self.engine, self.params, self.version,
+                                                   self._state, self.batch, job, held)
+        if in_slot:
+          self.stats.extended_in_slot += 1
+        else:
+          self.stats.extended_reprefilled += 1
+
+  def _resolve(self, job: Job, result=None, error: Exception | None = None):
+    job.done, job.prefix = True, None
+    with self.inbox.cv:
+      del self.inbox.jobs[job.request.request_id]
+    if error is not None:
+      job.future.set_exception(error)
+    else:
+      job.future.set_result(result)
+
+  def _complete(self, job: Job):
+    self._resolve(job, list(job.samples))
+
+  def _abort_job(self, job: Job):
+    if job.done:
+      return
+    if job.handle is not None:  # An extension aborted before it started frees its slot.
+      self.batch.drop_held(job.handle)
+    self.batch.release(job)
+    if not job.done:
+      for i, x in enumerate(job.samples):
+        if x is None:
+          job.samples[i] = empty_sample(job.request.request_id, i, job.prompt_P, "aborted")
+      self._complete(job)
+
+  def _apply(self, update: Update):
+    blocked_since = update.blocked_since or time.perf_counter()
+    wall_start = time.time()
+    self.params, self.version = update.params, update.version
+    if update.mode == "retract":
+      self._state = slots.restart_all(self.engine, self.params, self.version, self._state,
+                                      self.batch)
+    pause_s = time.perf_counter() - blocked_since
+    self.timeline.record("generator", "swap", wall_start, time.time())
+    with self.inbox.cv:
+      self.inbox.updates.popleft()
+      st = self.stats
+      st.swaps += 1
+      st.swap_transfer_s, st.swap_pause_s = update.transfer_s, pause_s
+      st.swap_transfer_s_total += update.transfer_s
+      st.swap_pause_s_total += pause_s
+    update.future.set_result({"transfer_s": update.transfer_s, "pause_s": pause_s})
+
+  def _close_out(self):
+    box = self.inbox
+    self.batch.flush()
+    for job in list(box.jobs.values()):
+      self._abort_job(job)
+    self.batch.held.clear()
+    with box.cv:
+      box.queue.clear()
+      box.extends.clear()
+      updates, box.updates = list(box.updates), deque()
+    for update in updates:
+      update.future.set_exception(RuntimeError("the generator pool shut down before the update"))
+
+  def _fail(self, error: BaseException):
+    box = self.inbox
+    with box.cv:
+      box.error = error
+      jobs, box.jobs = list(box.jobs.values()), {}
+      updates, box.updates = list(box.updates), deque()
+      box.queue.clear()
+      box.extends.clear()
+      box.cv.notify_all()
+    for waiter in [j.future for j in jobs if not j.done] + [u.future for u in updates]:
+      waiter.set_exception(error)

@@ -1,0 +1,1 @@
+"""What several benchmarks (and the tests that check runs) share."""

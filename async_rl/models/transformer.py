@@ -306,17 +306,33 @@ def decode(params: Params, cfg, cache, tokens_S, positions_S):
   """
   S, Tmax = tokens_S.shape[0], cache_len(cache)
   slots_S = jnp.arange(S)
-  positions_S1 = positions_S[:, None]
-  mask_ST = jnp.arange(Tmax)[None, :] <= positions_S1
-  x, ks, vs = _embed(params, cfg, tokens_S[:, None]), [], []
-  for lp, k_SKTE, v_SKTE in zip(_layer_list(params), cache["k"], cache["v"]):
-    def attend(q, k, v, k_SKTE=k_SKTE, v_SKTE=v_SKTE):
-      # k[:, 0] is [S, K, E]: slot s's new row goes to [s, :, positions_S[s]].
-      k_SKTE = k_SKTE.at[slots_S, :, positions_S].set(k[:, 0].astype(k_SKTE.dtype), mode="drop")
-      v_SKTE = v_SKTE.at[slots_S, :, positions_S].set(v[:, 0].astype(v_SKTE.dtype), mode="drop")
-      return _decode_attention(q, k_SKTE, v_SKTE, mask_ST), (k_SKTE, v_SKTE)
+  mask_ST = jnp.arange(Tmax)[None, :] <= positions_S[:, None]
 
-    x, (k_SKTE, v_SKTE) = _block(lp, cfg, x, positions_S1, attend)
-    ks.append(k_SKTE)
-    vs.append(v_SKTE)
-  return _logits(params, cfg, x)[:, 0], {"k": tuple(ks), "v": tuple(vs)}
+  def attend(q, k, v, kv):
+    # k[:, 0] is [S, K, E]: slot s's new row goes to [s, :, positions_S[s]].
+    k_SKTE, v_SKTE = (c.at[slots_S, :, positions_S].set(x[:, 0].astype(c.dtype), mode="drop")
+                      for c, x in zip(kv, (k, v)))
+    return _decode_attention(q, k_SKTE, v_SKTE, mask_ST), (k_SKTE, v_SKTE)
+
+  logits_SV, kv = decode_layers(params, cfg, tuple(zip(cache["k"], cache["v"])), tokens_S,
+                                positions_S, attend)
+  ks, vs = zip(*kv)
+  return logits_SV, {"k": ks, "v": vs}
+
+
+def decode_layers(params: Params, cfg, caches, tokens_S, positions_S, attend):
+  """`decode`'s step over a KV layout the caller keeps: one entry of `caches` per layer.
+
+  `attend(q_S1HE, k_S1KE, v_S1KE, cache) -> (out_S1HE, cache)` writes the token's key
+  and value into its layer's cache and attends to positions <= `positions_S`; the rest
+  of the layer is `decode`'s, so a paged cache (`generation.paged`) gets the same
+  numerics. Returns (logits [S, V] float32, the L updated caches).
+  """
+  x = _embed(params, cfg, tokens_S[:, None])
+  positions_S1 = positions_S[:, None]
+  updated = []
+  for lp, cache in zip(_layer_list(params), caches):
+    x, cache = _block(lp, cfg, x, positions_S1,
+                      lambda q, k, v, cache=cache: attend(q, k, v, cache))
+    updated.append(cache)
+  return _logits(params, cfg, x)[:, 0], tuple(updated)

@@ -1,0 +1,295 @@
+"""A paged KV cache: fixed-size blocks in one pool per layer, and a block table per slot.
+
+Memory is the pool, a budget in blocks, rather than slots x the longest possible
+sample, and a decode step reads only the blocks its slots hold. The device side is pure
+functions over `PagedCache`; the host side is `BlockAllocator`, which hands blocks out
+and counts their holders, so that the samples of a group share their prompt's blocks.
+
+Shapes: S slots, L layers, K kv heads, H query heads, E head dim, N blocks in the pool,
+C tokens per block, M block-table columns (the most blocks one slot may hold), n the
+columns one decode step reads (static), T = n C the positions it reads, B prompts,
+P their padded length, J = ceil(P / C) blocks of a padded prompt.
+
+Slot s's token at position p lives in block `tables_SM[s, p // C]`, at offset `p % C`.
+A table entry N (one past the pool) means no block: a write there is dropped, a read
+is clamped into the pool and masked by length. Each layer's pool is [K, N, C, E], the
+layout `jax.experimental.pallas.ops.gpu.paged_attention` reads.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from async_rl import models
+
+_NEG_INF = -1e30
+# The Pallas kernel's split of a slot's blocks into parallel partitions, and the most
+# blocks it loads per step (the kernel's defaults); Triton's dot wants >= 16 keys a step.
+_K_SPLITS, _PAGES_PER_STEP, _MIN_KEYS_PER_STEP = 16, 8, 16
+
+
+@struct.dataclass
+class PagedCache:
+  """The KV blocks of every layer and the block tables of the slots.
+
+  `k` and `v` hold L arrays [K, N, C, E] (one buffer per layer, as `models.init_cache`,
+  so that a donated layer's scatter updates it in place); `tables_SM` (int32) lists
+  slot s's blocks in position order, N where it holds none.
+  """
+  k: tuple
+  v: tuple
+  tables_SM: jax.Array
+
+  @property
+  def num_blocks(self) -> int:
+    return self.k[0].shape[1]
+
+  @property
+  def block_size(self) -> int:
+    return self.k[0].shape[2]
+
+
+def init_cache(cfg, *, num_slots: int, num_blocks: int, block_size: int,
+               max_blocks: int) -> PagedCache:
+  """A zeroed pool of `num_blocks` blocks; every slot's table empty (all N)."""
+  shape = (cfg.n_kv_heads, num_blocks, block_size, cfg.head_dim)
+  zeros = lambda: tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))
+  return PagedCache(k=zeros(), v=zeros(),
+                    tables_SM=jnp.full((num_slots, max_blocks), num_blocks, jnp.int32))
+
+
+def write_token(pages_KNCE, new_SKE, tables_SM, positions_S):
+  """Writes slot s's key (or value) `new_SKE[s]` at `positions_S[s]` into its block.
+
+  A slot whose position is past its table (an idle slot) or whose column there holds
+  no block writes nowhere.
+  """
+  N, C = pages_KNCE.shape[1], pages_KNCE.shape[2]
+  block_S = jnp.take_along_axis(tables_SM, (positions_S // C)[:, None], axis=1, mode="fill",
+                                fill_value=N)[:, 0]
+  new_KSE = jnp.swapaxes(new_SKE, 0, 1).astype(pages_KNCE.dtype)
+  return pages_KNCE.at[:, block_S, positions_S % C].set(new_KSE, mode="drop")
+
+
+def insert(cache: PagedCache, prompt, row, slot, table_M, shared) -> PagedCache:
+  """Gives `slot` the block table `table_M` and writes prompt `row` into its blocks.
+
+  `prompt` is the cache `models.prefill` returns (k and v, L arrays [B, K, P, E]). The
+  first `shared` blocks are skipped: they are the prompt's full blocks, which another
+  sample of the group holds too and has written already (`BlockAllocator.allocate_group`).
+  The rest of the last block past the prompt's length gets the prefill's padding; the
+  decode step overwrites a position before attention reads it.
+  """
+  N, C = cache.num_blocks, cache.block_size
+  P = prompt["k"][0].shape[2]
+  J, M = -(-P // C), table_M.shape[0]
+  blocks_J = jnp.pad(table_M[:J], (0, max(J - M, 0)), constant_values=N)
+  blocks_J = jnp.where(jnp.arange(J) < shared, N, blocks_J)
+
+  def put(pages_KNCE, prompt_BKPE):
+    K, E = prompt_BKPE.shape[1], prompt_BKPE.shape[3]
+    row_KPE = jax.lax.dynamic_index_in_dim(prompt_BKPE, row, axis=0, keepdims=False)
+    row_KJCE = jnp.pad(row_KPE, ((0, 0), (0, J * C - P), (0, 0))).reshape(K, J, C, E)
+    return pages_KNCE.at[:, blocks_J].set(row_KJCE.astype(pages_KNCE.dtype), mode="drop")
+
+  return cache.replace(k=tuple(map(put, cache.k, prompt["k"])),
+                       v=tuple(map(put, cache.v, prompt["v"])),
+                       tables_SM=cache.tables_SM.at[slot].set(table_M))
+
+
+def gather_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, *, blocks):
+  """Plain XLA: gathers the first `blocks` columns' blocks per slot into [S, K, T, E] and
+  attends to the first `lengths_S[s]` positions; the work follows `blocks`, not M."""
+  S, H, E = q_SHE.shape
+  K, N, C, _ = k_KNCE.shape
+  T = blocks * C
+  tables_Sn = jnp.minimum(tables_SM[:, :blocks], N - 1)
+  # Both index arrays in one gather, so its result comes out slot-major with no copy
+  # of the pool.
+  heads_1K1 = jnp.arange(K)[None, :, None]
+  gather = lambda pages: pages[heads_1K1, tables_Sn[:, None, :]].reshape(S, K, T, E)
+  k_SKTE, v_SKTE = gather(k_KNCE), gather(v_KNCE)
+  # As `models.decode`'s attention, so that a paged cache decodes to the same numbers.
+  q_SKQE = q_SHE.reshape(S, K, H // K, E)
+  scores = jnp.einsum("skqe,skte->skqt", q_SKQE, k_SKTE,
+                      preferred_element_type=jnp.float32) * (E ** -0.5)
+  mask_ST = jnp.arange(T)[None, :] < lengths_S[:, None]
+  scores = jnp.where(mask_ST[:, None, None], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_SKTE.dtype)
+  return jnp.einsum("skqt,skte->skqe", probs, v_SKTE).reshape(S, H, E)
+
+
+def pallas_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, *, blocks,
+                     interpret: bool = False):
+  """The Pallas (Triton) paged decode kernel over the first `blocks` columns; `interpret`
+  runs it on any backend.
+
+  The kernel splits a slot's blocks into up to 16 partitions that run in parallel, each
+  in steps of a few blocks, and skips the steps past a slot's length. It pads each kv
+  head's query heads up to its 16-row tile itself. It takes no softmax scale, so the
+  queries are scaled first. Keys per step are at least 16 (Triton's smallest dot), so
+  the table is padded with clamped columns, which the lengths mask, when `blocks` is
+  too few. The head dim must be at least 16 on a GPU.
+  """
+  # Imported here: the Pallas GPU modules add half a second to every CPU process.
+  from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+  E = q_SHE.shape[-1]
+  N, C = k_KNCE.shape[1], k_KNCE.shape[2]
+  per_step = max(-(-_MIN_KEYS_PER_STEP // C), min(_PAGES_PER_STEP, blocks))
+  splits = max(1, min(_K_SPLITS, blocks // per_step))
+  n = -(-blocks // (per_step * splits)) * per_step * splits
+  tables_Sn = jnp.minimum(tables_SM[:, :blocks], N - 1)
+  tables_Sn = jnp.pad(tables_Sn, ((0, 0), (0, n - tables_Sn.shape[1])), constant_values=N - 1)
+  lengths_S = jnp.minimum(lengths_S, blocks * C).astype(jnp.int32)
+  q_SHE = (q_SHE * E ** -0.5).astype(q_SHE.dtype)
+  return pallas_paged.paged_attention(q_SHE, k_KNCE, v_KNCE, tables_Sn, lengths_S,
+                                      pages_per_compute_block=per_step, k_splits=splits,
+                                      interpret=interpret)
+
+
+def attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, *, blocks):
+  """Decode attention over the blocks of the first `blocks` table columns, each slot
+  to its first `lengths_S[s]` positions: the Pallas kernel on GPU, XLA elsewhere.
+
+  Returns [S, H, E] in the queries' dtype.
+  """
+  if jax.default_backend() == "gpu":
+    return pallas_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, blocks=blocks)
+  return gather_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, blocks=blocks)
+
+
+def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *,
+           blocks: int, attend=attention):
+  """`models.decode` on a paged cache: one token per slot, written at `positions_S`,
+  attending to positions <= it; returns (logits [S, V] float32, updated cache).
+
+  Attention reads the first `blocks` columns of the tables (`bucket`), which must hold
+  every live slot's blocks; slots past their table (idle) write nowhere. `attend` is
+  `attention` or one of its implementations.
+  """
+  lengths_S = positions_S + 1
+
+  def attend_layer(q_S1HE, k_S1KE, v_S1KE, pages):
+    k_KNCE = write_token(pages[0], k_S1KE[:, 0], cache.tables_SM, positions_S)
+    v_KNCE = write_token(pages[1], v_S1KE[:, 0], cache.tables_SM, positions_S)
+    out_SHE = attend(q_S1HE[:, 0], k_KNCE, v_KNCE, cache.tables_SM, lengths_S, blocks=blocks)
+    return out_SHE[:, None], (k_KNCE, v_KNCE)
+
+  logits_SV, pages = models.decode_layers(params, cfg, tuple(zip(cache.k, cache.v)),
+                                          tokens_S, positions_S, attend_layer)
+  k, v = zip(*pages)
+  return logits_SV, cache.replace(k=tuple(k), v=tuple(v))
+
+
+def bucket(live_blocks: int, max_blocks: int) -> int:
+  """The table columns a decode step reads when no slot holds more than `live_blocks`
+  blocks: the next power of two, at most `max_blocks`, so that the step compiles at most
+  log2(M) + 1 times."""
+  return min(max_blocks, 1 << max(live_blocks - 1, 0).bit_length())
+
+
+class OutOfBlocks(RuntimeError):
+  """More blocks were asked for than are free."""
+
+
+class BlockAllocator:
+  """The free list and reference counts of a paged cache's N blocks, on the host.
+
+  A block is free at count 0. `allocate` hands out free blocks at count 1, `share` adds
+  a holder to allocated blocks and `free` drops one, returning a block to the free list
+  when its last holder lets go. Asking for more blocks than are free raises
+  `OutOfBlocks` and changes nothing, so that the caller can preempt and retry; freeing or
+  sharing a free block raises `ValueError`.
+  """
+
+  def __init__(self, num_blocks: int, block_size: int):
+    if num_blocks < 1 or block_size < 1:
+      raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+    self.num_blocks, self.block_size = num_blocks, block_size
+    self._refs = [0] * num_blocks
+    # A stack: the most recently freed block is handed out first.
+    self._free = list(range(num_blocks - 1, -1, -1))
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  def refcount(self, block: int) -> int:
+    return self._refs[self._check(block)]
+
+  def blocks_for(self, tokens: int) -> int:
+    """The blocks that hold `tokens` positions."""
+    return -(-tokens // self.block_size)
+
+  def allocate(self, n: int) -> list[int]:
+    """`n` free blocks, each now held once."""
+    if n < 0:
+      raise ValueError(f"cannot allocate {n} blocks")
+    if n > len(self._free):
+      raise OutOfBlocks(f"{n} blocks asked for, {len(self._free)} of {self.num_blocks} free")
+    blocks = [self._free.pop() for _ in range(n)]
+    for b in blocks:
+      self._refs[b] = 1
+    return blocks
+
+  def share(self, blocks) -> None:
+    """One more holder for each of `blocks` (all allocated)."""
+    blocks = [self._check(b) for b in blocks]
+    for b in blocks:
+      if not self._refs[b]:
+        raise ValueError(f"block {b} is free; only allocated blocks can be shared")
+    for b in blocks:
+      self._refs[b] += 1
+
+  def free(self, blocks) -> None:
+    """One holder fewer for each of `blocks`; all or none are released."""
+    drops = {}
+    for b in map(self._check, blocks):
+      drops[b] = drops.get(b, 0) + 1
+    for b, n in drops.items():
+      if n > self._refs[b]:
+        raise ValueError(f"block {b} freed {n} times but held {self._refs[b]} times "
+                         "(a double free)")
+    for b, n in drops.items():
+      self._refs[b] -= n
+      if not self._refs[b]:
+        self._free.append(b)
+
+  def group_blocks(self, length: int, samples: int) -> int:
+    """The blocks `allocate_group` takes for `samples` samples of a `length`-token prompt."""
+    full, partial = divmod(length, self.block_size)
+    return full + samples * (partial > 0)
+
+  def allocate_group(self, length: int, samples: int) -> list[list[int]]:
+    """The prompt blocks of each of `samples` samples of one `length`-token prompt.
+
+    The prompt's full blocks are shared by all samples (held `samples` times); the last,
+    partial block, which decoding goes on to fill, is each sample's own (written from
+    the prefill per sample, so no block that two samples hold is ever written). The full
+    blocks are the first `length // block_size` of each list (`insert`'s `shared`).
+    """
+    if samples < 1:
+      raise ValueError(f"a group needs >= 1 samples, got {samples}")
+    need = self.group_blocks(length, samples)
+    if need > len(self._free):
+      raise OutOfBlocks(f"a group of {samples} samples of a {length}-token prompt needs "
+                        f"{need} blocks, {len(self._free)} of {self.num_blocks} free")
+    full = self.allocate(length // self.block_size)
+    for _ in range(samples - 1):
+      self.share(full)
+    own = length % self.block_size > 0
+    return [full + self.allocate(int(own)) for _ in range(samples)]
+
+  def table(self, blocks, max_blocks: int) -> np.ndarray:
+    """A slot's table row: `blocks`, then N (no block) up to `max_blocks` columns."""
+    if len(blocks) > max_blocks:
+      raise ValueError(f"{len(blocks)} blocks do not fit a table of {max_blocks} columns")
+    row = np.full(max_blocks, self.num_blocks, np.int32)
+    row[:len(blocks)] = blocks
+    return row
+
+  def _check(self, block) -> int:
+    if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
+      raise ValueError(f"{block!r} is not a block of a pool of {self.num_blocks}")
+    return int(block)

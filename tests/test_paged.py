@@ -1,0 +1,388 @@
+"""The paged KV cache: paged decode == dense decode, with a group's prompt blocks
+shared; only live blocks matter; the Pallas kernel (interpreted) == the XLA path and
+lowers for CUDA; one compile per bucket; the block allocator's bookkeeping."""
+
+import functools
+import re
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from async_rl import models
+from async_rl.config import ModelConfig, model_preset
+from async_rl.generation import paged
+
+# The decode steps compared below run the same ops on both caches; what differs is the
+# number of masked positions each softmax and reduction runs over (T = 64 dense, the
+# bucket paged), which XLA may sum in another order: float32 rounding, a few ulps of
+# values of order 1, compounded through the layers.
+_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+_dense_decode = jax.jit(models.decode, static_argnums=1)
+_paged_decode = jax.jit(paged.decode, static_argnames=("cfg", "blocks", "attend"))
+
+
+def _cfg(**kw):
+  return ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=8, d_ff=64, **kw)
+
+
+def _shuffled_allocator(num_blocks, block_size, seed):
+  """An allocator that hands its blocks out in a random order (tables not contiguous)."""
+  allocator = paged.BlockAllocator(num_blocks, block_size)
+  blocks = allocator.allocate(num_blocks)
+  allocator.free(list(np.random.default_rng(seed).permutation(blocks)))
+  return allocator
+
+
+class _Both:
+  """One workload on a dense cache and on a paged one: prompts of random lengths in
+  groups of 3, 1 and 2 samples (a group shares its prompt's full blocks), then decode
+  steps of random tokens; slot S - 1 stays idle."""
+
+  T = 64
+  GROUPS = (3, 1, 2)
+
+  def __init__(self, block_size, seed):
+    self.cfg = cfg = _cfg(qk_norm=True)
+    self.params = models.init_params(cfg, jax.random.key(seed))
+    self.rng = rng = np.random.default_rng(seed)
+    self.C, self.M, self.S = block_size, self.T // block_size, sum(self.GROUPS) + 1
+    self.lengths_B = rng.integers(1, 21, len(self.GROUPS))
+    tokens_BP = rng.integers(0, cfg.vocab_size, (len(self.GROUPS), 20)).astype(np.int32)
+    _, prompt = models.prefill(self.params, cfg, tokens_BP, self.lengths_B)
+    self.dense = models.init_cache(cfg, self.S, self.T)
+    self.allocator = _shuffled_allocator(48, block_size, seed)
+    self.cache = paged.init_cache(cfg, num_slots=self.S, num_blocks=48, block_size=block_size,
+                                  max_blocks=self.M)
+    self.blocks, self.positions_S, slot = [], np.full(self.S, self.T, np.int32), 0
+    for row, samples in enumerate(self.GROUPS):
+      length = int(self.lengths_B[row])
+      for i, blocks in enumerate(self.allocator.allocate_group(length, samples)):
+        self.dense = jax.tree.map(lambda c, p: c.at[slot, :, :p.shape[2]].set(p[row]),
+                                  self.dense, prompt)
+        self.cache = paged.insert(self.cache, prompt, row, slot,
+                                  self.allocator.table(blocks, self.M),
+                                  0 if i == 0 else length // block_size)
+        self.blocks.append(blocks)
+        self.positions_S[slot] = length
+        slot += 1
+    self.live = slot
+
+  def grow(self):
+    """Gives each live slot the block its next position needs; returns the bucket."""
+    for s in range(self.live):
+      if self.positions_S[s] // self.C >= len(self.blocks[s]):
+        self.blocks[s] += self.allocator.allocate(1)
+    tables_SM = np.stack([self.allocator.table(b, self.M) for b in self.blocks] +
+                         [self.allocator.table([], self.M)])
+    self.cache = self.cache.replace(tables_SM=jnp.asarray(tables_SM))
+    return paged.bucket(max(len(b) for b in self.blocks), self.M)
+
+  def step(self):
+    tokens_S = self.rng.integers(0, self.cfg.vocab_size, self.S).astype(np.int32)
+    blocks = self.grow()
+    # A copy: on CPU a jitted call may read a NumPy argument in place, after this
+    # method has gone on to advance the positions.
+    positions_S = jnp.array(self.positions_S)
+    dense_SV, self.dense = _dense_decode(self.params, self.cfg, self.dense, tokens_S,
+                                         positions_S)
+    paged_SV, self.cache = _paged_decode(self.params, self.cfg, self.cache, tokens_S,
+                                         positions_S, blocks=blocks)
+    self.positions_S[:self.live] += 1
+    return dense_SV[:self.live], paged_SV[:self.live]
+
+  def read_back(self, layer, name):
+    """Slot s's paged keys (or values) at its written positions, as [K, p, E] each."""
+    pages = np.asarray(getattr(self.cache, name)[layer])
+    return [np.stack([pages[:, self.blocks[s][p // self.C], p % self.C]
+                      for p in range(self.positions_S[s])], axis=1)
+            for s in range(self.live)]
+
+
+@pytest.mark.parametrize("block_size, seed", [(4, 0), (4, 1), (16, 2)])
+def test_paged_decode_equals_dense_decode(block_size, seed):
+  both = _Both(block_size, seed)
+  # The group's 3 samples hold its prompt's full blocks once, and each its own last one.
+  full = int(both.lengths_B[0]) // block_size
+  assert both.blocks[0][:full] == both.blocks[1][:full] == both.blocks[2][:full]
+  assert all(both.allocator.refcount(b) == 3 for b in both.blocks[0][:full])
+  own = [b for blocks in both.blocks[:3] for b in blocks[full:]]
+  assert len(set(own)) == len(own) == 3 * (int(both.lengths_B[0]) % block_size > 0)
+  for _ in range(12):
+    dense_SV, paged_SV = both.step()
+    np.testing.assert_allclose(paged_SV, dense_SV, **_TOL)
+  for layer in range(both.cfg.n_layers):
+    for name in ("k", "v"):
+      dense = np.asarray(both.dense[name][layer])
+      for s, kv_KpE in enumerate(both.read_back(layer, name)):
+        np.testing.assert_allclose(kv_KpE, dense[s, :, :both.positions_S[s]], **_TOL)
+
+
+def test_only_live_blocks_matter():
+  """A larger bucket, and garbage in every block no slot holds, change nothing."""
+  both = _Both(4, seed=3)
+  for _ in range(3):
+    both.step()
+  blocks = both.grow()
+  assert blocks < both.M
+  tokens_S = jnp.arange(both.S, dtype=jnp.int32)
+  step = lambda cache, blocks: _paged_decode(both.params, both.cfg, cache, tokens_S,
+                                             both.positions_S, blocks=blocks)[0][:both.live]
+  reference = step(both.cache, blocks)
+  held = [b for b in range(48) if both.allocator.refcount(b)]
+  garbage = lambda pages: pages.at[:, np.setdiff1d(np.arange(48), held)].set(1e3)
+  noisy = both.cache.replace(k=tuple(map(garbage, both.cache.k)),
+                             v=tuple(map(garbage, both.cache.v)))
+  np.testing.assert_allclose(step(noisy, blocks), reference, **_TOL)
+  np.testing.assert_allclose(step(both.cache, both.M), reference, **_TOL)
+  # A bucket short of a live slot's blocks does change its logits: the test can fail.
+  assert not np.allclose(step(both.cache, blocks // 2), reference, **_TOL)
+
+
+def test_idle_and_blockless_slots_write_nowhere():
+  C, M, N = 4, 3, 8
+  pages_KNCE = jnp.arange(2 * N * C * 5, dtype=jnp.float32).reshape(2, N, C, 5)
+  tables_SM = jnp.array([[5, 2, N], [1, N, N], [6, N, N]], jnp.int32)
+  new_SKE = -jnp.ones((3, 2, 5))
+  # Slot 0 writes position 6 (block 2, offset 2); slot 1's column 1 has no block; slot 2
+  # is idle, past its table.
+  out = paged.write_token(pages_KNCE, new_SKE, tables_SM, jnp.array([6, 5, M * C]))
+  expected = np.array(pages_KNCE)
+  expected[:, 2, 2] = -1
+  np.testing.assert_array_equal(out, expected)
+
+
+def test_insert_writes_the_prompt_and_skips_shared_blocks():
+  cfg = _cfg()
+  C, N, M = 4, 10, 4
+  rng = np.random.default_rng(4)
+  prompt = {name: tuple(jnp.asarray(rng.normal(size=(2, 2, 10, 8)), jnp.float32)
+                        for _ in range(cfg.n_layers)) for name in ("k", "v")}
+  cache = paged.init_cache(cfg, num_slots=2, num_blocks=N, block_size=C, max_blocks=M)
+  cache = paged.insert(cache, prompt, 1, 0, jnp.array([7, 3, 9, N], jnp.int32), 0)
+  # Another row, so that a write to the two shared blocks would show.
+  cache = paged.insert(cache, prompt, 0, 1, jnp.array([7, 3, 4, N], jnp.int32), 2)
+  np.testing.assert_array_equal(cache.tables_SM, [[7, 3, 9, N], [7, 3, 4, N]])
+  for name in ("k", "v"):
+    pages = np.asarray(getattr(cache, name)[1])
+    # Each row's 10 positions in 3 blocks of 4, the last 2 positions padding.
+    row0, row1 = (np.pad(np.asarray(prompt[name][1][b]), ((0, 0), (0, 2), (0, 0)))
+                  .reshape(2, 3, C, 8) for b in (0, 1))
+    for j, block in enumerate([7, 3, 9]):
+      np.testing.assert_array_equal(pages[:, block], row1[:, j])
+    np.testing.assert_array_equal(pages[:, 4], row0[:, 2])
+    untouched = [b for b in range(N) if b not in (7, 3, 9, 4)]
+    assert not pages[:, untouched].any()
+
+
+def _random_pages(seed, S, H, K, E, N, C, M):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(S, H, E)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(K, N, C, E)), jnp.float32) for _ in range(2))
+  lengths_S = rng.integers(1, M * C + 1, S).astype(np.int32)
+  allocator = _shuffled_allocator(N, C, seed)
+  tables_SM = np.stack([allocator.table(allocator.allocate(allocator.blocks_for(n)), M)
+                        for n in lengths_S])
+  return q, k, v, jnp.asarray(tables_SM), jnp.asarray(lengths_S)
+
+
+def _dense_reference(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S):
+  """Attention of each slot over its own positions, from the blocks read one by one."""
+  S, H, E = q_SHE.shape
+  K = k_KNCE.shape[0]
+  out = np.zeros((S, H, E))
+  for s in range(S):
+    n = int(lengths_S[s])
+    keys = [np.asarray(k_KNCE)[:, tables_SM[s, p // k_KNCE.shape[2]], p % k_KNCE.shape[2]]
+            for p in range(n)]
+    vals = [np.asarray(v_KNCE)[:, tables_SM[s, p // k_KNCE.shape[2]], p % k_KNCE.shape[2]]
+            for p in range(n)]
+    k_KnE, v_KnE = np.stack(keys, 1), np.stack(vals, 1)
+    for h in range(H):
+      scores = k_KnE[h // (H // K)] @ np.asarray(q_SHE[s, h], np.float64) * E ** -0.5
+      p = np.exp(scores - scores.max())
+      out[s, h] = p @ v_KnE[h // (H // K)] / p.sum()
+  return out
+
+
+@pytest.mark.parametrize("C, M, blocks", [(4, 8, 8), (16, 2, 2)])
+def test_gather_and_interpreted_pallas_attention_equal_the_reference(C, M, blocks):
+  q, k, v, tables_SM, lengths_S = _random_pages(5, S=3, H=4, K=2, E=8, N=32, C=C, M=M)
+  reference = _dense_reference(q, k, v, tables_SM, lengths_S)
+  gather = paged.gather_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
+  pallas = paged.pallas_attention(q, k, v, tables_SM, lengths_S, blocks=blocks, interpret=True)
+  # float32 dot products of 8 terms and softmax over at most 32 positions against a
+  # float64 reference; the kernel's online softmax rescales once per step of blocks.
+  np.testing.assert_allclose(gather, reference, atol=2e-6, rtol=2e-6)
+  np.testing.assert_allclose(pallas, reference, atol=2e-6, rtol=2e-6)
+
+
+def test_interpreted_pallas_decode_step_equals_the_xla_step():
+  both = _Both(4, seed=6)
+  for _ in range(2):
+    both.step()
+  blocks = both.grow()
+  tokens_S = jnp.arange(both.S, dtype=jnp.int32)
+  run = lambda attend: paged.decode(both.params, both.cfg, both.cache, tokens_S,
+                                    both.positions_S, blocks=blocks, attend=attend)
+  xla_SV, xla_cache = run(paged.gather_attention)
+  pallas_SV, pallas_cache = run(functools.partial(paged.pallas_attention, interpret=True))
+  np.testing.assert_allclose(pallas_SV[:both.live], xla_SV[:both.live], **_TOL)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, **_TOL), pallas_cache, xla_cache)
+
+
+def test_pallas_decode_step_lowers_for_cuda():
+  """The decode step with the Triton kernel in every layer compiles to a CUDA module
+  without a GPU (bfloat16, the tiny preset's head dim of 32)."""
+  cfg = model_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+  params = jax.eval_shape(lambda: models.split_layers(models.init_params(cfg, jax.random.key(0))))
+  cache = jax.eval_shape(lambda: paged.init_cache(cfg, num_slots=8, num_blocks=64,
+                                                  block_size=16, max_blocks=32))
+  ints = jax.ShapeDtypeStruct((8,), jnp.int32)
+  step = jax.jit(functools.partial(paged.decode, cfg=cfg, blocks=4,
+                                   attend=paged.pallas_attention))
+  lowered = step.trace(params, cache=cache, tokens_S=ints,
+                       positions_S=ints).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert re.findall(r'name = "(paged_attention\w*)"', text) == [
+      "paged_attention_block_h_16_pages_per_compute_block_4"]
+  assert "@__gpu$xla.gpu.triton" in text
+  assert len(re.findall(r"call @paged_attention\(", text)) == cfg.n_layers
+
+
+def test_decode_compiles_once_per_bucket():
+  both = _Both(4, seed=7)
+  # A function of its own: jit wrappers of one function share their compile cache.
+  step = jax.jit(lambda cache, tokens_S, positions_S, blocks: paged.decode(
+      both.params, both.cfg, cache, tokens_S, positions_S, blocks=blocks),
+                 static_argnames="blocks", donate_argnums=0)
+  sizes = []
+  for blocks in (4, 4, 8, 4, 8):
+    tokens_S = jnp.asarray(both.rng.integers(0, 61, both.S), jnp.int32)
+    _, both.cache = step(both.cache, tokens_S, jnp.array(both.positions_S), blocks)
+    both.positions_S[:both.live] += 1
+    sizes.append(step._cache_size())
+  assert sizes == [1, 1, 2, 2, 2]
+
+
+def test_bucket_is_the_next_power_of_two_up_to_the_table():
+  assert [paged.bucket(n, 64) for n in (0, 1, 2, 3, 4, 5, 33, 64)] == [1, 1, 2, 4, 4, 8, 64, 64]
+  assert paged.bucket(40, 48) == 48
+
+
+def test_allocator_errors_leave_it_unchanged():
+  allocator = paged.BlockAllocator(4, 16)
+  a = allocator.allocate(3)
+  with pytest.raises(paged.OutOfBlocks, match="2 blocks asked for, 1 of 4 free"):
+    allocator.allocate(2)
+  with pytest.raises(paged.OutOfBlocks, match="needs 3 blocks"):
+    allocator.allocate_group(17, samples=2)
+  assert allocator.num_free == 1
+  allocator.free(a[:1])
+  with pytest.raises(ValueError, match=f"block {a[0]} freed 1 times but held 0"):
+    allocator.free([a[1], a[0]])
+  with pytest.raises(ValueError, match=f"block {a[1]} freed 2 times but held 1"):
+    allocator.free([a[1], a[1]])
+  with pytest.raises(ValueError, match="is free; only allocated blocks can be shared"):
+    allocator.share([a[1], a[0]])
+  with pytest.raises(ValueError, match="is not a block of a pool of 4"):
+    allocator.free([4])
+  assert allocator.num_free == 2
+  assert [allocator.refcount(b) for b in a] == [0, 1, 1]
+  with pytest.raises(ValueError, match="do not fit"):
+    allocator.table(a, 2)
+  np.testing.assert_array_equal(allocator.table(a[1:], 3), [a[1], a[2], 4])
+
+
+@pytest.mark.parametrize("length, samples, shared, total", [(40, 3, 2, 5), (32, 3, 2, 2),
+                                                            (5, 4, 0, 4), (0, 2, 0, 0)])
+def test_a_group_shares_its_full_prompt_blocks(length, samples, shared, total):
+  allocator = paged.BlockAllocator(8, 16)
+  assert allocator.group_blocks(length, samples) == total
+  group = allocator.allocate_group(length, samples)
+  assert allocator.num_free == 8 - total
+  assert all(g[:shared] == group[0][:shared] for g in group)
+  assert all(allocator.refcount(b) == samples for b in group[0][:shared])
+  own = [b for g in group for b in g[shared:]]
+  assert len(set(own)) == len(own) == total - shared
+  assert all(allocator.refcount(b) == 1 for b in own)
+  for g in group:
+    allocator.free(g)
+  assert allocator.num_free == 8
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+  """Random allocate / group / share / free sequences against a model of who holds
+  what: no block is lost or handed out twice, and every count is exact."""
+
+  N = 12
+
+  def __init__(self):
+    super().__init__()
+    self.allocator = paged.BlockAllocator(self.N, 4)
+    self.holders = []  # one list of blocks per holder
+
+  @rule(n=st.integers(0, 14))
+  def allocate(self, n):
+    free_before = self.allocator.num_free
+    if n > free_before:
+      with pytest.raises(paged.OutOfBlocks):
+        self.allocator.allocate(n)
+      return
+    blocks = self.allocator.allocate(n)
+    held = {b for h in self.holders for b in h}
+    assert len(set(blocks)) == n and not held & set(blocks)
+    self.holders.append(blocks)
+
+  @rule(length=st.integers(0, 30), samples=st.integers(1, 4))
+  def allocate_group(self, length, samples):
+    need = self.allocator.group_blocks(length, samples)
+    if need > self.allocator.num_free:
+      with pytest.raises(paged.OutOfBlocks):
+        self.allocator.allocate_group(length, samples)
+      return
+    held = {b for h in self.holders for b in h}
+    group = self.allocator.allocate_group(length, samples)
+    assert not held & {b for g in group for b in g}
+    assert all(len(g) == self.allocator.blocks_for(length) for g in group)
+    self.holders.extend(group)
+
+  @precondition(lambda self: self.holders)
+  @rule(data=st.data())
+  def share(self, data):
+    holder = data.draw(st.sampled_from(self.holders))
+    self.allocator.share(holder)
+    self.holders.append(list(holder))
+
+  @precondition(lambda self: self.holders)
+  @rule(data=st.data())
+  def free(self, data):
+    i = data.draw(st.integers(0, len(self.holders) - 1))
+    self.allocator.free(self.holders.pop(i))
+
+  @precondition(lambda self: self.allocator.num_free)
+  @rule(data=st.data())
+  def free_a_free_block_fails(self, data):
+    held = {b for h in self.holders for b in h}
+    free = sorted(set(range(self.N)) - held)
+    with pytest.raises(ValueError, match="double free"):
+      self.allocator.free([data.draw(st.sampled_from(free))])
+
+  @invariant()
+  def counts_are_exact(self):
+    counts = np.zeros(self.N, int)
+    for h in self.holders:
+      np.add.at(counts, h, 1)
+    assert [self.allocator.refcount(b) for b in range(self.N)] == list(counts)
+    assert self.allocator.num_free == int((counts == 0).sum())
+
+
+TestAllocator = AllocatorMachine.TestCase
+TestAllocator.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)

@@ -1,5 +1,6 @@
-"""The transformer: packing isolation, KV-cached decode == full forward, presets, the
-weight matmul's backward pass, remat and what it saves."""
+"""The transformer: packing isolation, KV-cached decode == full forward, its layer loop
+over a caller's KV layout == decode, presets, the weight matmul's backward pass, remat
+and what it saves."""
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,29 @@ def test_decode_past_cache_end_leaves_cache_untouched():
     assert not np.allclose(new[name][:, 1, :, 2], cache[name][:, 1, :, 2])
     np.testing.assert_array_equal(np.delete(new[name][:, 1], 2, axis=2),
                                   np.delete(cache[name][:, 1], 2, axis=2))
+
+
+def test_decode_layers_over_the_dense_cache_is_decode():
+  cfg = _cfg()
+  params = models.split_layers(models.init_params(cfg, jax.random.key(6)))
+  rng = np.random.default_rng(6)
+  cache = jax.tree.map(lambda c: jnp.asarray(rng.normal(size=c.shape), c.dtype),
+                       models.init_cache(cfg, num_slots=3, max_len=8))
+  tokens_S, positions_S = jnp.array([3, 4, 5]), jnp.array([5, 0, 8])
+  slots_S, mask_ST = jnp.arange(3), jnp.arange(8)[None, :] <= positions_S[:, None]
+
+  def attend(q, k, v, kv):
+    k_SKTE = kv[0].at[slots_S, :, positions_S].set(k[:, 0], mode="drop")
+    v_SKTE = kv[1].at[slots_S, :, positions_S].set(v[:, 0], mode="drop")
+    return transformer._decode_attention(q, k_SKTE, v_SKTE, mask_ST), (k_SKTE, v_SKTE)
+
+  logits_SV, layers = models.decode_layers(params, cfg, tuple(zip(cache["k"], cache["v"])),
+                                           tokens_S, positions_S, attend)
+  expected_SV, expected = models.decode(params, cfg, cache, tokens_S, positions_S)
+  np.testing.assert_array_equal(logits_SV, expected_SV)
+  for l, (k, v) in enumerate(layers):
+    np.testing.assert_array_equal(k, expected["k"][l])
+    np.testing.assert_array_equal(v, expected["v"][l])
 
 
 def test_the_serving_layout_prefills_and_decodes_as_the_stacked_one():

@@ -27,6 +27,7 @@ import numpy as np
 from absl import app, flags
 
 from async_rl import models
+from async_rl.config import model_preset
 from async_rl.generation import paged
 
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "1024", "4096", "16384"],
@@ -93,7 +94,7 @@ def _paged(params, cfg, T, tokens_S, positions_S):
 
 def main(argv):
   del argv
-  cfg = models.preset("tiny")
+  cfg = model_preset("tiny")
   params = models.split_layers(models.init_params(cfg, jax.random.key(0)))
   S = _SLOTS.value
   tokens_S = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, S), jnp.int32)

@@ -170,9 +170,8 @@ def default_row_buckets(max_tokens_per_mb: int, smallest: int = 64,
   length) cheap. `longest`, the longest sequence a run can produce (a trainer passes
   `generation.max_prompt_len + generation.max_new_tokens`), adds the row that one such
   sequence fills: in a batch that holds one, rows of that length carry no padding
-  (issue 16's workload, all sequences 80 tokens long: rows of 80 instead of 128 or
-  three to a row of 256, 0.78x the train step's time). It is dropped when over the
-  max. Each length is rounded up to a multiple of 8, to suit the accelerator's tiling.
+  (a workload whose sequences are all 80 tokens long gets rows of 80 instead of 128,
+  or three to a row of 256). It is dropped when over the max. Each length is rounded up to a multiple of 8, to suit the accelerator's tiling.
   Only the lengths a run meets are compiled. Duplicates (for a small max) are dropped.
   """
   if max_tokens_per_mb < 1 or smallest < 1:
@@ -220,12 +219,11 @@ def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_
   rows, so each of the `num_shards` batch shards (data x fsdp) holds at most
   `max_tokens_per_mb` tokens of it (or one row, if T is longer). The real
   micro-batches are the fewest that hold the rows, rounded up to a multiple of
-  `num_parts` (the equal parts the train step shares them out in: PPO minibatches x
-  gradient threads) as far as there are rows for them, and R the fewest rows that
-  spread the rows over them (`row_counts`: an eighth of the most per shard at a
-  time). So 64 rows under a most of 12 run as 6 x 11 rows, not 6 x 12 (issue 16's
-  workload on two gradient threads: 0.96x the trainer's time naive, 0.88x decoupled,
-  side by side), and no part gets fewer real micro-batches than another. M is then
+  `num_parts` (the equal parts the train step shares them out in: its
+  `micro_batch_multiple`) as far as there are rows for them, and R the fewest rows
+  that spread the rows over them (`row_counts`: an eighth of the most per shard at a
+  time). So 64 rows under a most of 12 run as 6 x 11 rows, not 6 x 12, and no part
+  gets fewer real micro-batches than another. M is then
   rounded up to a power of two, so the train step sees O(#buckets x 8 x log M)
   shapes. The chosen T has the least estimated cost: executed slots (real
   micro-batches x R x T) times `1 + T / attention_len`, the share causal attention

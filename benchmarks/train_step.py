@@ -128,7 +128,7 @@ def pack(cfg, trajs, adv_N, mb_tokens=MB_TOKENS, longest=None):
 
 
 def workload_pack(trajs, adv_N):
-  """Issue 16's workload as its trainer packs it: the default budget and rows of the
+  """The GRPO workload as its trainer packs it: the default budget and rows of the
   80-token sequences."""
   return pack(WORKLOAD_MODEL, trajs, adv_N, longest=WORKLOAD_PROMPT + WORKLOAD_COMPLETION,
               mb_tokens=BatchingConfig().max_tokens_per_mb)

@@ -18,23 +18,14 @@ model, before sharding; activations not counted):
   trainer: 14.38 GiB      (/ fsdp per device)
   generator: 6.38 GiB     (per engine, all on the first device)
 
-The compiled train step needs more than `trainer` (`python -m benchmarks.memory`:
-XLA's memory analysis of the step compiled on the CPU for one device; remat on,
-keeping the MLP's gate projection and the mid-layer residual, `model.remat_saves`):
-8.63 GiB of arguments (params and AdamW moments) and 11.8 / 14.4 / 20.7 GiB of
-temporaries for micro-batches of 4096 / 8192 / 16384 tokens (rows of 1024), counted
-with 16-bit buffers kept 16-bit (the step compiled in float16; XLA:CPU widens bf16
-slices of the layer scans to float32, and the bf16 compile reads 20.4 / 27.5 / 41.7
-GiB). So one 80 GB GPU holds the trainer at 16384 tokens and both engines (42 GiB in
-all; 63 GiB by the bf16 CPU compile's count). Executed matmul FLOPs are 1.16x the
-model FLOPs (remat recomputation 0.11x, the chunked LM head's recomputation 0.05x;
-attention runs 1.06x its causal FLOPs); remat saving nothing (`--saves=none`)
-needs 13.9 GiB (16-bit) and executes 1.25x.
+The compiled train step needs more than `trainer`: its temporaries for a micro-batch
+(`python -m benchmarks.memory --config=configs/qwen2_5_1_5b.py` reads them from XLA's memory
+analysis; BENCHMARKS.md, "Memory", has the figures).
 
 What runs today: as it stands, this config trains the 1.5B-shaped model from random
 weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` times
 5 such steps on one GPU. From a local checkpoint on GSM8K/MATH-style JSONL files
-(README, "Training a Qwen model from a local checkpoint"):
+(docs/training.md, "Training a Qwen model from a local checkpoint"):
 
   python -m launch.train --config=configs/qwen2_5_1_5b.py --workdir=/tmp/q15 \
       --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task.name=math \
@@ -55,8 +46,8 @@ def get_config():
   c.num_steps = 200
   c.model.update(MODEL_PRESETS["qwen2.5-1.5b"])
   c.model.max_seq_len = 1024
-  # Keep the MLP's gate projection and the mid-layer residual through remat: 7.7 GiB
-  # at 16384 tokens (16-bit) for 0.1x of the model FLOPs (module docstring).
+  # Keep the MLP's gate projection and the mid-layer residual through remat: memory
+  # traded for recomputation (`benchmarks.memory --saves=...`).
   c.model.remat_saves = ("mlp_gate", "residual")
   c.optimizer.learning_rate = 1e-6
   c.optimizer.warmup_steps = 10

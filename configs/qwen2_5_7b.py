@@ -18,21 +18,16 @@ model, before sharding; activations not counted):
   trainer: 70.93 GiB      (/ fsdp per device)
   generator: 17.69 GiB    (per engine, all on the first device)
 
-That is 106.3 GiB for the trainer state and two engines, but the compiled train step
-needs more (`python -m benchmarks.memory --config=configs/qwen2_5_7b.py
---tokens=2048,4096,8192`: XLA's memory analysis of the step compiled on the CPU for
-one device, remat on): 42.6 GiB of arguments (params and AdamW moments) and 62.6 /
-63.4 / 67.0 GiB of temporaries for micro-batches of 2048 / 4096 / 8192 tokens, most
-of it gradient buffers (a float32 accumulator, one micro-batch's gradients, their
-cast). With both engines that is 145 GiB: more than one H200 (141 GB) holds. On
-eight GPUs (fsdp=8) the params, moments and gradient buffers shard eight ways and
-the rows of a micro-batch one per device, while the engines stay on the first device
-(35.4 GiB). Executed matmul FLOPs are 1.25x the model FLOPs (remat 0.22x, chunked
-LM head 0.03x).
+The compiled train step needs more than `trainer`, most of it gradient buffers (a
+float32 accumulator, one micro-batch's gradients, their cast): `python -m
+benchmarks.memory --config=configs/qwen2_5_7b.py --tokens=2048,4096,8192` reads it from
+XLA's memory analysis (BENCHMARKS.md, "Memory", has the figures). One device does not
+hold it beside both engines; on eight GPUs (fsdp=8) the params, moments and gradient
+buffers shard eight ways and the rows of a micro-batch one per device.
 
 What runs today: as it stands, this config trains the 7B-shaped model from random
 weights on the arithmetic task (character tokenizer). From a local checkpoint on
-GSM8K/MATH-style JSONL files (README, "Training a Qwen model from a local checkpoint"):
+GSM8K/MATH-style JSONL files (docs/training.md, "Training a Qwen model from a local checkpoint"):
 
   python -m launch.train --config=configs/qwen2_5_7b.py --workdir=/tmp/q7 \
       --config.hf_model_dir=/models/Qwen2.5-7B-Instruct --config.task.name=math \

@@ -38,8 +38,8 @@ def get_config(variant=None):
   c.generation.max_prompt_len = 32
   c.generation.max_new_tokens = 64
   c.generation.group_size = 8
-  # A CPU decode step costs more per slot as slots are added; 16 slots keep the
-  # generator fastest on a 2-core CPU.
+  # A CPU decode step costs more per slot as slots are added; 16 slots keep a small
+  # CPU's generator fastest.
   c.generation.num_slots = 16
   c.staleness.max_staleness = 2
   c.staleness.max_concurrent = 96

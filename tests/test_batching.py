@@ -259,7 +259,7 @@ def test_default_row_buckets():
 
 
 def test_sequences_that_fill_the_longest_bucket_get_rows_of_their_own():
-  # Issue 16's workload: 64 sequences of 80 tokens. Without the 80 bucket they sit
+  # The GRPO workload: 64 sequences of 80 tokens. Without the 80 bucket they sit
   # three to a row of 256 (or one to a row of 128); with it, one per row, no padding.
   seqs = [_seq(range(3, 19), range(20, 84)) for _ in range(64)]
   kw = dict(max_tokens_per_mb=1024, num_shards=1)

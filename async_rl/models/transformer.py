@@ -241,8 +241,8 @@ def split_layers(params: Params) -> Params:
   """The serving layout of `params`: "layers" as a tuple of L per-layer dicts.
 
   `prefill` and `decode` take either layout; with the stacked one they slice each
-  layer's weights out of the [L, ...] arrays on every call (copies: on a 2-core CPU
-  0.87x a decode step's time without them). Training keeps the stacked layout.
+  layer's weights out of the [L, ...] arrays on every call (copies a decode step
+  does not need). Training keeps the stacked layout.
   """
   layers = params["layers"]
   if isinstance(layers, tuple):
@@ -260,8 +260,7 @@ def init_cache(cfg, num_slots: int, max_len: int):
 
   One buffer per layer: decoding's attention reads (and its scatter updates) the
   layer's own buffer in place, where a stacked [L, ...] cache was copied out of for
-  every layer on every step (on a 2-core CPU 0.83x the decode step's time without
-  the copies). Heads before positions: the attention contracts each (slot, head)'s
+  every layer on every step. Heads before positions: the attention contracts each (slot, head)'s
   keys, and with (slot, head) leading they are batch dimensions XLA needs no copy
   for (with T before K, XLA:CPU transposed each layer's cache on every decode step).
   """

@@ -1,4 +1,4 @@
-"""What the peer scripts (`trl_grpo.py`, `tunix_grpo.py`) share: issue 16's workload
+"""What the peer scripts (`trl_grpo.py`, `tunix_grpo.py`) share: the GRPO workload
 constants, its prompts and a tokenizer of ids as decimal words.
 
 Imported as a sibling module (the scripts run as files, each in its own virtualenv,

@@ -1,4 +1,4 @@
-r"""Issue 16's fixed GRPO workload through Hugging Face TRL's `GRPOTrainer`, on the CPU.
+r"""The GRPO workload (`benchmarks/grpo_step.py`) through Hugging Face TRL's `GRPOTrainer`, on CPU.
 
   python -m venv /tmp/trl_venv
   /tmp/trl_venv/bin/pip install torch==2.13.0 trl==1.16.0   # pinned torch: the CPU build
@@ -47,7 +47,7 @@ from peer_workload import (GROUP, INIT_STD, NEW_TOKENS, PROMPT_LEN, PROMPTS, VOC
 
 
 def make_model(seed: int) -> transformers.Qwen2ForCausalLM:
-  """The issue-16 model with transformers' init, checked against the workload's rules."""
+  """The workload's model with transformers' init, checked against the workload's rules."""
   config = transformers.Qwen2Config(
       vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
       num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,

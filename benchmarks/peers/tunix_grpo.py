@@ -1,4 +1,4 @@
-r"""Issue 16's fixed GRPO workload through Google Tunix's `GRPOLearner`, on the CPU.
+r"""The GRPO workload (`benchmarks/grpo_step.py`) through Google Tunix's `GRPOLearner`, on CPU.
 
   python -m venv /tmp/tunix_venv
   /tmp/tunix_venv/bin/pip install google-tunix==0.1.7   # pulls jax/jaxlib 0.10.2 (CPU)
@@ -74,7 +74,7 @@ from peer_workload import (GROUP, INIT_STD, NEW_TOKENS, PROMPT_LEN, PROMPTS, VOC
 
 
 def make_model(seed: int) -> qwen2.Qwen2:
-  """The issue-16 model in Tunix's Qwen2, its params re-drawn by the workload's rules."""
+  """The workload's model in Tunix's Qwen2, its params re-drawn by the workload's rules."""
   config = qwen2.ModelConfig(
       num_layers=4, vocab_size=VOCAB, embed_dim=128, hidden_dim=512, num_heads=4, head_dim=32,
       num_kv_heads=2, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=True,

@@ -613,6 +613,83 @@ class TaskConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+  """Where a run's parts run (`rl.build`): which devices, which processes.
+
+  Attributes:
+    kind: one of `PLACEMENTS`: "in_process" (one Python process, the parts on
+      threads) or "ray" (the parameter server, the trainer and each rollout worker a
+      Ray actor).
+    trainer_devices: how many of this host's devices, the first ones, the trainer's
+      mesh takes (`mesh` splits them); -1: all of them, and the generator engines share
+      the first. Across `jax.distributed` processes the trainer takes every device.
+    generator_replicas: generator engines on the devices the trainer leaves
+      (data-parallel generation, one rollout controller spreading groups over them),
+      each on `devices_per_replica` devices; -1: as many as fit, or 1 on the trainer's
+      first devices when it leaves none.
+    devices_per_replica: the devices of one generator engine (tensor-parallel
+      generation: params split over heads and MLP width, the `tensor` axis).
+    rollout_workers: rollout workers (Ray actors), each with its own prompt stream,
+      generator engines and reward workers.
+    ray_address: an existing Ray cluster ("auto" on a node of one); None starts a
+      local instance.
+    trainer_gpus, rollout_gpus: GPUs Ray gives the trainer and each rollout worker
+      (a fraction shares one GPU; set `gpu_memory_fraction` then).
+    trainer_cpus, rollout_cpus: CPUs Ray reserves for them.
+    gpu_memory_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION of every actor (0: JAX's
+      default, which preallocates most of a GPU).
+    working_dir: Ray `runtime_env` working_dir: this directory is shipped to every
+      node and is the actors' working directory (user task and reward modules in it
+      import there). None: local actors get this process's sys.path.
+    py_modules: Ray `runtime_env` py_modules: more module directories or files to ship.
+    pin_trainer_cores, pin_rollout_cores: Linux cores to pin the trainer's (each rollout
+      worker's) threads to, e.g. to give them disjoint cores of one host; empty: none.
+    publish_dtype: the dtype ("bfloat16", "float16") of the params' host copies when
+      they cross processes (Ray, `jax.distributed`); None: the params' own. 16 bits
+      halve a float32 model's transfer; the generators then sample with the rounded
+      weights (their log-probs are what the decoupled objective corrects for).
+  """
+  kind: str = "in_process"
+  trainer_devices: int = -1
+  generator_replicas: int = -1
+  devices_per_replica: int = 1
+  rollout_workers: int = 1
+  ray_address: Optional[str] = None
+  trainer_gpus: float = 0.0
+  rollout_gpus: float = 0.0
+  trainer_cpus: float = 0.0
+  rollout_cpus: float = 0.0
+  gpu_memory_fraction: float = 0.0
+  working_dir: Optional[str] = None
+  py_modules: tuple[str, ...] = ()
+  pin_trainer_cores: tuple[int, ...] = ()
+  pin_rollout_cores: tuple[int, ...] = ()
+  publish_dtype: Optional[str] = None
+
+  def __post_init__(self):
+    _check_choice("placement.kind", self.kind, PLACEMENTS)
+    if self.publish_dtype is not None:
+      _check_choice("placement.publish_dtype", self.publish_dtype, DTYPES[1:])
+    _check_finite("placement", self)
+    for name in ("trainer_devices", "generator_replicas"):
+      value = getattr(self, name)
+      if value == 0 or value < -1:
+        fail(f"placement.{name}", value, "must be >= 1 or -1 (automatic)")
+    for name in ("devices_per_replica", "rollout_workers"):
+      if getattr(self, name) < 1:
+        fail(f"placement.{name}", getattr(self, name), "must be >= 1")
+    for name in ("trainer_gpus", "rollout_gpus", "trainer_cpus", "rollout_cpus"):
+      if getattr(self, name) < 0:
+        fail(f"placement.{name}", getattr(self, name), "must be >= 0")
+    if not 0 <= self.gpu_memory_fraction < 1:
+      fail("placement.gpu_memory_fraction", self.gpu_memory_fraction,
+           "must lie in [0, 1) (0: JAX's default)")
+    if self.rollout_workers > 1 and self.kind != "ray":
+      fail("placement.rollout_workers", self.rollout_workers,
+           "must be 1 unless placement.kind='ray' (in one process, use generator_replicas)")
+
+
+@dataclasses.dataclass(frozen=True)
 class CPUConfig:
   """XLA:CPU only (`async_rl.cpu`): programs dispatched from several threads run at
   once, one per core, where one program's small ops mostly use one core.
@@ -659,6 +736,7 @@ class ExperimentConfig:
   eval: EvalConfig = EvalConfig()
   sft: SFTConfig = SFTConfig()
   cpu: CPUConfig = CPUConfig()
+  placement: PlacementConfig = PlacementConfig()
 
   def __post_init__(self):
     for name in ("batch_groups", "num_steps"):

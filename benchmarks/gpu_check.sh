@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# A few RL steps of the 1.5B-shaped model (random weights, arithmetic task) on one
-# accelerator, then its throughput. Meant to finish within 8 minutes on one GPU.
+# A few RL steps of the 1.5B-shaped model (random weights, arithmetic task) on the
+# host's accelerators, then its throughput. Meant to finish within 8 minutes on one GPU.
+# With several devices the run splits them (`config.placement`): the trainer on the first
+# half, one generator replica on each of the others; the JSON line then gives each
+# replica's generated tokens per second and the trainer's tokens per second per device.
 #
 #   benchmarks/gpu_check.sh [extra launch.train flags]
 #
@@ -22,10 +25,17 @@ steps="${GPU_CHECK_STEPS:-5}"
 workdir="$(mktemp -d)"
 trap 'rm -rf "${workdir}"' EXIT
 
+devices=$(python -c "import jax; print(jax.local_device_count())")
+split=()
+if (( devices > 1 )); then
+  split=(--config.placement.trainer_devices=$(( devices / 2 )) --config.mesh.fsdp=-1)
+fi
+
 start=$(date +%s)
 # Evaluation (before and after RL) is cut to 16 greedy completions: it is not timed.
 python -m launch.train --config="${config}" --workdir="${workdir}" \
-  --config.num_steps="${steps}" --config.eval.num_prompts=16 --config.eval.pass_k=1 "$@"
+  --config.num_steps="${steps}" --config.eval.num_prompts=16 --config.eval.pass_k=1 \
+  "${split[@]}" "$@"
 wall=$(( $(date +%s) - start ))
 
 python - "${workdir}/metrics.jsonl" "${config}" "${wall}" <<'PY'
@@ -43,11 +53,22 @@ step_s = [m["time_wait_s"] + m["time_pack_s"] + m["time_train_s"] + m["time_publ
           for m in timed]
 generated = timed[-1]["rollout"]["generated_tokens"] - (
     steps[0]["rollout"]["generated_tokens"] if len(steps) > 1 else 0)
+first, last = (steps[0] if len(steps) > 1 else {"pool": {}}), timed[-1]
+replicas = last["pool"].get("replicas", [last["pool"]])
+before = first["pool"].get("replicas", [first["pool"]] if first["pool"] else [])
+per_replica = [(r["generated_tokens"] - (before[i]["generated_tokens"] if before else 0))
+               / sum(step_s) for i, r in enumerate(replicas)]
+trainer_devices = jax.local_device_count() // 2 if jax.local_device_count() > 1 else 1
+train_tokens_per_s = (sum(m["trained_tokens"] for m in timed)
+                      / sum(m["time_train_s"] for m in timed))
 print(json.dumps({
     "config": config, "device": jax.devices()[0].device_kind, "steps": len(steps),
+    "devices": jax.local_device_count(), "trainer_devices": trainer_devices,
+    "generator_replicas": len(replicas),
+    "gen_tokens_per_s_per_replica": [round(x, 1) for x in per_replica],
+    "train_tokens_per_s_per_device": round(train_tokens_per_s / trainer_devices, 1),
     "step_time_s": round(statistics.median(step_s), 3),
-    "train_tokens_per_s": round(sum(m["trained_tokens"] for m in timed)
-                                / sum(m["time_train_s"] for m in timed), 1),
+    "train_tokens_per_s": round(train_tokens_per_s, 1),
     "gen_tokens_per_s": round(generated / sum(step_s), 1),
     "trained_tokens_per_step": round(statistics.mean(m["trained_tokens"] for m in timed)),
     "wall_s": wall}))

@@ -14,7 +14,15 @@ Two placements on 8 fake CPU devices: trainer and generator on the same device, 
 trainer FSDP-sharded on devices 0-5 with the generator on 6-7. Medians of timed
 calls after a warm-up, each blocked on. On a CPU every "device" is host memory, so
 both ways are memory copies here; on accelerators the host way also crosses PCIe
-twice. Prints a table, then one JSON object as the last line.
+twice.
+
+Across processes (`--cross_process`, needs the `ray` extra): what the Ray placement
+does each step, with the real parameter server as an actor: the trainer's host copy
+(`Trainer.host_params`, in float32 and cast to bfloat16 on the device as
+`placement.publish_dtype` does), `publish` to the server actor, and a rollout-worker
+actor's `fetch` and `Engine.load_params`. Seconds and bytes per publish for the small
+preset, and the bytes of the 1.5B and 7B shapes with the seconds the measured rate
+gives them. Prints a table, then one JSON object as the last line.
 """
 
 import os
@@ -35,6 +43,7 @@ from async_rl.config import MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine  # noqa: E402
 
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed publishes per variant.")
+_CROSS = flags.DEFINE_bool("cross_process", True, "Also time the publish through Ray actors.")
 
 
 def _median_s(fn, repeats):
@@ -59,6 +68,56 @@ def _placement(cfg, trainer_devices, generator_devices, repeats):
   return {"host_s": _median_s(via_host, repeats), "device_s": _median_s(on_device, repeats)}
 
 
+class _Fetcher:
+  """A rollout worker's side: fetches the newest params and loads them on its engine."""
+
+  def __init__(self, cfg, server):
+    self._server, self._version = server, -1
+    self._engine = Engine(cfg, max_concurrent_decodes=1, max_prefill_length=16,
+                          max_target_length=32)
+
+  def fetch_and_load(self):
+    version, params = ray.get(self._server.fetch.remote(self._version))
+    self._version = version
+    jax.block_until_ready(self._engine.load_params(params))
+
+
+def _cross_process(cfg, repeats):
+  """Seconds per publish through Ray, in float32 and bfloat16 (module docstring)."""
+  global ray  # noqa: PLW0603 - the extra is imported only when asked for
+  import ray  # noqa: PLC0415
+  from async_rl.config import StalenessConfig  # noqa: PLC0415
+  from async_rl.param_server import ParameterServer  # noqa: PLC0415
+  from async_rl.rl.trainer import _cast  # noqa: PLC0415
+  ray.init(include_dashboard=False, num_cpus=2)
+  try:
+    server = ray.remote(ParameterServer).options(max_concurrency=4).remote(
+        StalenessConfig(), 1)
+    fetcher = ray.remote(_Fetcher).remote(cfg, server)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    state, _ = train_step.create_train_state(cfg, optax.sgd(1.0), mesh, jax.random.key(0))
+    out, version = {}, [0]
+    for dtype in ("float32", "bfloat16"):
+      def publish(dtype=dtype):
+        params = _cast(state.params, jax.numpy.dtype(dtype))
+        host = jax.device_get(params)
+        ray.get(server.publish.remote(version[0], host))
+        ray.get(fetcher.fetch_and_load.remote())
+        version[0] += 1
+      publish()  # warm-up: compiles the cast and the engine's load
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        publish()
+        times.append(time.perf_counter() - start)
+      nbytes = cfg.num_params() * jax.numpy.dtype(dtype).itemsize
+      out[dtype] = {"seconds": float(np.median(times)), "bytes": nbytes,
+                    "gb_per_s": nbytes / float(np.median(times)) / 1e9}
+    return out
+  finally:
+    ray.shutdown()
+
+
 def main(argv):
   del argv
   cfg = model_preset("small", vocab_size=256, max_seq_len=256)
@@ -73,7 +132,23 @@ def main(argv):
   for name, r in results.items():
     r["ratio"] = r["host_s"] / r["device_s"]
     print(f"{name:<24}{r['host_s'] * 1e3:>12.1f}{r['device_s'] * 1e3:>11.1f}{r['ratio']:>12.2f}x")
-  print(json.dumps({"params_mib": mb, **results}))
+  cross = {}
+  if _CROSS.value:
+    cross = _cross_process(cfg, _REPEATS.value)
+    print("\nacross processes (Ray), small preset; then the shapes at the measured rate")
+    print(f"{'model':<16}{'dtype':<10}{'GB':>8}{'s / publish':>13}")
+    for dtype, r in cross.items():
+      print(f"{'small':<16}{dtype:<10}{r['bytes'] / 1e9:>8.3f}{r['seconds']:>13.3f}")
+    shapes = {}
+    for name in ("qwen2.5-1.5b", "qwen2.5-7b"):
+      n = model_preset(name).num_params()
+      for dtype, r in cross.items():
+        nbytes = n * jax.numpy.dtype(dtype).itemsize
+        seconds = nbytes / 1e9 / r["gb_per_s"]
+        shapes[f"{name}/{dtype}"] = {"bytes": nbytes, "seconds_at_measured_rate": seconds}
+        print(f"{name:<16}{dtype:<10}{nbytes / 1e9:>8.2f}{seconds:>13.2f}")
+    cross["shapes"] = shapes
+  print(json.dumps({"params_mib": mb, **results, "cross_process": cross}))
 
 
 if __name__ == "__main__":

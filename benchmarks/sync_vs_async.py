@@ -91,9 +91,9 @@ def run_one(name: str, cfg: ExperimentConfig, params, workdir: str):
       generation=dataclasses.replace(cfg.generation, update_mode=mode))
   quiet = dict(init_params=params, echo=lambda _: None, progress=False)
   if pinned:
-    return cfg, build.run(cfg, workdir, placement="ray",
-                          trainer_cpus=[int(c) for c in _TRAINER_CPUS.value],
-                          rollout_cpus=[int(c) for c in _GENERATOR_CPUS.value], **quiet)
+    cfg = dataclasses.replace(cfg, placement=dataclasses.replace(
+        cfg.placement, kind="ray", pin_trainer_cores=tuple(int(c) for c in _TRAINER_CPUS.value),
+        pin_rollout_cores=tuple(int(c) for c in _GENERATOR_CPUS.value)))
   return cfg, build.run(cfg, workdir, **quiet)
 
 

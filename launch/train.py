@@ -1,7 +1,11 @@
 r"""Asynchronous RL training binary.
 
   python -m launch.train --config=configs/tiny.py --workdir=/tmp/async_rl_tiny \
-      [--config.staleness.max_staleness=0] [--placement=ray]
+      [--config.staleness.max_staleness=0] [--config.placement.kind=ray]
+
+Across hosts (`jax.distributed`): the same command on every host, with
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I; process 0 runs the
+parameter server, the rollouts and the evaluation, every process trains.
 
 Starting again with the same --workdir resumes from its latest checkpoint. SIGTERM
 (or Ctrl-C) checkpoints and exits. A fault the run cannot survive (a stall past
@@ -22,10 +26,6 @@ from async_rl.rl.errors import ConfigError, RunError
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
-_PLACEMENT = flags.DEFINE_enum("placement", "in_process", config.PLACEMENTS,
-                               "Where the components run.")
-_RAY_ADDRESS = flags.DEFINE_string("ray_address", None,
-                                   "An existing Ray cluster (default: start a local one).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "Multi-host trainer: jax.distributed coordinator "
                                    "host:port (with --num_processes, --process_id).")
@@ -44,15 +44,16 @@ def main(argv):
     raise app.UsageError(f"invalid config: {e}") from None
   if _COORDINATOR.value:
     import jax  # noqa: PLC0415 (only multi-host runs pay for the import here)
+    # CPU devices of different processes talk through gloo (accelerators use their own).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
                                process_id=_PROCESS_ID.value)
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
   from async_rl.rl import build  # noqa: PLC0415 (after jax.distributed, which must come first)
-  ray = {"address": _RAY_ADDRESS.value} if _PLACEMENT.value == "ray" else {}
   try:
-    summary = build.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop, **ray)
+    summary = build.run(cfg, _WORKDIR.value, stop=stop)
   except ConfigError as e:
     raise app.UsageError(f"invalid config: {e}") from None
   except RunError as e:

@@ -33,9 +33,9 @@ def run_parts(cfg, workdir, server, **loop_kw):
   `build.run` does (not started: `loop.run([worker])`)."""
   cfg = build.resolve(cfg)
   task = make_task(cfg.task)
-  engine = build.make_engine(cfg)
-  loop = build.train_loop(cfg, str(workdir), server, task=task, engine=engine, **loop_kw)
-  return loop, build.rollout_worker(cfg, server, task=task, engine=engine)
+  engines = [build.make_engine(cfg)]
+  loop = build.train_loop(cfg, str(workdir), server, task=task, engines=engines, **loop_kw)
+  return loop, build.rollout_worker(cfg, server, task=task, engines=engines)
 
 
 def checkpoint_meta(workdir, step=None):

@@ -1,5 +1,6 @@
 """A trainer over two `jax.distributed` processes equals one process on as many devices."""
 
+import json
 import os
 import socket
 import subprocess
@@ -43,3 +44,48 @@ def test_two_processes_train_like_one(tmp_path):
     # order may differ (gloo across processes, in-process otherwise).
     a, b = multi[name], single[name]
     assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), name
+
+
+def _train(workdir, num_processes, devices_per_process, steps, *overrides):
+  """`launch.train` on the micro config over `num_processes` processes; their exit codes
+  and outputs."""
+  root = _CHECK.parent.parent
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(_CHECK.parent)]),
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+  port = str(_free_port())
+  distributed = ([f"--coordinator_address=127.0.0.1:{port}",
+                  f"--num_processes={num_processes}"] if num_processes > 1 else [])
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "launch.train", "--config=configs/micro.py",
+       f"--workdir={workdir}", f"--config.num_steps={steps}", *overrides, *distributed,
+       *([f"--process_id={i}"] if num_processes > 1 else [])],
+      cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(num_processes)]
+  outs = [p.communicate(timeout=_TIMEOUT_S) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, (out + err)[-3000:]
+  return outs
+
+
+def _steps(workdir):
+  lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [l for l in lines if "eval" not in l]
+
+
+def test_the_cli_trains_over_two_processes_like_one_and_resumes(tmp_path):
+  # Synchronous (η = 0, drain): the batches depend only on the seed, so the two-process
+  # trainer sees the batches the one-process one does.
+  overrides = ("--config.staleness.max_staleness=0", "--config.generation.update_mode=drain",
+               "--config.rollout.reward_fn=reward_fns_for_tests:length", "--config.mesh.fsdp=4")
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  _train(multi, 2, 2, 3, *overrides)
+  _train(single, 1, 4, 3, *overrides)
+  a, b = _steps(multi), _steps(single)
+  assert [s["step"] for s in a] == [s["step"] for s in b] == [1, 2, 3]
+  assert [s["trained_tokens"] for s in a] == [s["trained_tokens"] for s in b]
+  np.testing.assert_allclose([s["loss"] for s in a], [s["loss"] for s in b], rtol=1e-5,
+                             atol=1e-7)
+  assert any(s["loss"] != 0 for s in b), "the rewards vary, so the losses can differ"
+  # Resuming: every process restores the checkpoint; process 0 resumes the run.
+  _train(multi, 2, 2, 5, *overrides)
+  assert [s["step"] for s in _steps(multi)] == [1, 2, 3, 4, 5]

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("ray", reason="the ray placement needs ray (pip install -e .[ray])")
 
 import ray  # noqa: E402
+from async_rl import config  # noqa: E402
 from async_rl.rl import ray_placement  # noqa: E402
 from async_rl.rl.ray_placement import run_on_ray  # noqa: E402
 from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
@@ -24,7 +25,7 @@ def shared_ray():
   need nothing of their own from it: `run_on_ray` uses it and leaves it up (starting
   and stopping one takes seconds)."""
   if not ray.is_initialized():
-    ray_placement._init_ray(None)
+    ray_placement._init_ray(config.PlacementConfig(kind="ray"))
   yield
   ray.shutdown()
 
@@ -41,14 +42,13 @@ def _checkpoints(workdir):
                 if p.name.isdigit())
 
 
-def _run(workdir, stop=None, trainer_cpus=None, rollout_cpus=None, **overrides):
+def _run(workdir, stop=None, **overrides):
   # A reward function from a test module: the actors must import what the driver does.
   # A held-out set of one prompt, one sample: these tests do not check the evaluation.
-  cfg = small_config(**{"staleness.max_staleness": 1,
+  cfg = small_config(**{"staleness.max_staleness": 1, "placement.kind": "ray",
                         "rollout.reward_fn": "reward_fns_for_tests:length",
                         "eval.num_prompts": 1, "eval.pass_k": 1, **overrides})
-  return run_on_ray(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None,
-                    trainer_cpus=trainer_cpus, rollout_cpus=rollout_cpus)
+  return run_on_ray(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None)
 
 
 def test_actors_train_within_the_bound_and_resume(tmp_path, request):
@@ -68,7 +68,8 @@ def test_actors_train_within_the_bound_and_resume(tmp_path, request):
     assert s["rewards"]["errors"] == 0 and s["reward_mean"] > 0
   assert _checkpoints(tmp_path)[-1] == 3
 
-  summary = _run(tmp_path, num_steps=5, trainer_cpus=[0], rollout_cpus=[os.cpu_count() - 1])
+  summary = _run(tmp_path, num_steps=5, **{"placement.pin_trainer_cores": (0,),
+                                           "placement.pin_rollout_cores": (os.cpu_count() - 1,)})
   assert summary["start_version"] == 3 and summary["end_version"] == 5
   assert [s["step"] for s in _steps(tmp_path)] == [1, 2, 3, 4, 5]
   assert _checkpoints(tmp_path)[-1] == 5
@@ -121,3 +122,34 @@ def test_pinning_moves_every_thread_of_the_process():
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        check=True).stdout
   assert out.strip() == "[(0,)]"
+
+
+def test_two_rollout_workers_train_a_user_task_shipped_by_the_runtime_env(tmp_path,
+                                                                          monkeypatch):
+  # The README's user task, as a module outside the package and outside every actor's
+  # sys.path: Ray ships its directory (`placement.working_dir`) to the actors. The
+  # params cross processes in 16 bits.
+  user = tmp_path / "user"
+  user.mkdir()
+  examples = Path(__file__).parents[1] / "examples"
+  (user / "my_sums.py").write_text((examples / "sums.py").read_text())
+  for name in ("sums_train.jsonl", "sums_heldout.jsonl"):
+    (user / name).write_text((examples / name).read_text())
+  monkeypatch.syspath_prepend(str(user))  # the driver builds the task too (its checks)
+  if ray.is_initialized():  # a runtime_env is the Ray instance's: start one of our own
+    ray.shutdown()
+  summary = _run(tmp_path / "run", num_steps=3, **{
+      "task.name": "my_sums:make_task",
+      "task.options": {"train": str(user / "sums_train.jsonl"),
+                       "heldout": str(user / "sums_heldout.jsonl")},
+      "rollout.reward_fn": None, "model.max_seq_len": 32,
+      "generation.max_prompt_len": 8, "generation.max_new_tokens": 8,
+      "batching.max_tokens_per_mb": 32, "placement.rollout_workers": 2,
+      "placement.working_dir": str(user), "placement.publish_dtype": "bfloat16"})
+  assert summary["end_version"] == 3 and len(summary["pids"]["rollout"]) == 2
+  steps = _steps(tmp_path / "run")
+  assert [s["step"] for s in steps] == [1, 2, 3]
+  workers = steps[-1]["workers"]
+  assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
+  assert all(w["rollout"]["submitted"] > 0 and w["rewards"]["calls"] > 0
+             and w["rewards"]["errors"] == 0 for w in workers)

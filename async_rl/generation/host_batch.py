@@ -29,6 +29,11 @@ from async_rl.generation.sampling import SlotSampling
 from async_rl.trajectory import Trajectory
 
 
+# Handle keys are unique in the process, so that handles from several pools never meet
+# (`replicas.ReplicatedPool` routes by them).
+_HANDLE_KEYS = itertools.count()
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
   """A request in flight: its future, its finished samples and its shared prefix."""
@@ -77,7 +82,6 @@ class HostBatch:
   def __init__(self, num_slots: int, max_target_length: int, on_done: Callable[[Job], None]):
     self.slots: list[_Occupant | None] = [None] * num_slots
     self.held: dict[int, Held] = {}  # By slot, oldest first.
-    self._keys = itertools.count()
     self._max_len = max_target_length
     self._on_done = on_done
     # (first tokens, the (slot, occupant) of each row, version), per device result.
@@ -194,7 +198,7 @@ class HostBatch:
     metadata = {"request_id": s.job.request.request_id, "index": s.index}
     if reason == "stop" and s.job.request.hold_slot:
       tokens_T = np.concatenate([s.job.prompt_P, np.asarray(s.tokens, np.int32)])
-      handle = SlotHandle(slot, next(self._keys), len(tokens_T))
+      handle = SlotHandle(slot, next(_HANDLE_KEYS), len(tokens_T))
       self.held[slot] = Held(handle, tokens_T, s.cache_version)
       metadata["slot"] = handle
     s.job.samples[s.index] = Trajectory.from_completion(

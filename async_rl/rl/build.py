@@ -23,13 +23,17 @@ import threading
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
 from async_rl import advantages, config, cpu, loss, models, sharding, train_step
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
+from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.param_server import ParameterServer
 from async_rl.rewards import RewardService
+from async_rl.rl import multihost
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import ConfigError
@@ -40,18 +44,18 @@ from async_rl.rl.trainer import Trainer
 from async_rl.rl.trainer_loop import TrainLoop
 from async_rl.sft import warm_start
 from async_rl.tasks.registry import TASKS, check_task, make_task
+from async_rl.timeline import Timeline
 
 
-def run(cfg: ExperimentConfig, workdir: str, *, placement: str = "in_process", task=None,
-        init_params=None, stop: Optional[threading.Event] = None,
-        echo: Callable[[str], None] = print, progress: bool = True,
-        **ray_options) -> dict[str, Any]:
-  """Runs (or resumes from `workdir`) the experiment; returns the loop's summary.
+def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
+        stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
+        progress: bool = True) -> dict[str, Any]:
+  """Runs (or resumes from `workdir`) the experiment, placed as `cfg.placement` says;
+  returns the loop's summary.
 
   Args:
     cfg: the experiment.
     workdir: checkpoints, `metrics.jsonl`, TensorBoard files and `config.json`.
-    placement: one of `config.PLACEMENTS`.
     task: a task built in this process (say, in a notebook) in place of `cfg.task`'s
       (in process only).
     init_params: params to start from when not resuming; by default those of
@@ -59,30 +63,33 @@ def run(cfg: ExperimentConfig, workdir: str, *, placement: str = "in_process", t
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     echo: receives the one-line summary of every step, and warnings.
     progress: show a progress bar.
-    **ray_options: for placement "ray", `rl.ray_placement.run_on_ray`'s options.
 
   Raises:
     ConfigError: a setting that cannot work, found before anything is compiled.
   """
   cfg = resolve(cfg)
-  if placement not in config.PLACEMENTS:
-    raise ConfigError(f"placement must be one of {config.PLACEMENTS}, got {placement!r}")
-  if placement == "ray":
+  if cfg.placement.kind == "ray":
     if task is not None:
       raise ConfigError("a task object runs in process only; on Ray name it in task.name")
     preflight(cfg, _make_task(cfg))
     from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
     return run_on_ray(cfg, workdir, stop=stop, init_params=init_params, echo=echo,
-                      progress=progress, **ray_options)
+                      progress=progress)
   task = preflight(cfg, _make_task(cfg) if task is None else task)
+  if not multihost.is_leader():
+    follow(cfg, workdir, task=task, init_params=init_params)
+    return {}
+  devices = split_devices(cfg.placement, jax.local_devices(), jax.devices())
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
-  # One engine for the rollout and held-out pools: its programs compile once.
-  engine = make_engine(cfg)
+  # One engine per generator replica, for the rollout and held-out pools alike: their
+  # programs compile once.
+  engines = [make_engine(cfg, replica) for replica in devices.replicas]
   loop = worker = None
   try:
-    loop = train_loop(cfg, workdir, server, task=task, engine=engine, init_params=init_params,
-                      stop=stop, echo=echo, progress=progress)
-    worker = rollout_worker(cfg, server, task=task, engine=engine)
+    loop = train_loop(cfg, workdir, server, task=task, engines=engines,
+                      trainer_devices=devices.trainer, init_params=init_params, stop=stop,
+                      echo=echo, progress=progress)
+    worker = rollout_worker(cfg, server, task=task, engines=engines)
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary
@@ -175,23 +182,87 @@ def _config_errors():
     raise ConfigError(str(e)) from None
 
 
-def make_engine(cfg: ExperimentConfig):
-  """The generator engine. Its prefill takes whole episodes so far, not only prompts:
-  a multi-turn workflow's next turn holds everything before it. On the CPU backend its
-  slots split into groups decoded at once (`cpu.SlotGroupEngine`)."""
+@dataclasses.dataclass(frozen=True)
+class Devices:
+  """Where the devices go: the trainer's mesh, and each generator replica's."""
+  trainer: tuple
+  replicas: tuple[tuple, ...]
+
+
+def split_devices(placement: config.PlacementConfig, local_devices, global_devices=None, *,
+                  with_trainer: bool = True) -> Devices:
+  """The trainer's and the generator replicas' devices (`config.PlacementConfig`).
+
+  The trainer takes the first `trainer_devices` of this host's `local_devices` (all of
+  them with -1, or every one of `global_devices` across `jax.distributed` processes);
+  generator replicas of `devices_per_replica` take the devices it leaves, or share its
+  first ones when it leaves none. A process without a trainer (a Ray rollout worker)
+  gives every device to generators.
+
+  Raises:
+    ConfigError: the placement does not fit the devices; the message names the field.
+  """
+  p, local = placement, list(local_devices)
+  everywhere = list(global_devices or local)
+  if len(everywhere) > len(local) and p.trainer_devices != -1:
+    raise ConfigError(f"placement.trainer_devices must be -1 across jax.distributed "
+                      f"processes (the trainer takes all {len(everywhere)} devices), got "
+                      f"{p.trainer_devices}")
+  if p.trainer_devices > len(local):
+    raise ConfigError(f"placement.trainer_devices must be at most the {len(local)} local "
+                      f"devices, got {p.trainer_devices}")
+  if not with_trainer:
+    trainer, free = (), local
+  elif len(everywhere) > len(local) or p.trainer_devices == -1:
+    trainer, free = tuple(everywhere), []
+  else:
+    trainer, free = tuple(local[:p.trainer_devices]), local[p.trainer_devices:]
+  k = p.devices_per_replica
+  pool = free or local  # Generators share the trainer's devices when it leaves none.
+  n = (len(free) // k or 1) if p.generator_replicas == -1 else p.generator_replicas
+  if n * k > len(pool):
+    where = (f"the {len(free)} devices placement.trainer_devices={p.trainer_devices} leaves"
+             if free else f"the {len(local)} local devices")
+    raise ConfigError(f"placement.generator_replicas ({n}) x placement.devices_per_replica "
+                      f"({k}) must fit {where}")
+  return Devices(trainer, tuple(tuple(pool[i * k:(i + 1) * k]) for i in range(n)))
+
+
+def make_engine(cfg: ExperimentConfig, devices=None):
+  """A generator engine on `devices` (default: the first local device); with several,
+  its params split over heads and MLP width (the `tensor` axis of its own mesh). Its
+  prefill takes whole episodes so far, not only prompts: a multi-turn workflow's next
+  turn holds everything before it. On one CPU device its slots split into groups
+  decoded at once (`cpu.SlotGroupEngine`)."""
   g = cfg.generation
-  groups = decode_groups(cfg, jax.default_backend())
+  devices = list(devices or jax.local_devices()[:1])
+  mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
+  param_sharding = None
+  if len(devices) > 1:
+    abstract = jax.eval_shape(functools.partial(models.init_params, cfg.model),
+                              jax.random.key(0))
+    param_sharding = sharding.param_shardings(abstract, mesh)
+  groups = decode_groups(cfg, devices[0].platform) if len(devices) == 1 else 1
   engine = Engine(cfg.model, max_concurrent_decodes=g.num_slots // groups,
                   max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
-                  steps_per_call=g.steps_per_call)
+                  steps_per_call=g.steps_per_call, mesh=mesh, param_sharding=param_sharding)
   return engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
 
 
-def decode_groups(cfg: ExperimentConfig, backend: str) -> int:
+def make_pool(engines, params, *, version: int = 0, seed: int = 0):
+  """A `GeneratorPool` on the one engine, or a `ReplicatedPool` over several."""
+  if len(engines) == 1:
+    return GeneratorPool(engines[0], params, version=version, seed=seed)
+  timeline = Timeline()
+  return ReplicatedPool([GeneratorPool(e, params, version=version, seed=seed + i,
+                                       timeline=timeline) for i, e in enumerate(engines)])
+
+
+def decode_groups(cfg: ExperimentConfig, platform: str) -> int:
   """The generator's slot groups: on the CPU as many as `cpu.decode_threads` (0: half
   the cores) allow (`cpu.engine.num_groups`); elsewhere 1, one program keeps a device
   busy."""
-  if backend != "cpu":
+  if platform != "cpu":
     return 1
   return cpu.engine.num_groups(cfg.generation.num_slots,
                                cfg.cpu.decode_threads or cpu.default_threads())
@@ -253,32 +324,36 @@ def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
                         max_new_tokens=g.max_new_tokens, stop_token_ids=task.tokenizer.stop_ids)
 
 
-def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engine=None,
-               init_params=None, stop: Optional[threading.Event] = None,
-               echo: Callable[[str], None] = print, progress: bool = True,
-               publish_on_host: bool = False) -> TrainLoop:
+def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=None,
+               trainer_devices=None, init_params=None,
+               stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
+               progress: bool = True, publish_on_host: bool = False) -> TrainLoop:
   """The trainer side of a run, resumed from `workdir`'s newest checkpoint that reads
   whole, its version published to `server` (host copies with `publish_on_host`, for a
   server in another process).
 
-  `engine` serves the held-out evaluation (None: a new one); in one process it is the
-  rollout worker's, so its programs compile once.
+  `engines` serve the held-out evaluation (None: one new engine); in one process they
+  are the rollout worker's, so their programs compile once. `trainer_devices` carry
+  the trainer's mesh (None: every device).
   """
   os.makedirs(workdir, exist_ok=True)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
-  mesh = sharding.make_mesh(cfg.mesh)
+  mesh = sharding.make_mesh(cfg.mesh, trainer_devices)
   if checkpointer.latest_step() is None and init_params is None:
     init_params = initial_params(cfg, mesh, task, echo)
   trainer = make_trainer(cfg, mesh, init_params)
   restored = TrainLoop.restore(checkpointer, trainer, server, echo)
+  leader = multihost.Leader() if jax.process_count() > 1 else None
   # Written once the restore succeeded, so a resume that fails leaves the run's own.
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(config.to_dict(cfg), f, indent=2)
-  params = trainer.host_params() if publish_on_host else trainer.device_params()
+  on_host = publish_on_host or leader is not None
+  dtype = cfg.placement.publish_dtype
+  params = trainer.host_params(dtype) if on_host else trainer.device_params()
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
   evaluator = Evaluator(
-      GeneratorPool(engine or make_engine(cfg), params, version=trainer.version),
+      make_pool(engines or [make_engine(cfg)], params, version=trainer.version),
       RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
                     allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
       task, cfg.eval, reward_fn=reward_fn(cfg, task),
@@ -288,13 +363,32 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engine=None
                    num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
                    checkpoint_every=cfg.checkpoint.every_steps,
                    max_consecutive_skips=cfg.train.max_consecutive_skips, restored=restored,
-                   publish_on_host=publish_on_host, stop=stop, echo=echo, progress=progress)
+                   publish_on_host=publish_on_host, publish_dtype=dtype, leader=leader,
+                   stop=stop, echo=echo, progress=progress)
+
+
+def follow(cfg: ExperimentConfig, workdir: str, *, task, init_params=None) -> None:
+  """A `jax.distributed` process other than 0: its shard of the trainer, restored as
+  process 0 restores, stepping as process 0 announces (`multihost.follow`) until the
+  run ends there."""
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
+  try:
+    mesh = sharding.make_mesh(cfg.mesh)
+    if checkpointer.latest_step() is None and init_params is None:
+      init_params = initial_params(cfg, mesh, task, echo=lambda _: None)
+    trainer = make_trainer(cfg, mesh, init_params)
+    TrainLoop.restore(checkpointer, trainer, None, echo=lambda _: None)
+    trainer.host_params(cfg.placement.publish_dtype)  # process 0's first publish
+    multihost.follow(trainer, checkpointer)
+  finally:
+    checkpointer.close()
 
 
 def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
-                   engine=None) -> RolloutWorker:
-  """Rollout worker `index`: its prompt stream, generator pool, reward service and
-  controller, starting at the server's weights.
+                   engines=None) -> RolloutWorker:
+  """Rollout worker `index`: its prompt stream, generator pool (over `engines`, one per
+  generator replica; None: one new engine), reward service and controller, starting
+  at the server's weights.
 
   Registering with the server writes off anything an earlier worker of that index
   left running and says where its prompt stream resumes (the prompts to issue again,
@@ -305,7 +399,7 @@ def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
   version, params = server.fetch(-1)
   prompts = PromptSource(lambda state: task.stream(state, worker_index=index),
                          cursor=start["cursor"], replay=start["replay"])
-  pool = GeneratorPool(engine or make_engine(cfg), params, version=version, seed=cfg.seed + index)
+  pool = make_pool(engines or [make_engine(cfg)], params, version=version, seed=cfg.seed + index)
   rewards = RewardService(num_workers=cfg.rollout.reward_workers,
                           timeout_s=cfg.rollout.reward_timeout_s,
                           allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)

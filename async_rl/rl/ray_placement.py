@@ -12,16 +12,19 @@ starts a new actor in its place (from the latest weights; registering with the
 server writes off the dead one's running groups and hands over its prompts to issue
 again), up to `run.max_worker_restarts` times per worker.
 
-By default actors ask for no CPUs, so any number of them fits on a laptop. On a
-cluster, give them devices with Ray actor options, e.g.
+`config.PlacementConfig` places the actors. By default they ask for no CPUs or GPUs,
+so any number of them fits on a laptop. On a cluster, e.g.
 
-  run_on_ray(cfg, workdir, address="auto", num_rollout_workers=4,
-             trainer_options={"num_gpus": 8}, rollout_options={"num_gpus": 1})
+  --config.placement.kind=ray --config.placement.ray_address=auto
+  --config.placement.rollout_workers=4 --config.placement.trainer_gpus=4
+  --config.placement.rollout_gpus=1 --config.placement.working_dir=.
 
-Ray then sets each actor's CUDA_VISIBLE_DEVICES, so the trainer and every generator
-own their GPUs. An actor given no GPUs sees all of them; actors that share a GPU
-(fractional `num_gpus`) must each cap JAX's preallocation, e.g. with
-`"runtime_env": {"env_vars": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4"}}` in their options.
+Ray then sets each actor's CUDA_VISIBLE_DEVICES, so the trainer and every rollout
+worker own their GPUs (a rollout worker's generator replicas split them:
+`build.split_devices`). An actor given no GPUs sees all of them; actors that share a
+GPU (fractional GPUs) must cap JAX's preallocation (`placement.gpu_memory_fraction`).
+The user's task and reward modules reach the actors through the `runtime_env`
+(`placement.working_dir`, `placement.py_modules`; `runtime_env`).
 """
 
 import logging
@@ -30,8 +33,9 @@ import queue
 import signal
 import sys
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
+import jax
 import ray
 from tqdm import tqdm
 
@@ -147,12 +151,15 @@ class RolloutWorkerActor(RolloutWorker):
   says what it is)."""
 
   def __init__(self, cfg, server, index):
-    worker = build.rollout_worker(cfg, server, index=index)
+    # Every device of this actor (Ray's GPUs for it) serves its generator replicas.
+    devices = build.split_devices(cfg.placement, jax.local_devices(), with_trainer=False)
+    worker = build.rollout_worker(cfg, server, index=index, engines=[
+        build.make_engine(cfg, replica) for replica in devices.replicas])
     super().__init__(worker.index, worker.controller, worker.pool, worker.rewards)
 
 
 def _rollout_actor(cfg, server, index, options):
-  return ray.remote(RolloutWorkerActor).options(**{"num_cpus": 0, **(options or {})}).remote(
+  return ray.remote(RolloutWorkerActor).options(**options).remote(
       cfg, _Proxy(server, "server", cfg.run.stall_timeout_s), index)
 
 
@@ -191,32 +198,19 @@ class _Trainer:
     self.loop.close()
 
 
-def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = None,
-               stop: Optional[threading.Event] = None, init_params=None,
-               num_rollout_workers: int = 1,
-               trainer_options: Optional[dict[str, Any]] = None,
-               rollout_options: Optional[dict[str, Any]] = None,
-               trainer_cpus: Optional[Sequence[int]] = None,
-               rollout_cpus: Optional[Sequence[int]] = None,
-               echo: Callable[[str], None] = print,
+def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.Event] = None,
+               init_params=None, echo: Callable[[str], None] = print,
                progress: bool = True) -> dict[str, Any]:
-  """Runs (or resumes from `workdir`) the experiment with its components as Ray actors.
+  """Runs (or resumes from `workdir`) the experiment with its components as Ray actors,
+  placed as `cfg.placement` says (cluster address, rollout workers, actor resources,
+  runtime_env, core pinning).
 
   Args:
     cfg: the experiment.
     workdir: as for `rl.build.run`; every actor must see it (a shared file system
       on a cluster).
-    address: an existing Ray cluster; None starts a local instance (or uses the one
-      this process already started) for the run.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     init_params: params to start from when not resuming.
-    num_rollout_workers: rollout worker actors, each a generator pool and reward
-      service with its own prompt stream.
-    trainer_options, rollout_options: Ray actor options (`num_gpus`, `num_cpus`,
-      `resources`, ...) for the trainer and for each rollout worker.
-    trainer_cpus, rollout_cpus: pin every thread of the trainer's (each rollout
-      worker's) process to these CPU cores (Linux), e.g. to give them disjoint cores
-      of one host; None leaves them to the OS.
     echo: receives the one-line summary of every step.
     progress: show a progress bar.
 
@@ -225,28 +219,31 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
     id of the driver, the server, the trainer and each rollout worker.
   """
   cfg, workdir = build.resolve(cfg), os.path.abspath(workdir)
+  p = cfg.placement
+  trainer_options = _actor_options(p, p.trainer_cpus, p.trainer_gpus)
+  rollout_options = _actor_options(p, p.rollout_cpus, p.rollout_gpus)
+  trainer_cores, rollout_cores = p.pin_trainer_cores or None, p.pin_rollout_cores or None
   started = not ray.is_initialized()
   if started:
-    _init_ray(address)
+    _init_ray(p)
   server = trainer = None
   rollouts = []
   try:
     server = ray.remote(ParameterServer).options(
-        num_cpus=0, max_concurrency=_server_concurrency(cfg, num_rollout_workers)
+        num_cpus=0, max_concurrency=_server_concurrency(cfg, p.rollout_workers)
     ).remote(cfg.staleness, cfg.batch_groups)
     # request_stop and lines must run while run() does.
-    trainer = ray.remote(_Trainer).options(
-        **{"num_cpus": 0, **(trainer_options or {}), "max_concurrency": 4}
-    ).remote(cfg, workdir, _Proxy(server, "server", cfg.run.stall_timeout_s), init_params)
+    trainer = ray.remote(_Trainer).options(**trainer_options, max_concurrency=4).remote(
+        cfg, workdir, _Proxy(server, "server", cfg.run.stall_timeout_s), init_params)
     # The trainer publishes the (restored) params before the workers fetch them.
     ray.get(trainer.__ray_ready__.remote())
     rollouts = [_rollout_actor(cfg, server, i, rollout_options)
-                for i in range(num_rollout_workers)]
+                for i in range(p.rollout_workers)]
     pids = ray.get([a.__ray_call__.remote(_pid) for a in (server, trainer, *rollouts)])
-    ray.get([a.__ray_call__.remote(_pin, cpus)
-             for actors, cpus in (([trainer], trainer_cpus), (rollouts, rollout_cpus))
-             if cpus is not None for a in actors])
-    handles = [_RolloutHandle(cfg, server, i, a, rollout_options, rollout_cpus)
+    ray.get([a.__ray_call__.remote(_pin, cores)
+             for actors, cores in (([trainer], trainer_cores), (rollouts, rollout_cores))
+             if cores is not None for a in actors])
+    handles = [_RolloutHandle(cfg, server, i, a, rollout_options, rollout_cores)
                for i, a in enumerate(rollouts)]
     summary = _drive(cfg, server, trainer, handles, stop, echo, progress)
     summary["pids"] = {"driver": os.getpid(), "server": pids[0], "trainer": pids[1],
@@ -258,17 +255,40 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, address: Optional[str] = 
       ray.shutdown()
 
 
-def _init_ray(address):
+def _actor_options(placement, cpus, gpus) -> dict[str, Any]:
+  options = {"num_cpus": cpus, "num_gpus": gpus}
+  if placement.gpu_memory_fraction:
+    options["runtime_env"] = {"env_vars": {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": str(placement.gpu_memory_fraction)}}
+  return options
+
+
+def runtime_env(placement) -> dict[str, Any]:
+  """The Ray `runtime_env` of a run: `working_dir` and `py_modules` shipped to every
+  node when set; else, for a local instance, this process's sys.path (so that local
+  actors import what it imports, e.g. reward functions named "module:function")."""
+  if placement.working_dir is not None or placement.py_modules:
+    env = {}
+    if placement.working_dir is not None:
+      env["working_dir"] = placement.working_dir
+    if placement.py_modules:
+      env["py_modules"] = list(placement.py_modules)
+    return env
+  if placement.ray_address is not None:
+    return {}
+  path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+  return {"env_vars": {"PYTHONPATH": path}}
+
+
+def _init_ray(placement):
   # ray.init replaces the SIGTERM handler with sys.exit; keep the caller's (which
   # sets `stop`, so that the trainer checkpoints).
   sigterm = signal.getsignal(signal.SIGTERM)
-  if address is not None:
-    ray.init(address=address)
+  env = runtime_env(placement)
+  if placement.ray_address is not None:
+    ray.init(address=placement.ray_address, runtime_env=env or None)
   else:
-    # Local actors inherit this process's environment; PYTHONPATH adds its sys.path,
-    # so they import what it imports (e.g. reward functions in "module:function" form).
-    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(include_dashboard=False, runtime_env=env)
   if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, sigterm)
 

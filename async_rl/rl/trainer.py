@@ -7,6 +7,7 @@ of the proximal log-probs under the current params, then the update. The caller
 publishes the new params at the new version.
 """
 
+import functools
 import time
 from typing import Sequence as SequenceOf
 
@@ -134,12 +135,21 @@ class Trainer:
     """
     return jax.device_put(self.state.params, self.state_shardings.params, may_alias=False)
 
-  def host_params(self):
-    """A host (numpy) copy of the params: safe to publish, since the state is donated.
+  def host_params(self, dtype=None):
+    """A host (numpy) copy of the params, in `dtype` if given (cast on the devices, so
+    fewer bytes leave them): safe to publish, since the state is donated.
 
     With a trainer over several `jax.distributed` processes, every process gets the
     whole params (an all-gather), since no process holds all their shards.
     """
+    params = self.state.params
+    if dtype is not None:
+      params = _cast(params, jax.numpy.dtype(dtype))
     if jax.process_count() > 1:
-      return multihost_utils.process_allgather(self.state.params, tiled=True)
-    return jax.device_get(self.state.params)
+      return multihost_utils.process_allgather(params, tiled=True)
+    return jax.device_get(params)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(params, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype), params)

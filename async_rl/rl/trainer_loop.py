@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from async_rl.param_server.buffer import length_summary
+from async_rl.rl import multihost
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError
@@ -58,6 +59,10 @@ class TrainLoop:
     restored: the counts the run resumes with.
     publish_on_host: publish host (numpy) copies of the params, for a server in
       another process; by default they stay device arrays (`Trainer.device_params`).
+    publish_dtype: the host copies' dtype (None: the params' own).
+    leader: with a trainer over several `jax.distributed` processes (this one
+      process 0), announces each collective step to the others (`multihost`); the
+      params it publishes and evaluates are then host copies gathered from all.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     echo: receives the one-line summary of every step, and warnings.
     progress: show a progress bar.
@@ -67,6 +72,8 @@ class TrainLoop:
                log: MetricsLog, deadlines: Deadlines, *, num_steps: int, eval_every: int,
                checkpoint_every: int, max_consecutive_skips: int,
                restored: Restored = Restored(), publish_on_host: bool = False,
+               publish_dtype: Optional[str] = None,
+               leader: Optional[multihost.Leader] = None,
                stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
                progress: bool = True):
     self.trainer, self.server, self.evaluator = trainer, server, evaluator
@@ -76,7 +83,9 @@ class TrainLoop:
     self.max_consecutive_skips = max_consecutive_skips
     self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
     self.damaged_checkpoints = restored.damaged_checkpoints
-    self.publish_on_host = publish_on_host
+    self.publish_on_host = publish_on_host or leader is not None
+    self.publish_dtype = publish_dtype
+    self.leader = leader
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress
     self._checkpoint_stalled = False
@@ -88,11 +97,12 @@ class TrainLoop:
   @staticmethod
   def restore(checkpointer: Checkpointer, trainer: Trainer, server,
               echo: Callable[[str], None] = print) -> Restored:
-    """Restores the newest checkpoint that reads whole into `trainer` and `server`."""
+    """Restores the newest checkpoint that reads whole into `trainer` and `server` (None:
+    a process without one, a `jax.distributed` follower)."""
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
-    restored = checkpointer.restore_latest(
-        abstract, accept=lambda state, meta: server.load_state_dict(meta["server"]))
+    restored = checkpointer.restore_latest(abstract, accept=None if server is None else (
+        lambda state, meta: server.load_state_dict(meta["server"])))
     if restored is None:
       return Restored()
     for step, why, moved in restored.damaged:
@@ -102,14 +112,22 @@ class TrainLoop:
     return Restored(int(restored.meta["skipped_steps"]), int(restored.meta["applied_updates"]),
                     len(restored.damaged))
 
+  def _announce(self, step: str, payload=None) -> None:
+    if self.leader is not None:
+      self.leader.announce(step, payload)
+
   def _published_params(self):
     if self.publish_on_host:
-      return self.trainer.host_params()
+      self._announce("params", self.publish_dtype)
+      return self.trainer.host_params(self.publish_dtype)
     return self.trainer.device_params()
 
   def evaluate(self) -> dict[str, float]:
     """Held-out metrics of the trainer's current params (greedy, pass@k)."""
-    self.evaluator.load(self.trainer.device_params(), self.trainer.version)
+    if self.trainer.version > self.evaluator.pool.version:
+      params = (self._published_params() if self.leader is not None
+                else self.trainer.device_params())
+      self.evaluator.load(params, self.trainer.version)
     return self.evaluator.evaluate()
 
   def run(self, rollouts: Sequence) -> dict[str, Any]:
@@ -218,6 +236,7 @@ class TrainLoop:
     version = self.trainer.version
     with self.timeline.span("trainer", "train"), self.deadlines.waiting(
         f"training step {version + 1}", may_stall=False):
+      self._announce("train", groups)
       metrics = self.trainer.train(groups)
     t0 = time.perf_counter()
     with self.timeline.span("trainer", "publish"), self.deadlines.waiting(
@@ -296,14 +315,19 @@ class TrainLoop:
             "packed_shapes": self.trainer.packed_shapes}
     try:
       self.deadlines.call(
-          lambda: self.checkpointer.save(version, self.trainer.state, meta, wait=wait),
+          lambda: self._save(version, meta, wait),
           f"the checkpoint of version {version}")
     except StallError:
       self._checkpoint_stalled = True
       raise
 
+  def _save(self, version, meta, wait):
+    self._announce("checkpoint", (version, meta, wait))
+    self.checkpointer.save(version, self.trainer.state, meta, wait=wait)
+
   def close(self):
-    closers = (("held-out evaluator", self.evaluator.close),
+    closers = (("followers", lambda: self._announce("stop")),
+               ("held-out evaluator", self.evaluator.close),
                ("checkpointer", self.checkpointer.close), ("metrics log", self.log.close))
     for name, closer in closers:
       try:

@@ -91,16 +91,18 @@ def _cross_process(cfg, repeats):
   from async_rl.rl.trainer import _cast  # noqa: PLC0415
   ray.init(include_dashboard=False, num_cpus=2)
   try:
-    server = ray.remote(ParameterServer).options(max_concurrency=4).remote(
-        StalenessConfig(), 1)
-    fetcher = ray.remote(_Fetcher).remote(cfg, server)
     mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
     state, _ = train_step.create_train_state(cfg, optax.sgd(1.0), mesh, jax.random.key(0))
-    out, version = {}, [0]
+    out = {}
     for dtype in ("float32", "bfloat16"):
-      def publish(dtype=dtype):
-        params = _cast(state.params, jax.numpy.dtype(dtype))
-        host = jax.device_get(params)
+      # A server of its own: a run publishes one dtype throughout.
+      server = ray.remote(ParameterServer).options(max_concurrency=4).remote(
+          StalenessConfig(), 1)
+      fetcher = ray.remote(_Fetcher).remote(cfg, server)
+      version = [0]
+
+      def publish(dtype=dtype, server=server, fetcher=fetcher, version=version):
+        host = jax.device_get(_cast(state.params, jax.numpy.dtype(dtype)))
         ray.get(server.publish.remote(version[0], host))
         ray.get(fetcher.fetch_and_load.remote())
         version[0] += 1
@@ -113,6 +115,8 @@ def _cross_process(cfg, repeats):
       nbytes = cfg.num_params() * jax.numpy.dtype(dtype).itemsize
       out[dtype] = {"seconds": float(np.median(times)), "bytes": nbytes,
                     "gb_per_s": nbytes / float(np.median(times)) / 1e9}
+      ray.kill(fetcher)
+      ray.kill(server)
     return out
   finally:
     ray.shutdown()

@@ -1,16 +1,68 @@
-"""A run's trained policy out of its workdir: as a Hugging Face directory (the way back
-from `hf_model_dir`), or served by JetStream's orchestrator."""
+"""A run's trained policy out of its workdir: scored on the task's held-out set, as a
+Hugging Face directory (the way back from `hf_model_dir`), or served by JetStream's
+orchestrator."""
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
 from typing import Optional
 
+from async_rl import config
 from async_rl.config import ExperimentConfig, ModelConfig
-from async_rl.generation import Engine, SamplingParams
+from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.models import hf
+from async_rl.rewards import RewardService
+from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
+from async_rl.rl.evaluate import Evaluator
 from async_rl.tasks.registry import make_task
+
+
+def run_config(workdir: str) -> ExperimentConfig:
+  """The run's resolved config, as it wrote it to `workdir/config.json`."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} does not exist: {workdir} holds no run (a run writes "
+                            "it once it has started or resumed)")
+  with open(path) as f:
+    return config.from_dict(json.load(f))
+
+
+def latest_step(workdir: str) -> int:
+  """The newest checkpoint step under `workdir/checkpoints`."""
+  directory = os.path.join(workdir, "checkpoints")
+  steps = [int(p) for p in os.listdir(directory) if p.isdigit()] if os.path.isdir(
+      directory) else []
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint under {directory}")
+  return max(steps)
+
+
+def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
+          pass_k: Optional[int] = None) -> dict:
+  """Held-out metrics of `params` on `cfg`'s task (`rl.evaluate.Evaluator`): greedy
+  accuracy, pass@k, mean completion length, and the reward calls that failed."""
+  cfg = build.resolve(cfg)
+  task = build.preflight(cfg, make_task(cfg.task))
+  eval_cfg = dataclasses.replace(cfg.eval, num_prompts=num_prompts or cfg.eval.num_prompts,
+                                 pass_k=pass_k or cfg.eval.pass_k)
+  evaluator = Evaluator(
+      GeneratorPool(build.make_engine(cfg), params),
+      RewardService(num_workers=cfg.rollout.reward_workers,
+                    timeout_s=cfg.rollout.reward_timeout_s,
+                    allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
+      task, eval_cfg, reward_fn=build.reward_fn(cfg, task),
+      max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
+      vocab_size=cfg.model.vocab_size)
+  try:
+    metrics = evaluator.evaluate()
+    rewards = evaluator.rewards.metrics()
+  finally:
+    evaluator.close()
+  return {**metrics, "num_prompts": len(task.heldout(eval_cfg.num_prompts)),
+          "reward_calls": rewards["calls"],
+          "reward_failures": rewards["errors"] + rewards["timeouts"]}
 
 
 def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None:

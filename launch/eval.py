@@ -1,0 +1,69 @@
+r"""Scores a policy on its task's held-out set: a run's checkpoint, or a Hugging Face model.
+
+  python -m launch.eval --workdir=/tmp/run [--step=200] [--out=report.json]
+  python -m launch.eval --config=configs/qwen2_5_1_5b.py \
+      --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task.name=math ...
+
+With --workdir, the run's own config (WORKDIR/config.json) and the params of its latest
+checkpoint (or --step); with --config, the params of `hf_model_dir` (or of a random
+init, a baseline). Prints, as its last line, and writes to --out, one JSON object:
+greedy accuracy, pass@k (k samples at temperature 1), the mean completion length, the
+number of prompts and of reward calls that failed. --num_prompts and --pass_k override
+the config's `eval` section.
+"""
+
+import json
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from async_rl import config
+from async_rl.rl.errors import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "An experiment config file (with "
+                                          "--config.hf_model_dir for a Hugging Face model).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run's workdir (config.json, checkpoints/).")
+_STEP = flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: eval's).")
+_PASS_K = flags.DEFINE_integer("pass_k", None, "Samples per prompt for pass@k.")
+_OUT = flags.DEFINE_string("out", None, "Also write the report to this JSON file.")
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
+  if (_WORKDIR.value is None) == (_CONFIG.value is None):
+    raise app.UsageError("give --workdir (a run's checkpoint) or --config (a model)")
+  import jax  # noqa: PLC0415 - after flag parsing, so a usage error costs no JAX start
+  from async_rl import sharding  # noqa: PLC0415
+  from async_rl.rl import build, export  # noqa: PLC0415
+  from async_rl.rl.checkpoint import restore_params  # noqa: PLC0415
+  from async_rl.tasks.registry import make_task  # noqa: PLC0415
+  try:
+    if _WORKDIR.value is not None:
+      cfg = export.run_config(_WORKDIR.value)
+      step = _STEP.value if _STEP.value is not None else export.latest_step(_WORKDIR.value)
+      params = restore_params(f"{_WORKDIR.value}/checkpoints", cfg.model, step=step)
+      source = {"workdir": _WORKDIR.value, "step": step}
+    else:
+      cfg = build.resolve(config.from_dict(_CONFIG.value))
+      mesh = sharding.make_mesh(config.MeshConfig(), jax.devices()[:1])
+      params = build.initial_params(cfg, mesh, make_task(cfg.task)) if cfg.hf_model_dir \
+          else build.make_trainer(cfg, mesh).state.params
+      source = {"hf_model_dir": cfg.hf_model_dir}
+    report = {**source, "task": cfg.task.name,
+              **export.score(cfg, params, num_prompts=_NUM_PROMPTS.value,
+                             pass_k=_PASS_K.value)}
+  except (ConfigError, ValueError, FileNotFoundError) as e:
+    sys.exit(f"eval: {e}")
+  if _OUT.value is not None:
+    with open(_OUT.value, "w") as f:
+      json.dump(report, f, indent=2)
+  print(json.dumps(report))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=config.parse_flags)

@@ -819,26 +819,65 @@ def unknown_key_message(key: str, known) -> str:
 
 
 def parse_flags(argv):
-  """absl's flag parsing, with a readable error for an unknown `--config.x=` override.
+  """absl's flag parsing, with one-line errors and `None` for optional config fields.
 
-  ml_collections raises a bare `AttributeError: "'x'"` for an override of a key the
-  config does not have; this names the key and the nearest valid ones instead, and
-  exits with status 2 as other flag errors do. Pass as `app.run(main,
-  flags_parser=parse_flags)`.
+  `--config.a.b=None` (or `none`, `null`) sets an optional field to None, which
+  ml_collections cannot parse for a typed placeholder. A value of the wrong type, or
+  an override of a key the config does not have (ml_collections raises a bare
+  `AttributeError: "'x'"`), exits with status 2 and one line that names the key (and,
+  for an unknown one, the nearest valid ones), without the usage text. Pass as
+  `app.run(main, flags_parser=parse_flags)`.
   """
   from absl import flags  # noqa: PLC0415 - only binaries parse flags
+  optional = _optional_keys()
+  nones, kept = [], [argv[0]]
+  for arg in argv[1:]:
+    key, _, value = arg.partition("=")
+    if key.startswith("--config.") and key[len("--config."):] in optional and (
+        value.lower() in ("none", "null")):
+      nones.append(key[len("--config."):])
+    else:
+      kept.append(arg)
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(kept)
+  except flags.IllegalFlagValueError as e:
+    _exit_with(f"{e}".splitlines()[0])
+  except flags.Error as e:
+    _exit_with(str(e).splitlines()[0])
   except (AttributeError, KeyError):
-    overrides = [a.split("=", 1)[0][len("--config."):] for a in argv[1:]
+    overrides = [a.split("=", 1)[0][len("--config."):] for a in kept[1:]
                  if a.startswith("--config.")]
     known = keys()
     bad = next((k for k in overrides if k not in known and not any(
         known_key.startswith(k + ".") for known_key in known)), None)
     if bad is None:
       raise
-    print(f"FATAL flags parsing error: {unknown_key_message(bad, known)}", file=sys.stderr)
-    sys.exit(2)
+    _exit_with(unknown_key_message(bad, known))
+  for key in nones:
+    *sections, field = key.split(".")
+    node = flags.FLAGS["config"].value
+    for section in sections:
+      node = node[section]
+    node[field] = None
+  return rest
+
+
+def _exit_with(message):
+  print(f"FATAL flags parsing error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _optional_keys() -> set[str]:
+  """The dotted keys of the fields that may be None."""
+  def walk(cls, prefix):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      hint = hints[f.name]
+      if dataclasses.is_dataclass(hint):
+        yield from walk(hint, f"{prefix}{f.name}.")
+      elif typing.get_origin(hint) in (typing.Union, types.UnionType):
+        yield prefix + f.name
+  return set(walk(ExperimentConfig, ""))
 
 
 def _optional_type(hint):

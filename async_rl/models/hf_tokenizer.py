@@ -60,7 +60,7 @@ def _as_list(ids) -> list[int]:
 
 class HFTokenizer:
   """encode/decode, the special ids and the chat template of a model directory's
-  tokenizer."""
+  tokenizer (`tasks.protocol.TextTokenizer`)."""
 
   def __init__(self, model_dir: str):
     from tokenizers import Tokenizer  # the `hf` extra, imported where it is needed

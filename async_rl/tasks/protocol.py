@@ -1,15 +1,15 @@
 """What a run needs from a task, as structural types: any object with these members is a task.
 
 A task provides a resumable prompt stream per rollout worker, a held-out set, the
-reward function and the reference each prompt is checked against, a tokenizer, and
-optionally a workflow (`tasks.workflow`; None is single-turn) and supervised examples
-for the warm start. Built-in tasks are named in `tasks.registry.TASKS`; a user's own is
-named "module:attr" (a factory called with the `ExperimentConfig`), so it needs no edit
-of the library. `ListTask` builds one from lists of examples.
-"""
+reward function and the reference each prompt is checked against, a tokenizer
+(`Tokenizer`; `TextTokenizer` for prompts written as text), and optionally a workflow
+(`tasks.workflow`; None is single-turn) and supervised examples for the warm start.
+Built-in tasks are named in `tasks.registry.TASKS`; a user's own is named "module:attr"
+(a factory called with the `config.TaskConfig`), so it needs no edit of the library.
+`ListTask` builds one from lists of examples."""
 
 import hashlib
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Protocol, Union
 
 import numpy as np
@@ -22,13 +22,46 @@ RewardFnLike = Union[str, Callable[[Any, Any], float]]
 
 
 class Tokenizer(Protocol):
-  """Text to token ids and back; `decode` must accept any id a model may sample."""
+  """Text to token ids and back: what every task's tokenizer has.
+
+  Attributes:
+    vocab_size: ids lie in [0, vocab_size); `model.vocab_size` must be at least this
+      (checked before a run starts).
+    stop_ids: generation ends at the first of these it samples.
+
+  `encode(text)` gives the ids of `text` with no special tokens added. `decode(ids)`
+  gives the text up to (not including) the first stop id, without special tokens; it
+  must accept any id a model may sample, including ids of a larger model vocabulary
+  (rendered as U+FFFD, so that a verifier scores them as wrong instead of crashing).
+  """
   vocab_size: int
   stop_ids: tuple[int, ...]
 
   def encode(self, text: str) -> list[int]: ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class TextTokenizer(Tokenizer, Protocol):
+  """A tokenizer for prompts written as text or conversations.
+
+  Attributes:
+    pad_id: the padding id.
+    bos_id: the beginning-of-sequence id, or None for a model that uses none (Qwen).
+      Prompts get no BOS added: a chat template writes its own special tokens.
+    eos_id: the end of a reply: a warm-start target ends with it, and it is one of
+      `stop_ids`.
+
+  `render_chat(messages, add_generation_prompt=True, **kwargs)` gives the text of a
+  conversation (a list of {"role", "content"} messages) up to where the assistant's
+  reply begins; `kwargs` are extra variables of the chat template.
+  """
+  pad_id: int
+  bos_id: Optional[int]
+  eos_id: int
+
+  def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                  add_generation_prompt: bool = True, **kwargs) -> str: ...
 
 
 class Prompt(Protocol):

@@ -41,6 +41,8 @@ ADVANTAGE_LEVELS = ("group", "batch", None)
 UPDATE_MODES = ("retract", "keep", "drain")
 ON_STALE = ("drop", "mask_tokens", "admit")
 PLACEMENTS = ("in_process", "ray")
+# How a reward function is called (`rewards.adapters`): "auto" decides by its signature.
+REWARD_STYLES = ("auto", "single", "trl", "verl")
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
@@ -371,10 +373,26 @@ class StalenessConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS` or
-  "module:function" that replaces the task's own reward function (None: the task's);
-  `allow_weak_sandbox` lets code rewards run without bubblewrap (rewards/sandbox.py)."""
+  """Rewards and group handling.
+
+  Attributes:
+    reward_fn: replaces the task's own reward function (None: the task's): a name from
+      `rewards.REWARD_FNS` or "module:function", or several separated by commas, whose
+      rewards are summed with `reward_weights`.
+    reward_style: how each function is called (`REWARD_STYLES`, `rewards.adapters`):
+      "single" `fn(completion, reference) -> float`; "trl" TRL's batched
+      `fn(completions, **columns) -> list[float]`; "verl" verl's
+      `compute_score(data_source, solution_str, ground_truth, extra_info)`; "auto"
+      decides per function by its parameter names.
+    reward_weights: one weight per function of `reward_fn`; empty: all 1.
+    reward_timeout_s: hard limit on one reward call (all its functions).
+    reward_workers: reward worker processes.
+    dynamic_filter: drop groups whose rewards are all equal (no learning signal).
+    allow_weak_sandbox: lets code rewards run without bubblewrap (rewards/sandbox.py).
+  """
   reward_fn: Optional[str] = None
+  reward_style: str = "auto"
+  reward_weights: tuple[float, ...] = ()
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   dynamic_filter: bool = False
@@ -382,10 +400,21 @@ class RolloutConfig:
 
   def __post_init__(self):
     _check_finite("rollout", self)
+    object.__setattr__(self, "reward_weights", tuple(self.reward_weights))
     if self.reward_timeout_s <= 0:
       fail("rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
     if self.reward_workers < 1:
       fail("rollout.reward_workers", self.reward_workers, "must be >= 1")
+    _check_choice("rollout.reward_style", self.reward_style, REWARD_STYLES)
+    if self.reward_fn is not None and not all(n.strip() for n in self.reward_fn.split(",")):
+      fail("rollout.reward_fn", self.reward_fn, "must be names separated by commas")
+    if not all(math.isfinite(w) for w in self.reward_weights):
+      fail("rollout.reward_weights", self.reward_weights, "must be finite")
+    if self.reward_weights:
+      names = [] if self.reward_fn is None else self.reward_fn.split(",")
+      if len(names) != len(self.reward_weights):
+        fail("rollout.reward_weights", self.reward_weights,
+             f"must give one weight per function of rollout.reward_fn ({len(names)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,13 +458,20 @@ class CheckpointConfig:
 class EvalConfig:
   """Held-out evaluation: greedy accuracy, and pass@k with `pass_k` samples at T=1.
 
-  Runs every `every_steps` updates (0: only before and after training).
+  A completion is correct when its score is at least `correct_threshold`; its score
+  is `correct_fn`'s (a reward function's name, called as `rollout.reward_fn`'s are),
+  or, with None, the training reward's. So a reward on another scale, or one shaped
+  with partial credit, still gives a meaningful accuracy. Runs every `every_steps`
+  updates (0: only before and after training).
   """
   every_steps: int = 0
   num_prompts: int = 200
   pass_k: int = 4
+  correct_threshold: float = 1.0
+  correct_fn: Optional[str] = None
 
   def __post_init__(self):
+    _check_finite("eval", self)
     if self.every_steps < 0:
       fail("eval.every_steps", self.every_steps, "must be >= 0")
     if self.num_prompts < 1:

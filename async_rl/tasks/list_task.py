@@ -73,14 +73,15 @@ class ListTask:
     train: the training examples (at least one).
     heldout_examples: the held-out examples, never trained on.
     tokenizer: decodes completions for the reward; its `stop_ids` end generation.
-    reward_fn: `fn(completion_text, example.reference) -> float`, or its name.
+    reward_fn: `fn(completion_text, example.reference) -> float`, or its name (or
+      another style of `rewards.adapters`); None: `rollout.reward_fn` must name one.
     seed: seeds the training order (rollout worker i uses seed + 1000 i).
     workflow: None is single-turn.
   """
   train: Sequence[Example]
   heldout_examples: Sequence[Example]
   tokenizer: Tokenizer
-  reward_fn: RewardFnLike
+  reward_fn: Optional[RewardFnLike]
   seed: int = 0
   workflow: Optional[Workflow] = None
 

@@ -1,13 +1,15 @@
 """What a run needs from a task, as structural types: any object with these members is a task.
 
 A task provides a resumable prompt stream per rollout worker, a held-out set, the
-reward function and the reference each prompt is checked against, a tokenizer
-(`Tokenizer`; `TextTokenizer` for prompts written as text), and optionally a workflow
-(`tasks.workflow`; None is single-turn) and supervised examples for the warm start.
-Built-in tasks are named in `tasks.registry.TASKS`; a user's own is named "module:attr"
-(a factory called with the `config.TaskConfig`), so it needs no edit of the library.
-`ListTask` builds one from lists of examples."""
+reward function and the reference each prompt is checked against (a `Row` for one
+read from a data set), a tokenizer (`Tokenizer`; `TextTokenizer` for prompts written
+as text), and optionally a workflow (`tasks.workflow`; None is single-turn) and
+supervised examples for the warm start. Built-in tasks are named in
+`tasks.registry.TASKS`; a user's own is named "module:attr" (a factory called with the
+`config.TaskConfig`), so it needs no edit of the library. `ListTask` builds one from
+lists of examples."""
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Protocol, Union
@@ -16,9 +18,10 @@ import numpy as np
 
 from async_rl.trajectory import Trajectory
 
-# A reward function `fn(completion, reference) -> float`, or the name of one
-# (`rewards.registry`: a registered name or "module:function").
-RewardFnLike = Union[str, Callable[[Any, Any], float]]
+# A reward function or the name of one (`rewards.registry`: a registered name or
+# "module:function"), or a list of them whose rewards are summed; how each is called
+# (`fn(completion, reference) -> float`, TRL's or verl's) is `rewards.adapters`'.
+RewardFnLike = Union[str, Callable[..., Any], Sequence[Union[str, Callable[..., Any]]]]
 
 
 class Tokenizer(Protocol):
@@ -64,6 +67,24 @@ class TextTokenizer(Tokenizer, Protocol):
                   add_generation_prompt: bool = True, **kwargs) -> str: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """A data set row as the reference of its prompt, so that each style of reward
+  function (`rewards.adapters`) receives what it expects of it.
+
+  Attributes:
+    prompt: the prompt as the file holds it: a string, or a list of {"role",
+      "content"} messages (TRL's conversational format).
+    answer: what `fn(completion, reference)` receives as `reference`: the answer
+      column's value, or the columns below when there is no answer column.
+    columns: every column of the row but the prompt, as TRL passes them to a reward
+      function and verl reads `data_source`, `reward_model` and `extra_info`.
+  """
+  prompt: Union[str, list]
+  answer: Any
+  columns: Mapping[str, Any]
+
+
 class Prompt(Protocol):
   """A prompt as the generator sees it: `id` unique within a run, `tokens` its ids."""
   id: Hashable
@@ -85,8 +106,9 @@ class Task(Protocol):
 
   Attributes:
     tokenizer: encodes prompts, decodes completions for the reward, gives the stop ids.
-    reward_fn: the reward function or its name; `rollout.reward_fn`, when set,
-      replaces it.
+    reward_fn: the reward function or its name, or a list of them (summed); None for a
+      task that has none of its own, so `rollout.reward_fn` must name one.
+      `rollout.reward_fn`, when set, replaces it.
     workflow: turns one prompt group into trajectories (`tasks.workflow`); None is
       single-turn generation.
 
@@ -94,7 +116,7 @@ class Task(Protocol):
   an endless stream of `supervised` examples, which `sft.steps > 0` trains on.
   """
   tokenizer: Tokenizer
-  reward_fn: RewardFnLike
+  reward_fn: Optional[RewardFnLike]
   workflow: Optional[Any]
 
   def stream(self, state: Optional[dict] = None, *, worker_index: int = 0) -> PromptStream:

@@ -115,14 +115,17 @@ def resolve(cfg: ExperimentConfig) -> ExperimentConfig:
     model = ModelConfig(**{**fields, **{f: getattr(model, f)
                                         for f in config.HF_RUN_MODEL_FIELDS}})
   t = cfg.task
-  for name in ("train_path", "heldout_path"):
-    path = getattr(t.math, name)
-    if path is not None and not os.path.isfile(path):
-      raise ConfigError(f"task.math.{name} is not a file, got {path!r}")
   absolute = lambda path: None if path is None else os.path.abspath(path)
+  files = {}
+  for section in ("math", "data"):
+    for name in ("train_path", "heldout_path"):
+      path = getattr(getattr(t, section), name)
+      if path is not None and not os.path.isfile(path):
+        raise ConfigError(f"task.{section}.{name} is not a file, got {path!r}")
+      files.setdefault(section, {})[name] = absolute(path)
   task = dataclasses.replace(
-      t, math=dataclasses.replace(t.math, train_path=absolute(t.math.train_path),
-                                  heldout_path=absolute(t.math.heldout_path)),
+      t, math=dataclasses.replace(t.math, **files["math"]),
+      data=dataclasses.replace(t.data, **files["data"]),
       tokenizer_dir=absolute(t.tokenizer_dir or hf_dir),
       max_prompt_len=t.max_prompt_len or cfg.generation.max_prompt_len)
   try:

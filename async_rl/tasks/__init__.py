@@ -1,7 +1,8 @@
 """Tasks: what a run trains on (`protocol.Task`), chosen by name in `registry.TASKS` or
 "module:attr". Built in: arithmetic (single-turn, and with a calculator tool over
-several turns), code (programs run in the sandbox) and math (GSM8K/MATH files);
-`ListTask` holds a user's own examples. Workflows (`workflow`) turn a prompt group
+several turns), code (programs run in the sandbox), math (GSM8K/MATH files) and data
+(a user's own JSONL or Parquet rows, `data_task`); `ListTask` holds a user's own
+examples. Workflows (`workflow`) turn a prompt group
 into trajectories."""
 
 from async_rl.tasks.arithmetic import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, Problem, Prompt,

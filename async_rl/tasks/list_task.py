@@ -4,7 +4,8 @@
 fresh seeded order every epoch, each rollout worker its own order, and resumes each
 stream exactly from `{"seed", "epoch", "index"}`. Examples with a target (the
 reference completion) are what the warm start trains on. The README's user task
-builds one from a JSONL file.
+builds one from a JSONL file; the data task (`tasks.data_task`) builds one from JSONL
+or Parquet files named in the config.
 """
 
 import dataclasses

@@ -7,7 +7,7 @@ as text), and optionally a workflow (`tasks.workflow`; None is single-turn) and
 supervised examples for the warm start. Built-in tasks are named in
 `tasks.registry.TASKS`; a user's own is named "module:attr" (a factory called with the
 `config.TaskConfig`), so it needs no edit of the library. `ListTask` builds one from
-lists of examples."""
+lists of examples, and the data task (`tasks.data_task`) from JSONL or Parquet files."""
 
 import dataclasses
 import hashlib
@@ -46,7 +46,7 @@ class Tokenizer(Protocol):
 
 
 class TextTokenizer(Tokenizer, Protocol):
-  """A tokenizer for prompts written as text or conversations.
+  """A tokenizer for prompts written as text or conversations (the data task's).
 
   Attributes:
     pad_id: the padding id.

@@ -1,12 +1,15 @@
 """The data task: a user's JSONL or Parquet rows in TRL's and verl's formats, column
 names as options, chat templates, a warm start from the reference answers, errors that
-name the file and line, skipped long prompts."""
+name the file and line, skipped long prompts; and the TRL-style example trained from
+the command line."""
 
 import itertools
 import json
 import logging
 import os
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,9 @@ from async_rl.tasks import ByteTokenizer, ListTask, Row
 from async_rl.tasks.data_task import from_rows, load_rows, records
 from async_rl.tasks.registry import make_task
 
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = ("python -m launch.train --config=examples/trl_style/config.py "
+           "--workdir=$(mktemp -d)")
 BYTES = ByteTokenizer()
 TRAIN = [{"prompt": f"Add {a} and {b}.", "solution": str(a + b), "level": a % 3}
          for a, b in itertools.product(range(10, 16), range(20, 25))]
@@ -204,3 +210,19 @@ def test_the_builder_makes_data_paths_absolute_and_checks_them(tmp_path):
   assert cfg.task.data.train_path == path and cfg.task.max_prompt_len == 64
   with pytest.raises(ConfigError, match="task.data.heldout_path is not a file"):
     build.resolve(from_dict({"task": {"data": {"heldout_path": str(tmp_path / "none")}}}))
+
+
+def test_the_trl_style_example_trains_from_the_command_line(tmp_path):
+  assert COMMAND in (ROOT / "docs/tasks.md").read_text()
+  workdir = tmp_path / "run"
+  command = COMMAND.replace("$(mktemp -d)", str(workdir)) + " --config.num_steps=2"
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert re.search(r"^sft step 200/200 nll=", out.stdout, re.M), out.stdout[-2000:]
+  assert re.search(r"^eval v=2: accuracy=\d", out.stdout, re.M), out.stdout[-2000:]
+  steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  rewards = [s["rewards"] for s in steps if "rewards" in s]
+  assert len(rewards) == 2 and rewards[-1]["calls"] > 0
+  assert rewards[-1]["errors"] == rewards[-1]["timeouts"] == 0

@@ -41,6 +41,10 @@ ADVANTAGE_LEVELS = ("group", "batch", None)
 UPDATE_MODES = ("retract", "keep", "drain")
 ON_STALE = ("drop", "mask_tokens", "admit")
 PLACEMENTS = ("in_process", "ray")
+# How a reward function is called (`rewards.adapters`): "auto" decides by its signature.
+REWARD_STYLES = ("auto", "single", "trl", "verl")
+# The tokenizers of the data task: the model's own ("hf") or UTF-8 bytes ("bytes").
+DATA_TOKENIZERS = ("hf", "bytes")
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
@@ -371,10 +375,26 @@ class StalenessConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS` or
-  "module:function" that replaces the task's own reward function (None: the task's);
-  `allow_weak_sandbox` lets code rewards run without bubblewrap (rewards/sandbox.py)."""
+  """Rewards and group handling.
+
+  Attributes:
+    reward_fn: replaces the task's own reward function (None: the task's): a name from
+      `rewards.REWARD_FNS` or "module:function", or several separated by commas, whose
+      rewards are summed with `reward_weights`.
+    reward_style: how each function is called (`REWARD_STYLES`, `rewards.adapters`):
+      "single" `fn(completion, reference) -> float`; "trl" TRL's batched
+      `fn(completions, **columns) -> list[float]`; "verl" verl's
+      `compute_score(data_source, solution_str, ground_truth, extra_info)`; "auto"
+      decides per function by its parameter names.
+    reward_weights: one weight per function of `reward_fn`; empty: all 1.
+    reward_timeout_s: hard limit on one reward call (all its functions).
+    reward_workers: reward worker processes.
+    dynamic_filter: drop groups whose rewards are all equal (no learning signal).
+    allow_weak_sandbox: lets code rewards run without bubblewrap (rewards/sandbox.py).
+  """
   reward_fn: Optional[str] = None
+  reward_style: str = "auto"
+  reward_weights: tuple[float, ...] = ()
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   dynamic_filter: bool = False
@@ -382,10 +402,21 @@ class RolloutConfig:
 
   def __post_init__(self):
     _check_finite("rollout", self)
+    object.__setattr__(self, "reward_weights", tuple(self.reward_weights))
     if self.reward_timeout_s <= 0:
       fail("rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
     if self.reward_workers < 1:
       fail("rollout.reward_workers", self.reward_workers, "must be >= 1")
+    _check_choice("rollout.reward_style", self.reward_style, REWARD_STYLES)
+    if self.reward_fn is not None and not all(n.strip() for n in self.reward_fn.split(",")):
+      fail("rollout.reward_fn", self.reward_fn, "must be names separated by commas")
+    if not all(math.isfinite(w) for w in self.reward_weights):
+      fail("rollout.reward_weights", self.reward_weights, "must be finite")
+    if self.reward_weights:
+      names = [] if self.reward_fn is None else self.reward_fn.split(",")
+      if len(names) != len(self.reward_weights):
+        fail("rollout.reward_weights", self.reward_weights,
+             f"must give one weight per function of rollout.reward_fn ({len(names)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,13 +460,20 @@ class CheckpointConfig:
 class EvalConfig:
   """Held-out evaluation: greedy accuracy, and pass@k with `pass_k` samples at T=1.
 
-  Runs every `every_steps` updates (0: only before and after training).
+  A completion is correct when its score is at least `correct_threshold`; its score
+  is `correct_fn`'s (a reward function's name, called as `rollout.reward_fn`'s are),
+  or, with None, the training reward's. So a reward on another scale, or one shaped
+  with partial credit, still gives a meaningful accuracy. Runs every `every_steps`
+  updates (0: only before and after training).
   """
   every_steps: int = 0
   num_prompts: int = 200
   pass_k: int = 4
+  correct_threshold: float = 1.0
+  correct_fn: Optional[str] = None
 
   def __post_init__(self):
+    _check_finite("eval", self)
     if self.every_steps < 0:
       fail("eval.every_steps", self.every_steps, "must be >= 0")
     if self.num_prompts < 1:
@@ -571,6 +609,62 @@ class CodeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """The data task (`task.name="data"`, `tasks.data_task`): prompts, and what they are
+  checked against, from JSONL or Parquet files in the formats TRL and verl read.
+
+  Attributes:
+    train_path: the training rows: a `.jsonl` (or `.json`, one object per line) or
+      `.parquet` file.
+    heldout_path: the held-out rows, same formats; None holds out a hashed
+      `heldout_fraction` of the training file's prompts instead.
+    heldout_fraction: the held-out share of the training file without `heldout_path`.
+    prompt_key: the prompt column: a string, or a conversation (a list of
+      {"role", "content"} messages) that the tokenizer's chat template renders.
+    answer_key: the reference column: what `fn(completion, reference)` receives (None:
+      the row's columns other than the prompt, as a dict) and, without
+      `completion_key`, the warm start's target.
+    completion_key: the warm start's target column (TRL's "completion"); None:
+      `answer_key`. A warm start (`sft.steps > 0`) needs one of the two.
+    tokenizer: "hf" (the tokenizer of `task.tokenizer_dir`, default `hf_model_dir`) or
+      "bytes" (UTF-8 bytes, `tasks.tokenizer.ByteTokenizer`, 259 ids).
+    chat_template_kwargs: extra variables of the chat template (for example
+      {"enable_thinking": False} for Qwen3), as plain data.
+    seed: seeds the training order (rollout worker i uses seed + 1000 i).
+
+  The builder checks that the paths are files and makes them absolute.
+  """
+  train_path: Optional[str] = None
+  heldout_path: Optional[str] = None
+  heldout_fraction: float = 0.1
+  prompt_key: str = "prompt"
+  answer_key: Optional[str] = None
+  completion_key: Optional[str] = None
+  tokenizer: str = "hf"
+  chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  seed: int = 0
+
+  def __post_init__(self):
+    _check_finite("task.data", self)
+    if not 0 < self.heldout_fraction < 1:
+      fail("task.data.heldout_fraction", self.heldout_fraction, "must lie in (0, 1)")
+    for name in ("prompt_key", "answer_key", "completion_key"):
+      if getattr(self, name) == "":
+        fail(f"task.data.{name}", "", "must name a column")
+    if self.prompt_key in (self.answer_key, self.completion_key):
+      fail("task.data.prompt_key", self.prompt_key,
+           "must differ from task.data.answer_key and task.data.completion_key")
+    _check_choice("task.data.tokenizer", self.tokenizer, DATA_TOKENIZERS)
+    try:
+      json.dumps(self.chat_template_kwargs, allow_nan=False)
+    except (TypeError, ValueError) as e:
+      fail("task.data.chat_template_kwargs", self.chat_template_kwargs,
+           f"must hold plain data ({e})")
+    if self.seed < 0:
+      fail("task.data.seed", self.seed, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """What the run learns: a built-in task by name, or a user's.
 
@@ -578,11 +672,12 @@ class TaskConfig:
     name: a key of `tasks.registry.TASKS` — "arithmetic" (`arithmetic`, the character
       tokenizer), "arithmetic_tool" (the same problems with a calculator tool over
       several turns), "code" (`code`, small programs run in the sandbox), "math"
-      (`math`, GSM8K/MATH JSONL files, the tokenizer of `hf_model_dir`) — or
-      "module:attr" naming a user's task factory, called with this section.
+      (`math`, GSM8K/MATH JSONL files, the tokenizer of `hf_model_dir`), "data" (`data`,
+      a user's own JSONL or Parquet rows) — or "module:attr" naming a user's task
+      factory, called with this section.
     options: a user task's own options (plain data: strings, numbers, bools, None,
       lists and mappings, as config.json holds them); the factory checks them.
-    arithmetic, math, code: the built-in tasks' sections.
+    arithmetic, math, code, data: the built-in tasks' sections.
     tokenizer_dir: a Hugging Face directory with tokenizer files, for tasks that use
       one; None: `hf_model_dir` (the builder fills it in).
     max_prompt_len: a task drops prompts longer than this (and says how many); None:
@@ -598,6 +693,7 @@ class TaskConfig:
   arithmetic: ArithmeticConfig = ArithmeticConfig()
   math: MathConfig = MathConfig()
   code: CodeConfig = CodeConfig()
+  data: DataConfig = DataConfig()
   tokenizer_dir: Optional[str] = None
   max_prompt_len: Optional[int] = None
   max_turns: Optional[int] = None

@@ -73,6 +73,20 @@ def test_conversion_types_and_defaults():
     ({"num_steps": True}, "num_steps"),
     ({"task": {"max_turns": 0}}, "task.max_turns"),
     ({"task": {"options": {"path": {1, 2}}}}, "task.options"),
+    ({"rollout": {"reward_style": "openrlhf"}}, "rollout.reward_style must be one of"),
+    ({"rollout": {"reward_fn": "a:f,b:g", "reward_weights": [1.0]}},
+     "rollout.reward_weights must give one weight per function of rollout.reward_fn"),
+    ({"rollout": {"reward_weights": [1.0]}}, "rollout.reward_weights must give one weight"),
+    ({"rollout": {"reward_fn": "a:f", "reward_weights": [float("nan")]}},
+     "rollout.reward_weights must be finite"),
+    ({"rollout": {"reward_fn": "a:f,,b:g"}}, "rollout.reward_fn must be names separated"),
+    ({"eval": {"correct_threshold": float("nan")}}, "eval.correct_threshold must be finite"),
+    ({"task": {"data": {"tokenizer": "sentencepiece"}}}, "task.data.tokenizer must be one of"),
+    ({"task": {"data": {"answer_key": "prompt"}}}, "task.data.prompt_key must differ"),
+    ({"task": {"data": {"completion_key": ""}}}, "task.data.completion_key must name a column"),
+    ({"task": {"data": {"heldout_fraction": 1.0}}}, "task.data.heldout_fraction"),
+    ({"task": {"data": {"chat_template_kwargs": {"x": float("inf")}}}},
+     "task.data.chat_template_kwargs must hold plain data"),
 ])
 def test_invalid_values_name_the_field(values, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -87,6 +101,16 @@ def test_task_options_are_free_form_plain_data_and_round_trip():
   assert cfg.task.options == options
   assert config_lib.to_dict(cfg)["task"]["options"] == options
   assert from_dict({}).task.options == {} and from_dict({}).rollout.reward_fn is None
+
+
+def test_reward_lists_and_chat_template_variables_convert():
+  cd = config_lib.config_dict()
+  cd.rollout.update(reward_fn="a:f,b:g", reward_weights=(1, 0.5), reward_style="trl")
+  cd.task.data.chat_template_kwargs = {"enable_thinking": False}
+  cfg = from_dict(cd)
+  assert cfg.rollout.reward_weights == (1.0, 0.5) and cfg.rollout.reward_style == "trl"
+  assert cfg.task.data.chat_template_kwargs == {"enable_thinking": False}
+  assert (cfg.eval.correct_threshold, cfg.eval.correct_fn) == (1.0, None)
 
 
 def test_mesh_axes_must_multiply_to_device_count():

@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 
 from async_rl import config as config_lib  # noqa: E402
 from async_rl.config import DEFAULT_MATH_SYSTEM, MathConfig, ModelConfig, from_dict  # noqa: E402
-from async_rl.models.hf_tokenizer import chat_prompt  # noqa: E402
+from async_rl.chat import chat_messages, chatml  # noqa: E402
 from async_rl.rl import build  # noqa: E402
 from async_rl.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from async_rl.tasks.math_task import MathTask  # noqa: E402
@@ -62,7 +62,8 @@ def test_make_task_by_name(files):
   assert isinstance(arithmetic, ArithmeticTask) and arithmetic.tokenizer.stop_ids == (2,)
   cfg = _cfg(files)
   task = make_task(cfg.task)
-  assert isinstance(task, MathTask) and build.reward_fn(cfg, task) == "math"
+  assert isinstance(task, MathTask)
+  assert [(t.name, t.style) for t in build.reward_fn(cfg, task).terms] == [("math", "single")]
   object.__setattr__(cfg.task, "name", "poetry")  # past validation, to reach the factory
   with pytest.raises(ValueError, match="task.name must be one of .* got 'poetry'"):
     make_task(cfg.task)
@@ -86,11 +87,12 @@ def test_stop_ids_decode_and_reference(files):
 def test_prompts_use_the_chat_template_or_the_plain_template(files):
   question = MATH_HELDOUT[0]["question"]
   chat = make_task(_cfg(files).task).heldout(1)[0]
-  assert chat.tokens == tuple(files["tok"].encode(chat_prompt(question, DEFAULT_MATH_SYSTEM)).ids)
+  assert chat.tokens == tuple(files["tok"].encode(
+      chatml(chat_messages(question, DEFAULT_MATH_SYSTEM))).ids)
   plain = make_task(_cfg(files, chat=False, template="what is {question}").task).heldout(1)[0]
   assert plain.tokens == tuple(files["tok"].encode(f"what is {question}").ids)
   no_system = make_task(_cfg(files, system="").task).heldout(1)[0]
-  assert no_system.tokens == tuple(files["tok"].encode(chat_prompt(question, None)).ids)
+  assert no_system.tokens == tuple(files["tok"].encode(chatml(chat_messages(question))).ids)
 
 
 def test_stream_resumes_exactly_per_worker(files):

@@ -1,4 +1,5 @@
-"""Arithmetic tasks: tokenizer, verifier, length distribution, splits, resumable stream."""
+"""Arithmetic tasks: tokenizer, verifier, length distribution, splits, resumable stream;
+and the byte tokenizer of a user's data."""
 
 import itertools
 import json
@@ -13,7 +14,7 @@ from async_rl.tasks import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, CharTokenize
 from async_rl.config import ArithmeticConfig
 from async_rl.tasks import arithmetic
 from async_rl.tasks.arithmetic import Problem, answer_correct, step_credit
-from async_rl.tasks.tokenizer import CHARS
+from async_rl.tasks.tokenizer import CHARS, ByteTokenizer
 
 TOK = CharTokenizer()
 
@@ -48,6 +49,31 @@ def test_tokenizer_errors_name_the_culprit():
   with pytest.raises(ValueError, match=r"token id -1 at position 0"):
     TOK.decode([-1], strict=True)
   assert TOK.decode([3, 40, TOK.eos_id, 50]) == "0\ufffd", "model samples decode leniently"
+
+
+def test_byte_tokenizer_encodes_any_text_and_decodes_any_id():
+  tok = ByteTokenizer()
+  assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id, tok.stop_ids) == (
+      259, 256, 257, 258, (258,))
+  text = "Wie viel ist 2+2? Ça fait 四.\n"
+  ids = tok.encode(text)
+  assert ids == list(text.encode("utf-8")) and all(0 <= i < 256 for i in ids)
+  assert tok.decode([tok.bos_id, *ids, tok.pad_id, tok.eos_id, *tok.encode("x")]) == text
+  assert tok.decode(np.asarray(ids, np.int32)) == text
+  # A larger model vocabulary, a truncated character and a stray continuation byte.
+  assert tok.decode([*tok.encode("a"), 300, *tok.encode("b")]) == "a\ufffdb"
+  assert tok.decode(tok.encode("四")[:2] + tok.encode("!")) == "\ufffd!"
+  assert tok.decode([0x80, *tok.encode("ok")]) == "\ufffdok"
+
+
+def test_byte_tokenizer_renders_conversations_as_chatml():
+  tok = ByteTokenizer()
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+  assert tok.render_chat(messages) == ("<|im_start|>system\nbe brief<|im_end|>\n"
+                                       "<|im_start|>user\n2+2?<|im_end|>\n"
+                                       "<|im_start|>assistant\n")
+  with pytest.raises(ValueError, match="enable_thinking"):
+    tok.render_chat(messages, enable_thinking=False)
 
 
 P = Problem(prompt="7+2-5+3=", answer="7", num_terms=4,

@@ -46,6 +46,20 @@ def test_list_streams_visit_every_example_each_epoch_and_resume():
                                                                 ("heldout/11", "11")]
 
 
+def test_examples_with_targets_are_the_warm_starts_and_no_target_is_an_error():
+  train = [Example(i, (1, *TOK.encode(f"{i}=")), str(i), (*TOK.encode(str(i)), TOK.eos_id)
+                   if i % 2 else None) for i in range(6)]
+  task = ListTask(train, _examples(1, start=10), TOK, "arithmetic")
+  sequences = list(itertools.islice(task.sft_examples(), 6))
+  texts = sorted(TOK.decode(s.tokens_T[s.prompt_len:]) for s in sequences)
+  assert texts == ["1", "1", "3", "3", "5", "5"]  # every odd one, once per epoch
+  for s in sequences:
+    assert s.tokens_T[-1] == TOK.eos_id and s.loss_mask_T[s.prompt_len:].all()
+    assert not s.loss_mask_T[:s.prompt_len].any()
+  with pytest.raises(ValueError, match="warm start .* none of the 5 has one"):
+    ListTask(_examples(5), _examples(1, start=10), TOK, "arithmetic").sft_examples()
+
+
 def test_a_training_prompt_may_not_be_held_out():
   with pytest.raises(ValueError, match="2 training examples have the prompt of a held-out"):
     ListTask(_examples(5), _examples(2, start=3), TOK, "arithmetic")

@@ -1,4 +1,4 @@
-"""A Hugging Face model's own tokenizer, read from its directory, and the Qwen chat template.
+"""A Hugging Face model's own tokenizer and chat template, read from its directory.
 
 Reads `tokenizer.json` with the `tokenizers` library (the `hf` extra); nothing is
 fetched from the hub. The special ids come from the directory's JSON files, the first
@@ -8,33 +8,28 @@ that names each one winning:
              config.json `eos_token_id`, then tokenizer_config.json `eos_token`.
   pad_id     generation_config.json, config.json `pad_token_id`, then
              tokenizer_config.json `pad_token`; else `eos_id`.
+  bos_id     tokenizer_config.json `bos_token`; None when it names none (Qwen).
   stop_ids   every id of generation_config.json's `eos_token_id`, `eos_id`, and
              `<|im_end|>` and `<|endoftext|>` where the vocabulary has them, so a Qwen
              chat model stops at the end of its turn whichever it emits.
+
+A conversation is rendered with the model's own chat template, as transformers'
+`apply_chat_template` renders it: the Jinja template of `chat_template.jinja`,
+`chat_template.json` or tokenizer_config.json's `chat_template` (the first present;
+of a list of named templates, "default"), in a sandboxed environment with the
+messages, `add_generation_prompt`, the special tokens' text (`bos_token`,
+`eos_token`, ...) and any extra variables. A directory with no template gets ChatML
+(`chat.chatml`).
 """
 
 import json
 import os
-from collections.abc import Iterable
-from typing import Optional
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
 
-IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+from async_rl.chat import END_OF_TEXT, IM_END, chat_messages, chatml, compile_chat_template
 
-
-def chat_prompt(question: str, system: Optional[str] = None) -> str:
-  """The Qwen chat template for one user turn, ending where the assistant begins.
-
-  `<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{question}<|im_end|>\\n
-  <|im_start|>assistant\\n`, without the system turn when `system` is None. This is
-  what Qwen2.5's Jinja template renders for a system and a user message with
-  `add_generation_prompt=True` and no tools. `system=None` omits the system turn, as
-  Qwen3's template does (Qwen2.5's inserts its own default system prompt instead).
-  Other templates are not implemented.
-  """
-  turns = [] if system is None else [("system", system)]
-  turns.append(("user", question))
-  return "".join(f"{IM_START}{role}\n{text}{IM_END}\n" for role, text in turns) + \
-      f"{IM_START}assistant\n"
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def _read_json(model_dir: str, name: str) -> dict:
@@ -45,6 +40,18 @@ def _read_json(model_dir: str, name: str) -> dict:
     return json.load(f)
 
 
+def _read_chat_template(model_dir: str, tok_config: dict) -> Optional[str]:
+  path = os.path.join(model_dir, "chat_template.jinja")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  template = (_read_json(model_dir, "chat_template.json").get("chat_template")
+              or tok_config.get("chat_template"))
+  if isinstance(template, list):  # Named templates: [{"name": ..., "template": ...}].
+    template = {t.get("name"): t.get("template") for t in template}.get("default")
+  return template or None
+
+
 def _as_list(ids) -> list[int]:
   if ids is None:
     return []
@@ -52,7 +59,8 @@ def _as_list(ids) -> list[int]:
 
 
 class HFTokenizer:
-  """encode/decode and the special ids of the tokenizer in a model directory."""
+  """encode/decode, the special ids and the chat template of a model directory's
+  tokenizer (`tasks.protocol.TextTokenizer`)."""
 
   def __init__(self, model_dir: str):
     from tokenizers import Tokenizer  # the `hf` extra, imported where it is needed
@@ -77,6 +85,20 @@ class HFTokenizer:
     if not pad and (token := self._token_text(tok_config.get("pad_token"))):
       pad = [self._id_of(token, "tokenizer_config.json pad_token")]
     self.pad_id = pad[0] if pad else self.eos_id
+    bos = self._token_text(tok_config.get("bos_token"))
+    self.bos_id = None if bos is None else self._id_of(bos, "tokenizer_config.json bos_token")
+
+    self.chat_template = _read_chat_template(model_dir, tok_config)
+    self._template = None
+    if self.chat_template is not None:
+      import jinja2  # noqa: PLC0415 (with the template)
+      try:
+        self._template = compile_chat_template(self.chat_template)
+      except jinja2.TemplateError as e:
+        raise ValueError(f"{model_dir}: the chat template does not parse: {e}") from None
+    self._template_tokens = {name: text for name in _SPECIAL_TOKENS
+                             if (text := self._token_text(tok_config.get(name)))}
+    self._template_tokens.setdefault("eos_token", self._tok.id_to_token(self.eos_id))
 
     stops = eos + [i for i in (self._tok.token_to_id(t) for t in (IM_END, END_OF_TEXT))
                    if i is not None]
@@ -110,6 +132,27 @@ class HFTokenizer:
       kept.append(int(token))
     return self._tok.decode(kept, skip_special_tokens=skip_special_tokens)
 
-  def encode_chat(self, question: str, system: Optional[str] = None) -> list[int]:
-    """The ids of `chat_prompt(question, system)`."""
-    return self.encode(chat_prompt(question, system))
+  def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                  add_generation_prompt: bool = True, **kwargs) -> str:
+    """The text of `messages` in the model's chat template (ChatML without one), up to
+    where the assistant's reply begins when `add_generation_prompt`; `kwargs` are
+    extra template variables (Qwen3's `enable_thinking`).
+
+    Raises:
+      ValueError: the template rejects the conversation (its `raise_exception`).
+    """
+    if self._template is None:
+      return chatml(messages, add_generation_prompt)
+    import jinja2  # noqa: PLC0415 (with the template)
+    try:
+      return self._template.render(
+          **self._template_tokens, **kwargs, messages=[dict(m) for m in messages],
+          tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as e:
+      raise ValueError(f"the model's chat template cannot render the conversation: "
+                       f"{type(e).__name__}: {e}") from None
+
+  def encode_chat(self, question: str, system: Optional[str] = None, **kwargs) -> list[int]:
+    """The ids of one user turn (after a system turn unless `system` is None) in the
+    chat template, ending where the assistant begins."""
+    return self.encode(self.render_chat(chat_messages(question, system), **kwargs))

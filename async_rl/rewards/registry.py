@@ -1,4 +1,5 @@
-"""Reward functions by name: each is `fn(completion, reference) -> float`.
+"""Reward functions by name: each is `fn(completion, reference) -> float`, or TRL's or
+verl's form (`rewards.adapters` calls each in its style).
 
 `completion` is the generated text (or token ids, for a function that wants them)
 and `reference` whatever the task checks it against. Functions run in the reward
@@ -29,11 +30,11 @@ REWARD_FNS: dict[str, RewardFn] = {
 }
 
 
-def resolve_reward_fn(name: str | RewardFn) -> RewardFn:
+def resolve_reward_fn(name: str | RewardFn, field: str = "reward_fn") -> RewardFn:
   """The reward function called `name` (a function is itself); raises ValueError for
-  an unknown name."""
+  an unknown name, naming the config `field` it came from."""
   if callable(name):
     return name
   if not isinstance(name, str):
-    raise ValueError(f"a reward function must be a name or a callable, got {name!r}")
-  return named.lookup(REWARD_FNS, name, "reward_fn", "reward function")
+    raise ValueError(f"{field}: a reward function must be a name or a callable, got {name!r}")
+  return named.lookup(REWARD_FNS, name, field, "reward function")

@@ -32,7 +32,7 @@ from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.param_server import ParameterServer
-from async_rl.rewards import RewardService
+from async_rl.rewards import Reward, RewardService
 from async_rl.rl import multihost
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
@@ -122,14 +122,17 @@ def resolve(cfg: ExperimentConfig) -> ExperimentConfig:
     model = ModelConfig(**{**fields, **{f: getattr(model, f)
                                         for f in config.HF_RUN_MODEL_FIELDS}})
   t = cfg.task
-  for name in ("train_path", "heldout_path"):
-    path = getattr(t.math, name)
-    if path is not None and not os.path.isfile(path):
-      raise ConfigError(f"task.math.{name} is not a file, got {path!r}")
   absolute = lambda path: None if path is None else os.path.abspath(path)
+  files = {}
+  for section in ("math", "data"):
+    for name in ("train_path", "heldout_path"):
+      path = getattr(getattr(t, section), name)
+      if path is not None and not os.path.isfile(path):
+        raise ConfigError(f"task.{section}.{name} is not a file, got {path!r}")
+      files.setdefault(section, {})[name] = absolute(path)
   task = dataclasses.replace(
-      t, math=dataclasses.replace(t.math, train_path=absolute(t.math.train_path),
-                                  heldout_path=absolute(t.math.heldout_path)),
+      t, math=dataclasses.replace(t.math, **files["math"]),
+      data=dataclasses.replace(t.data, **files["data"]),
       tokenizer_dir=absolute(t.tokenizer_dir or hf_dir),
       max_prompt_len=t.max_prompt_len or cfg.generation.max_prompt_len)
   try:
@@ -153,8 +156,8 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def preflight(cfg: ExperimentConfig, task):
-  """`check` for a run on `task` (built from `cfg.task`, or given), and that the task
-  fits the model; returns `task`.
+  """`check` for a run on `task` (built from `cfg.task`, or given), that the task
+  fits the model, and that its reward functions load; returns `task`.
 
   Raises:
     ConfigError: naming the field whose value a part rejects.
@@ -163,6 +166,8 @@ def preflight(cfg: ExperimentConfig, task):
     _check_objective(cfg)
     if cfg.task.name in TASKS:
       TASKS[cfg.task.name].check(cfg)
+    reward_fn(cfg, task)
+    correct_fn(cfg, task)
   if task.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size must hold the task's tokenizer "
                       f"({task.tokenizer.vocab_size} ids), got {cfg.model.vocab_size}")
@@ -312,9 +317,28 @@ def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None
   return None
 
 
-def reward_fn(cfg: ExperimentConfig, task):
-  """`rollout.reward_fn` when set, else the task's own reward function."""
-  return cfg.rollout.reward_fn or task.reward_fn
+def reward_fn(cfg: ExperimentConfig, task) -> Reward:
+  """The reward: `rollout.reward_fn` when set, else the task's own reward function,
+  each function called in its style (`rollout.reward_style`) with its weight
+  (`rollout.reward_weights`).
+
+  Raises:
+    ValueError: neither names a reward function, or one does not load.
+  """
+  r = cfg.rollout
+  if r.reward_fn is None and task.reward_fn is None:
+    raise ValueError(f"rollout.reward_fn must name a reward function: the task "
+                     f"{cfg.task.name!r} has none of its own, got None")
+  return Reward(r.reward_fn or task.reward_fn, style=r.reward_style, weights=r.reward_weights,
+                field="rollout.reward_fn")
+
+
+def correct_fn(cfg: ExperimentConfig, task) -> Reward:
+  """What the evaluation scores correctness with: `eval.correct_fn` when set (its
+  style decided by its signature), else the training reward (`reward_fn`)."""
+  if cfg.eval.correct_fn is None:
+    return reward_fn(cfg, task)
+  return Reward(cfg.eval.correct_fn, field="eval.correct_fn")
 
 
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
@@ -356,7 +380,7 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
       make_pool(engines or [make_engine(cfg)], params, version=trainer.version),
       RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
                     allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
-      task, cfg.eval, reward_fn=reward_fn(cfg, task),
+      task, cfg.eval, reward_fn=correct_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
       vocab_size=cfg.model.vocab_size, wait=deadlines.result)
   return TrainLoop(trainer, server, evaluator, checkpointer, MetricsLog(workdir), deadlines,

@@ -16,15 +16,16 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
              score: Callable[[Sequence[tuple[object, str]]], Sequence[float]],
              decode: Callable, max_new_tokens: int, stop_token_ids: Sequence[int],
              pass_k: int, seed: int = 0, workflow=None,
-             vocab_size: Optional[int] = None,
+             vocab_size: Optional[int] = None, correct_threshold: float = 1.0,
              wait: Callable[[Future], Any] = Future.result) -> dict[str, float]:
   """Greedy accuracy, pass@k (k samples at temperature 1) and mean completion length.
 
-  `score([(prompt, completion_text), ...])` returns each completion's reward (the run
-  scores through its reward service, so a failing reward counts 0). A completion is
-  correct when its reward is at least 1.0, so partial credit from a shaped reward
-  (`step_credit`) never counts. Uses the pool's current weights; requests are tagged
-  `eval/...` so they never mix with training requests. Each prompt's samples come
+  `score([(prompt, completion_text), ...])` returns each completion's score (the run
+  scores through its reward service, so a failing call counts 0). A completion is
+  correct when its score is at least `correct_threshold` (`eval.correct_threshold`),
+  so with the default 1.0 partial credit from a shaped reward (`step_credit`) never
+  counts. Uses the pool's current weights; requests are tagged `eval/...` so they
+  never mix with training requests. Each prompt's samples come
   from the task's `workflow` (None: single-turn), so a completion is a whole episode.
   `wait(future)` returns a request's samples (the run waits with its deadlines).
   """
@@ -43,9 +44,11 @@ def evaluate(pool: GeneratorPool, prompts: Sequence, *,
   finally:
     runner.close()
   correct = np.greater_equal(
-      score([(p, decode(s.completion_C)) for p, s in zip(prompts, greedy_samples)]), 1.0)
+      score([(p, decode(s.completion_C)) for p, s in zip(prompts, greedy_samples)]),
+      correct_threshold)
   sampled = [(p, decode(x.completion_C)) for p, xs in zip(prompts, sampled_samples) for x in xs]
-  passed = np.reshape(np.greater_equal(score(sampled), 1.0), (len(prompts), pass_k)).max(axis=1)
+  passed = np.reshape(np.greater_equal(score(sampled), correct_threshold),
+                      (len(prompts), pass_k)).max(axis=1)
   lengths = [len(s.completion_C) for s in greedy_samples]
   return {"accuracy": float(np.mean(correct)), f"pass_at_{pass_k}": float(np.mean(passed)),
           "completion_len": float(np.mean(lengths))}
@@ -59,8 +62,9 @@ class Evaluator:
     pool: the held-out `GeneratorPool` (its engine may be the rollout worker's).
     rewards: a `RewardService` that scores the completions.
     task: the task (its held-out prompts, reference, tokenizer and workflow).
-    cfg: how many prompts, and k of pass@k.
-    reward_fn: the reward function (or its name) scoring a completion.
+    cfg: how many prompts, k of pass@k, and the score a correct completion reaches.
+    reward_fn: the function (or its name) scoring a completion's correctness (the
+      builder's `correct_fn`).
     max_new_tokens: the generation budget of a completion.
     seed: the sampling seed.
     vocab_size: the model's vocabulary (a workflow's tokens must lie in it).
@@ -99,6 +103,7 @@ class Evaluator:
         max_new_tokens=self._max_new_tokens, stop_token_ids=task.tokenizer.stop_ids,
         pass_k=self.cfg.pass_k if pass_k is None else pass_k, seed=self._seed,
         workflow=task.workflow, vocab_size=self._vocab_size,
+        correct_threshold=self.cfg.correct_threshold,
         wait=lambda f: self._wait(f, "held-out generation"))
 
   def close(self) -> None:

@@ -2,18 +2,21 @@
 
 `ListTask(train, heldout, tokenizer, reward_fn)` serves the training examples in a
 fresh seeded order every epoch, each rollout worker its own order, and resumes each
-stream exactly from `{"seed", "epoch", "index"}`. The README's user task builds one
-from a JSONL file.
+stream exactly from `{"seed", "epoch", "index"}`. Examples with a target (the
+reference completion) are what the warm start trains on. The README's user task
+builds one from a JSONL file; the data task (`tasks.data_task`) builds one from JSONL
+or Parquet files named in the config.
 """
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Optional
 
 import numpy as np
 
-from async_rl.tasks.protocol import RewardFnLike, Tokenizer
+from async_rl.tasks.protocol import RewardFnLike, Tokenizer, supervised
 from async_rl.tasks.workflow import Workflow
+from async_rl.trajectory import Trajectory
 
 _WORKER_SEED_STRIDE = 1000
 
@@ -26,10 +29,13 @@ class Example:
     id: unique within its list.
     tokens: the prompt's token ids (with BOS if the model expects one).
     reference: what the reward function receives as its second argument.
+    target: the ids of a reference completion (ending with the tokenizer's EOS), for
+      the warm start; None: the example is not trained on there.
   """
   id: Hashable
   tokens: tuple[int, ...]
   reference: Any
+  target: Optional[tuple[int, ...]] = None
 
 
 class ListStream:
@@ -68,14 +74,15 @@ class ListTask:
     train: the training examples (at least one).
     heldout_examples: the held-out examples, never trained on.
     tokenizer: decodes completions for the reward; its `stop_ids` end generation.
-    reward_fn: `fn(completion_text, example.reference) -> float`, or its name.
+    reward_fn: `fn(completion_text, example.reference) -> float`, or its name (or
+      another style of `rewards.adapters`); None: `rollout.reward_fn` must name one.
     seed: seeds the training order (rollout worker i uses seed + 1000 i).
     workflow: None is single-turn.
   """
   train: Sequence[Example]
   heldout_examples: Sequence[Example]
   tokenizer: Tokenizer
-  reward_fn: RewardFnLike
+  reward_fn: Optional[RewardFnLike]
   seed: int = 0
   workflow: Optional[Workflow] = None
 
@@ -102,3 +109,17 @@ class ListTask:
 
   def heldout(self, n: int) -> list[Example]:
     return [dataclasses.replace(e, id=f"heldout/{e.id}") for e in self.heldout_examples[:n]]
+
+  def sft_examples(self) -> Iterator[Trajectory]:
+    """The training examples that have a target, as `supervised` prompt + target
+    sequences, endlessly, in a fresh seeded order every epoch.
+
+    Raises:
+      ValueError: no training example has a target.
+    """
+    examples = [e for e in self.train if e.target is not None]
+    if not examples:
+      raise ValueError("the warm start (sft.steps > 0) needs training examples with a "
+                       "target (the reference completion's ids); none of the "
+                       f"{len(self.train)} has one")
+    return (supervised(e.tokens, e.target) for e in ListStream(examples, self.seed))

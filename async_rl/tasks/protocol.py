@@ -1,34 +1,88 @@
 """What a run needs from a task, as structural types: any object with these members is a task.
 
 A task provides a resumable prompt stream per rollout worker, a held-out set, the
-reward function and the reference each prompt is checked against, a tokenizer, and
-optionally a workflow (`tasks.workflow`; None is single-turn) and supervised examples
-for the warm start. Built-in tasks are named in `tasks.registry.TASKS`; a user's own is
-named "module:attr" (a factory called with the `ExperimentConfig`), so it needs no edit
-of the library. `ListTask` builds one from lists of examples.
-"""
+reward function and the reference each prompt is checked against (a `Row` for one
+read from a data set), a tokenizer (`Tokenizer`; `TextTokenizer` for prompts written
+as text), and optionally a workflow (`tasks.workflow`; None is single-turn) and
+supervised examples for the warm start. Built-in tasks are named in
+`tasks.registry.TASKS`; a user's own is named "module:attr" (a factory called with the
+`config.TaskConfig`), so it needs no edit of the library. `ListTask` builds one from
+lists of examples, and the data task (`tasks.data_task`) from JSONL or Parquet files."""
 
+import dataclasses
 import hashlib
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Protocol, Union
 
 import numpy as np
 
 from async_rl.trajectory import Trajectory
 
-# A reward function `fn(completion, reference) -> float`, or the name of one
-# (`rewards.registry`: a registered name or "module:function").
-RewardFnLike = Union[str, Callable[[Any, Any], float]]
+# A reward function or the name of one (`rewards.registry`: a registered name or
+# "module:function"), or a list of them whose rewards are summed; how each is called
+# (`fn(completion, reference) -> float`, TRL's or verl's) is `rewards.adapters`'.
+RewardFnLike = Union[str, Callable[..., Any], Sequence[Union[str, Callable[..., Any]]]]
 
 
 class Tokenizer(Protocol):
-  """Text to token ids and back; `decode` must accept any id a model may sample."""
+  """Text to token ids and back: what every task's tokenizer has.
+
+  Attributes:
+    vocab_size: ids lie in [0, vocab_size); `model.vocab_size` must be at least this
+      (checked before a run starts).
+    stop_ids: generation ends at the first of these it samples.
+
+  `encode(text)` gives the ids of `text` with no special tokens added. `decode(ids)`
+  gives the text up to (not including) the first stop id, without special tokens; it
+  must accept any id a model may sample, including ids of a larger model vocabulary
+  (rendered as U+FFFD, so that a verifier scores them as wrong instead of crashing).
+  """
   vocab_size: int
   stop_ids: tuple[int, ...]
 
   def encode(self, text: str) -> list[int]: ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class TextTokenizer(Tokenizer, Protocol):
+  """A tokenizer for prompts written as text or conversations (the data task's).
+
+  Attributes:
+    pad_id: the padding id.
+    bos_id: the beginning-of-sequence id, or None for a model that uses none (Qwen).
+      Prompts get no BOS added: a chat template writes its own special tokens.
+    eos_id: the end of a reply: a warm-start target ends with it, and it is one of
+      `stop_ids`.
+
+  `render_chat(messages, add_generation_prompt=True, **kwargs)` gives the text of a
+  conversation (a list of {"role", "content"} messages) up to where the assistant's
+  reply begins; `kwargs` are extra variables of the chat template.
+  """
+  pad_id: int
+  bos_id: Optional[int]
+  eos_id: int
+
+  def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                  add_generation_prompt: bool = True, **kwargs) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """A data set row as the reference of its prompt, so that each style of reward
+  function (`rewards.adapters`) receives what it expects of it.
+
+  Attributes:
+    prompt: the prompt as the file holds it: a string, or a list of {"role",
+      "content"} messages (TRL's conversational format).
+    answer: what `fn(completion, reference)` receives as `reference`: the answer
+      column's value, or the columns below when there is no answer column.
+    columns: every column of the row but the prompt, as TRL passes them to a reward
+      function and verl reads `data_source`, `reward_model` and `extra_info`.
+  """
+  prompt: Union[str, list]
+  answer: Any
+  columns: Mapping[str, Any]
 
 
 class Prompt(Protocol):
@@ -52,8 +106,9 @@ class Task(Protocol):
 
   Attributes:
     tokenizer: encodes prompts, decodes completions for the reward, gives the stop ids.
-    reward_fn: the reward function or its name; `rollout.reward_fn`, when set,
-      replaces it.
+    reward_fn: the reward function or its name, or a list of them (summed); None for a
+      task that has none of its own, so `rollout.reward_fn` must name one.
+      `rollout.reward_fn`, when set, replaces it.
     workflow: turns one prompt group into trajectories (`tasks.workflow`); None is
       single-turn generation.
 
@@ -61,7 +116,7 @@ class Task(Protocol):
   an endless stream of `supervised` examples, which `sft.steps > 0` trains on.
   """
   tokenizer: Tokenizer
-  reward_fn: RewardFnLike
+  reward_fn: Optional[RewardFnLike]
   workflow: Optional[Any]
 
   def stream(self, state: Optional[dict] = None, *, worker_index: int = 0) -> PromptStream:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from async_rl import named
-from async_rl.tasks import arithmetic, code_task, math_task, tool_task
+from async_rl.tasks import arithmetic, code_task, data_task, math_task, tool_task
 
 
 class _Entry(NamedTuple):
@@ -24,6 +24,7 @@ TASKS: dict[str, _Entry] = {
     "arithmetic": _Entry(arithmetic.make, arithmetic.check),
     "arithmetic_tool": _Entry(tool_task.make, arithmetic.check),
     "code": _Entry(code_task.make, code_task.check),
+    "data": _Entry(data_task.make, data_task.check),
     "math": _Entry(math_task.make, math_task.check),
 }
 # What a run uses of a task (see `tasks.protocol.Task`).

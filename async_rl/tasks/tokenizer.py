@@ -1,6 +1,10 @@
-"""A character-level tokenizer over a fixed vocabulary; nothing to download.
+"""Tokenizers that need no download: characters of a fixed vocabulary, or UTF-8 bytes.
 
-Ids 0, 1 and 2 are PAD, BOS and EOS; the rest are one character each, by default
+`CharTokenizer` is the tokenizer of the built-in synthetic tasks. `ByteTokenizer`
+encodes any text as its UTF-8 bytes, for a user's data without a Hugging Face
+tokenizer (`task.data.tokenizer="bytes"`).
+
+`CharTokenizer`'s ids 0, 1 and 2 are PAD, BOS and EOS; the rest are one character each, by default
 digits, `+ - * = ( ) #`, space and newline (`CHARS`, for arithmetic), or printable
 ASCII (`CODE_CHARS`, for programs). The default `vocab_size` (22) fits any model whose
 vocabulary is at least that large; a model with a larger vocabulary can still emit
@@ -9,7 +13,9 @@ so that a verifier scores them as wrong instead of crashing.
 """
 
 import string
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+
+from async_rl.chat import chatml
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+-*=()# \n"
@@ -85,3 +91,39 @@ class CharTokenizer:
       elif token not in (self.pad_id, self.bos_id):
         chars.append(self._id_to_token[token])
     return "".join(chars)
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0 to 255, then PAD (256), BOS (257) and EOS (258): any text
+  encodes, and nothing is unknown. A conversation renders as ChatML text."""
+  vocab_size = 259
+  pad_id, bos_id, eos_id = 256, 257, 258
+  stop_ids = (eos_id,)
+
+  def encode(self, text: str) -> list[int]:
+    """The UTF-8 bytes of `text`, without BOS or EOS."""
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """The text of `ids` up to (not including) the first EOS; PAD and BOS are dropped.
+    An id outside [0, vocab_size) (a larger model vocabulary) and a byte sequence that
+    is not UTF-8 both become U+FFFD, so a verifier scores them as wrong."""
+    chunks, run = [], bytearray()
+    for token in ids:
+      token = int(token)
+      if token == self.eos_id:
+        break
+      if 0 <= token < 256:
+        run.append(token)
+      elif token not in (self.pad_id, self.bos_id):
+        chunks.append(run.decode("utf-8", errors="replace") + REPLACEMENT)
+        run = bytearray()
+    return "".join(chunks) + run.decode("utf-8", errors="replace")
+
+  def render_chat(self, messages: Sequence[Mapping[str, str]], *,
+                  add_generation_prompt: bool = True, **kwargs) -> str:
+    """`messages` as ChatML text (`chat.chatml`); no template variables."""
+    if kwargs:
+      raise ValueError(f"the byte tokenizer's ChatML takes no template variables, got "
+                       f"{sorted(kwargs)} (task.data.chat_template_kwargs)")
+    return chatml(messages, add_generation_prompt)

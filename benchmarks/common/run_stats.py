@@ -111,9 +111,9 @@ class HeldoutEval:
   """Greedy accuracy of successive params on held-out prompts, through one `Evaluator`
   kept open, so that an evaluation compiles nothing after the first.
 
-  `load(params)` swaps params in; `accuracy(prompts)` scores the loaded ones (fully
-  correct solutions only: reward >= 1). A context manager: leaving it closes the pool
-  and the reward workers.
+  `load(params)` swaps params in; `accuracy(prompts)` scores the loaded ones (correct:
+  a score of at least `eval.correct_threshold`, by `eval.correct_fn` or the reward). A
+  context manager: leaving it closes the pool and the reward workers.
   """
 
   def __init__(self, cfg: ExperimentConfig, task, params):
@@ -122,7 +122,7 @@ class HeldoutEval:
     self._evaluator = Evaluator(
         GeneratorPool(build.make_engine(cfg), params),
         RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s),
-        task, cfg.eval, reward_fn=build.reward_fn(cfg, task),
+        task, cfg.eval, reward_fn=build.correct_fn(cfg, task),
         max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed)
 
   def __enter__(self):

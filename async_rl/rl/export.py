@@ -52,7 +52,7 @@ def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
       RewardService(num_workers=cfg.rollout.reward_workers,
                     timeout_s=cfg.rollout.reward_timeout_s,
                     allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
-      task, eval_cfg, reward_fn=build.reward_fn(cfg, task),
+      task, eval_cfg, reward_fn=build.correct_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
       vocab_size=cfg.model.vocab_size)
   try:

@@ -45,6 +45,9 @@ PLACEMENTS = ("in_process", "ray")
 REWARD_STYLES = ("auto", "single", "trl", "verl")
 # The tokenizers of the data task: the model's own ("hf") or UTF-8 bytes ("bytes").
 DATA_TOKENIZERS = ("hf", "bytes")
+# What a resumed run may change without `run.allow_config_change`: dotted field names,
+# or section names for all their fields.
+RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "placement", "cpu")
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
@@ -427,10 +430,15 @@ class RunConfig:
   each doubling); one longer than `stall_timeout_s` checkpoints and stops the run
   with an error naming the stalled component. A rollout worker whose process dies
   (Ray placement) is restarted up to `max_worker_restarts` times in all.
+
+  A run resumed from its workdir keeps its config: a change outside `RESUMABLE_FIELDS`
+  (the length of the run, deadlines, checkpoints, evaluation, placement) stops it
+  with the differing fields named, unless `allow_config_change`.
   """
   warn_after_s: float = 60.0
   stall_timeout_s: float = 600.0
   max_worker_restarts: int = 10
+  allow_config_change: bool = False
 
   def __post_init__(self):
     _check_finite("run", self)

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import threading
 from typing import Any, Callable, Optional
@@ -80,6 +81,9 @@ def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
     follow(cfg, workdir, task=task, init_params=init_params)
     return {}
   devices = split_devices(cfg.placement, jax.local_devices(), jax.devices())
+  with _config_errors():
+    cfg.mesh.axis_sizes(len(devices.trainer))  # the mesh must fill the trainer's devices
+  check_resume(cfg, workdir)
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   # One engine per generator replica, for the rollout and held-out pools alike: their
   # programs compile once.
@@ -171,12 +175,44 @@ def preflight(cfg: ExperimentConfig, task):
   if task.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size must hold the task's tokenizer "
                       f"({task.tokenizer.vocab_size} ids), got {cfg.model.vocab_size}")
+  _check_prompts(cfg, task)
   return task
 
 
 def _check_objective(cfg):
+  """The objective's own checks, and settings that would train on no signal."""
   loss.from_config(cfg.ppo)
   advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens)
+  a, g = cfg.advantage, cfg.generation
+  if g.group_size == 1 and "group" in (a.mean_level, a.std_level):
+    raise ValueError(f"generation.group_size must be >= 2 when advantage.mean_level or "
+                     f"advantage.std_level is 'group' (a group of one is its own baseline: "
+                     f"every advantage would be 0), got {g.group_size}")
+  if g.temperature == 0:
+    raise ValueError("generation.temperature must be > 0 for training: greedy samples of a "
+                     "group are all alike, so they carry no learning signal (held-out "
+                     "evaluation is greedy whatever it is), got 0")
+
+
+def _check_prompts(cfg: ExperimentConfig, task, sample: int = 64) -> None:
+  """The task's held-out prompts and the first of its training stream must fit the
+  generator (`task.max_prompt_len`, leaving room for an answer); when some do not,
+  says how many (the rollouts skip them, `rollout.PromptSource`)."""
+  limit = cfg.task.max_prompt_len
+  stream = task.stream(worker_index=0)
+  prompts = {"held-out": list(task.heldout(sample)),
+             "training": [next(stream) for _ in range(sample)]}
+  for split, drawn in prompts.items():
+    longer = sum(len(p.tokens) > limit for p in drawn)
+    if drawn and longer == len(drawn):
+      raise ConfigError(f"task.max_prompt_len (generation.max_prompt_len) must hold the "
+                        f"task's prompts: all {len(drawn)} {split} prompts drawn are longer "
+                        f"than {limit} tokens (the longest has "
+                        f"{max(len(p.tokens) for p in drawn)})")
+    if longer:
+      logging.warning("%d of the first %d %s prompts are longer than task.max_prompt_len=%d "
+                      "tokens; the rollouts skip such prompts", longer, len(drawn), split,
+                      limit)
 
 
 @contextlib.contextmanager
@@ -360,6 +396,7 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   are the rollout worker's, so their programs compile once. `trainer_devices` carry
   the trainer's mesh (None: every device).
   """
+  check_resume(cfg, workdir)
   os.makedirs(workdir, exist_ok=True)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   mesh = sharding.make_mesh(cfg.mesh, trainer_devices)
@@ -382,13 +419,44 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
                     allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
       task, cfg.eval, reward_fn=correct_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
-      vocab_size=cfg.model.vocab_size, wait=deadlines.result)
+      vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
+      wait=deadlines.result)
   return TrainLoop(trainer, server, evaluator, checkpointer, MetricsLog(workdir), deadlines,
                    num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
                    checkpoint_every=cfg.checkpoint.every_steps,
                    max_consecutive_skips=cfg.train.max_consecutive_skips, restored=restored,
                    publish_on_host=publish_on_host, publish_dtype=dtype, leader=leader,
                    stop=stop, echo=echo, progress=progress)
+
+
+def check_resume(cfg: ExperimentConfig, workdir: str) -> None:
+  """A run resumed from `workdir` must keep the config in `workdir/config.json` but for
+  `config.RESUMABLE_FIELDS` (or `run.allow_config_change`).
+
+  Raises:
+    ConfigError: naming every field that differs from the run's own.
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path) or cfg.run.allow_config_change:
+    return
+  with open(path) as f:
+    old = json.load(f)
+  changed = [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
+             if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
+  if changed:
+    raise ConfigError(f"{workdir} holds a run whose config differs in {len(changed)} "
+                      f"field(s): {'; '.join(changed)}. Resume with the run's own config "
+                      f"(or --config.run.allow_config_change=true), or use a new workdir")
+
+
+def _differences(old, new, prefix=""):
+  """(dotted key, old value, new value) of every leaf where two config dicts differ."""
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      yield from _differences(a, b, f"{prefix}{key}.")
+    elif json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
+      yield prefix + key, a, b
 
 
 def follow(cfg: ExperimentConfig, workdir: str, *, task, init_params=None) -> None:
@@ -433,5 +501,6 @@ def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
       sampling=sampling_params(cfg, task), group_size=cfg.generation.group_size,
       update_mode=cfg.generation.update_mode,
       dynamic_filter=cfg.rollout.dynamic_filter, worker=index, seed=cfg.seed,
-      workflow=task.workflow, vocab_size=cfg.model.vocab_size)
+      workflow=task.workflow, vocab_size=cfg.model.vocab_size,
+      max_prompt_len=cfg.task.max_prompt_len)
   return RolloutWorker(index, controller, pool, rewards)

@@ -68,17 +68,20 @@ class Evaluator:
     max_new_tokens: the generation budget of a completion.
     seed: the sampling seed.
     vocab_size: the model's vocabulary (a workflow's tokens must lie in it).
+    max_prompt_len: longer held-out prompts are left out (and counted, "too_long"),
+      as the rollouts leave them out of training.
     wait: `wait(future, what)` returns a future's result; the run waits with its
       deadlines, naming `what`.
   """
 
   def __init__(self, pool: GeneratorPool, rewards, task, cfg: EvalConfig, *,
                reward_fn, max_new_tokens: int, seed: int = 0,
-               vocab_size: Optional[int] = None,
+               vocab_size: Optional[int] = None, max_prompt_len: Optional[int] = None,
                wait: Callable[[Future, str], Any] = lambda f, _: f.result()):
     self.pool, self.rewards, self.task, self.cfg = pool, rewards, task, cfg
     self._reward_fn, self._max_new_tokens = reward_fn, max_new_tokens
     self._seed, self._vocab_size, self._wait = seed, vocab_size, wait
+    self._max_prompt_len = max_prompt_len
 
   def load(self, params, version: int) -> None:
     """Makes `params` (at `version`) the ones evaluated, unless they already are."""
@@ -92,19 +95,22 @@ class Evaluator:
     `cfg.num_prompts` held-out prompts) with `pass_k` (default `cfg.pass_k`)."""
     task = self.task
     prompts = task.heldout(self.cfg.num_prompts) if prompts is None else prompts
+    fitting = [p for p in prompts
+               if self._max_prompt_len is None or len(p.tokens) <= self._max_prompt_len]
 
     def score(pairs):
       futures = [self.rewards.submit(RewardTask(self._reward_fn, text, task.reference(p)))
                  for p, text in pairs]
       return [self._wait(f, "held-out rewards") for f in futures]
 
-    return evaluate(
-        self.pool, prompts, score=score, decode=task.tokenizer.decode,
+    metrics = evaluate(
+        self.pool, fitting, score=score, decode=task.tokenizer.decode,
         max_new_tokens=self._max_new_tokens, stop_token_ids=task.tokenizer.stop_ids,
         pass_k=self.cfg.pass_k if pass_k is None else pass_k, seed=self._seed,
         workflow=task.workflow, vocab_size=self._vocab_size,
         correct_threshold=self.cfg.correct_threshold,
         wait=lambda f: self._wait(f, "held-out generation"))
+    return {**metrics, "too_long": len(prompts) - len(fitting)}
 
   def close(self) -> None:
     """Shuts the pool and the reward service down."""

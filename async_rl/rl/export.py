@@ -54,7 +54,7 @@ def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
                     allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
       task, eval_cfg, reward_fn=build.correct_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
-      vocab_size=cfg.model.vocab_size)
+      vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len)
   try:
     metrics = evaluator.evaluate()
     rewards = evaluator.rewards.metrics()

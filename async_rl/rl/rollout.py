@@ -102,6 +102,7 @@ class RolloutStats:
   admitted: int = 0
   filtered: int = 0
   failed: int = 0
+  too_long: int = 0
   generated_tokens: int = 0
 
 
@@ -126,14 +127,18 @@ class RolloutController:
     seed: the run's seed.
     workflow: turns a prompt group into trajectories; None is single-turn.
     vocab_size: the model's vocabulary, which a workflow's tokens must lie in.
+    max_prompt_len: a longer prompt's group is rejected (counted in `too_long`): the
+      generator would leave it too little room to answer.
   """
 
   def __init__(self, *, server, pool, rewards, prompts: PromptSource, reference: Callable,
                decode: Callable, reward_fn: RewardFnLike, sampling: SamplingParams,
                group_size: int, update_mode: str, dynamic_filter: bool = False,
                worker: int = 0, seed: int = 0, poll_s: float = 0.05,
-               workflow: Optional[Workflow] = None, vocab_size: Optional[int] = None):
+               workflow: Optional[Workflow] = None, vocab_size: Optional[int] = None,
+               max_prompt_len: Optional[int] = None):
     self.server, self.pool, self.rewards = server, pool, rewards
+    self._max_prompt_len = max_prompt_len
     self._episodes = EpisodeRunner(pool, workflow, vocab_size=vocab_size)
     self._prompts, self._reference, self._decode = prompts, reference, decode
     self._reward_fn, self._sampling = reward_fn, sampling
@@ -236,6 +241,18 @@ class RolloutController:
         self._swap = None
 
   def _submit(self, ticket, prompt, position):
+    if self._max_prompt_len is not None and len(prompt.tokens) > self._max_prompt_len:
+      # Rejected, not skipped: the ledger accounts for every prompt drawn.
+      self.server.reject(ticket)
+      with self._lock:
+        self.stats.too_long += 1
+        count = self.stats.too_long
+      if count & (count - 1) == 0:  # the 1st, 2nd, 4th, ... such prompt
+        logging.warning("rollout worker %d: prompt %r has %d tokens, more than "
+                        "task.max_prompt_len=%d; its group is rejected (%d so far)",
+                        self._worker, prompt.id, len(prompt.tokens), self._max_prompt_len,
+                        count)
+      return
     sampling = dataclasses.replace(self._sampling,
                                    seed=sample_seed(self._seed, self._worker, position))
     request = Request(prompt.id, list(prompt.tokens), n=self._group_size, sampling=sampling)

@@ -1,0 +1,125 @@
+"""What a new user runs into on the first day, replayed: each mistake gets a clear message
+naming the field, before anything compiles, and leaves the workdir as it was."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from async_rl.config import from_dict
+from async_rl.rl import build
+from async_rl.rl.errors import ConfigError
+from rl_test_utils import small_config
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"rollout": {"reward_timeout_s": float("nan")}}, "rollout.reward_timeout_s"),
+    ({"generation": {"temperature": float("nan")}}, "generation.temperature"),
+    ({"optimizer": {"learning_rate": float("nan")}}, "optimizer.learning_rate"),
+    ({"advantage": {"reward_scale": float("inf")}}, "advantage.reward_scale"),
+])
+def test_non_finite_values_name_the_field(values, field):
+  with pytest.raises(ValueError, match=field.replace(".", r"\.") + " must be finite"):
+    from_dict(values)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"generation.group_size": 1}, "generation.group_size must be >= 2"),
+    ({"generation.temperature": 0.0}, "generation.temperature must be > 0 for training"),
+])
+def test_settings_that_train_on_no_signal_are_refused(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    build.check(small_config(**overrides))
+
+
+class _LongPrompts:
+  """A task whose prompts are `length` tokens (all of them, or every other one)."""
+
+  def __init__(self, length, every=1):
+    from async_rl.tasks import CharTokenizer  # noqa: PLC0415
+    self.tokenizer, self.reward_fn, self.workflow = CharTokenizer(), "arithmetic", None
+    self._length, self._every = length, every
+
+  def _prompt(self, i):
+    from async_rl.tasks.arithmetic import Prompt  # noqa: PLC0415
+    from async_rl.tasks.arithmetic import Problem  # noqa: PLC0415
+    n = self._length if i % self._every == 0 else 4
+    return Prompt(f"p{i}", (1,) + (3,) * (n - 1), (2,), Problem("1=", "1", 2, "#1"))
+
+  def stream(self, state=None, *, worker_index=0):
+    task, start = self, (state or {}).get("index", 0)
+
+    class Stream:
+      index = start
+
+      def __iter__(self):
+        return self
+
+      def __next__(self):
+        self.index += 1
+        return task._prompt(self.index - 1)
+
+      def state(self):
+        return {"index": self.index}
+    return Stream()
+
+  def heldout(self, n):
+    return [self._prompt(i) for i in range(n)]
+
+  @staticmethod
+  def reference(prompt):
+    return prompt.problem
+
+
+def test_a_task_whose_prompts_never_fit_is_refused_at_once():
+  cfg = build.resolve(small_config())
+  with pytest.raises(ConfigError, match=r"all 64 held-out prompts drawn are longer than 24"):
+    build.preflight(cfg, _LongPrompts(40))
+
+
+def test_prompts_too_long_are_rejected_and_counted_and_the_run_goes_on(tmp_path):
+  summary = build.run(small_config(**{"num_steps": 2}), str(tmp_path), task=_LongPrompts(40, 2),
+                      echo=lambda _: None, progress=False)
+  assert summary["end_version"] == 2
+  rollout = summary["history"][-1]["rollout"]
+  assert rollout["too_long"] >= 2 and rollout["admitted"] >= 4
+
+
+def _train(workdir, *args):
+  return subprocess.run(
+      [sys.executable, "-m", "launch.train", "--config=configs/micro.py", f"--workdir={workdir}",
+       *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_a_resume_with_another_config_names_the_fields_and_keeps_the_workdir(tmp_path):
+  out = _train(tmp_path, "--config.num_steps=1", "--config.staleness.max_staleness=None")
+  assert out.returncode == 0, out.stderr[-2000:]
+  before = (tmp_path / "config.json").read_text()
+  assert json.loads(before)["staleness"]["max_staleness"] is None
+  out = _train(tmp_path, "--config.num_steps=2", "--config.optimizer.learning_rate=0.5",
+               "--config.generation.top_k=3")
+  assert out.returncode != 0
+  assert "optimizer.learning_rate: 0.0001 -> 0.5" in out.stderr
+  assert "generation.top_k: 0 -> 3" in out.stderr and "num_steps" not in out.stderr
+  assert (tmp_path / "config.json").read_text() == before  # untouched
+  out = _train(tmp_path, "--config.num_steps=2", "--config.staleness.max_staleness=None")
+  assert out.returncode == 0, out.stderr[-2000:]  # the run's own config resumes
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--config.batch_groups=2.5", "--config.batch_groups=2.5: invalid literal for int()"),
+    ("--config.optimizer.learning_rate=abc", "could not convert string to float: 'abc'"),
+    ("--config.ppo.bogus=1", "unknown config key 'ppo.bogus'; did you mean"),
+])
+def test_a_bad_flag_is_one_line_and_status_2(tmp_path, arg, message):
+  out = _train(tmp_path, arg)
+  assert out.returncode == 2
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
+  assert not any(tmp_path.iterdir()), "nothing written"

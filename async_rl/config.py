@@ -75,11 +75,26 @@ def _check_finite(section, obj):
 class ModelConfig:
   """Shape and numerics of a Qwen2-family decoder.
 
-  `dtype` is the compute dtype, `param_dtype` the storage dtype of the params.
-  `qk_norm` adds the per-head q/k RMSNorm of Qwen3. `remat` recomputes each layer's
-  activations in the backward pass instead of storing them, except those named in
-  `remat_saves` (`REMAT_SAVES`): memory traded for the FLOPs of recomputing them
-  (`python -m benchmarks.memory --saves=...` prints both from the compiler).
+  Attributes:
+    vocab_size: token ids the model embeds and predicts (V).
+    d_model: the width of the residual stream (D).
+    n_layers: transformer layers (L).
+    n_heads: query heads per layer (H).
+    n_kv_heads: key/value heads per layer (K; grouped-query attention when < H).
+    head_dim: the width of one head (E).
+    d_ff: the MLP's hidden width (F).
+    rope_theta: the base of the rotary position embedding.
+    rms_eps: RMSNorm's epsilon.
+    qkv_bias: biases on the q, k and v projections (Qwen2).
+    qk_norm: per-head q/k RMSNorm (Qwen3).
+    tie_embeddings: the LM head is the transposed embedding.
+    max_seq_len: the longest sequence the model serves (prompt plus completion).
+    dtype: the compute dtype (`DTYPES`).
+    param_dtype: the params' storage dtype (`DTYPES`).
+    remat: recompute each layer's activations in the backward pass instead of
+      storing them, except those named in `remat_saves`.
+    remat_saves: what remat keeps (`REMAT_SAVES`): memory traded for the FLOPs of
+      recomputing it (`python -m benchmarks.memory --saves=...` prints both).
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -155,7 +170,19 @@ def model_preset(name: str, **overrides) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """AdamW with global-norm clipping and a warmup + constant/cosine schedule."""
+  """AdamW with global-norm clipping and a warmup + constant/cosine schedule.
+
+  Attributes:
+    learning_rate: the peak learning rate.
+    warmup_steps: optimizer updates of linear warmup from 0.
+    schedule: after warmup, "constant" or "cosine" decay (`SCHEDULES`).
+    decay_steps: the cosine schedule's length after warmup.
+    b1: Adam's first-moment decay.
+    b2: Adam's second-moment decay.
+    eps: Adam's epsilon.
+    weight_decay: decoupled weight decay (AdamW).
+    grad_clip: the global gradient norm is clipped to this.
+  """
   learning_rate: float = 1e-4
   warmup_steps: int = 0
   schedule: str = "constant"
@@ -233,7 +260,20 @@ class PPOConfig:
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
   """Reward shaping, DAPO overlong penalty and group/batch normalisation; checked by
-  `advantages.from_config`, which names its keywords after these fields."""
+  `advantages.from_config`, which names its keywords after these fields.
+
+  Attributes:
+    reward_bias: added to every reward before scaling.
+    reward_scale: multiplies every reward (after the bias).
+    reward_clip: the shaped reward is clipped to [-c, c]; None: no clip.
+    overlong_cache_len: DAPO's soft overlong penalty starts this many tokens before
+      `generation.max_new_tokens`; None: no penalty.
+    overlong_factor: the penalty at the length limit.
+    zero_truncated: a sample cut off at the length limit scores 0.
+    mean_level: the baseline subtracted: the "group"'s or the "batch"'s mean, or None.
+    std_level: the std divided by: the "group"'s, the "batch"'s, or None (Dr.GRPO).
+    leave_one_out: the group mean leaves the sample itself out (RLOO).
+  """
   reward_bias: float = 0.0
   reward_scale: float = 1.0
   reward_clip: Optional[float] = None
@@ -250,11 +290,14 @@ class AdvantageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BatchingConfig:
-  """Token-budget micro-batching; `row_buckets` empty means `default_row_buckets`.
+  """Token-budget micro-batching (first-fit decreasing into packed rows).
 
-  `reuse_slack`: a batch packs into a shape the train step already compiled when that
-  costs at most this share more than its cheapest shape (`batching.pack_dynamic`'s
-  estimate); 0 compiles every cheapest shape.
+  Attributes:
+    max_tokens_per_mb: the token budget of one micro-batch per batch shard.
+    row_buckets: the packed row lengths allowed; empty: `default_row_buckets`.
+    reuse_slack: a batch packs into a shape the train step already compiled when that
+      costs at most this share more than its cheapest shape (`batching.pack_dynamic`'s
+      estimate); 0 compiles every cheapest shape.
   """
   max_tokens_per_mb: int = 1024
   row_buckets: tuple[int, ...] = ()
@@ -272,7 +315,13 @@ class BatchingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh axis sizes; one axis may be -1 to take the remaining devices."""
+  """The trainer's device mesh; one axis may be -1 to take the remaining devices.
+
+  Attributes:
+    data: pure data parallelism (params replicated).
+    fsdp: data parallelism with params and optimizer state sharded.
+    tensor: heads, MLP width and vocabulary split across devices.
+  """
   data: int = 1
   fsdp: int = -1
   tensor: int = 1
@@ -305,8 +354,12 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """The training loop: after `max_consecutive_skips` non-finite steps in a row the run
-  stops with an error (each skipped step leaves the params as they were)."""
+  """The training loop.
+
+  Attributes:
+    max_consecutive_skips: non-finite steps in a row after which the run stops with an
+      error (each skipped step leaves the params as they were).
+  """
   max_consecutive_skips: int = 5
 
   def __post_init__(self):
@@ -316,10 +369,20 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-  """Sampling and generator-pool settings; `group_size` samples per prompt.
+  """Sampling and generator-pool settings.
 
-  `steps_per_call` decode steps run per host round trip; new samples, aborts and
-  weight updates (`update_mode`, one of `UPDATE_MODES`) apply between two of them.
+  Attributes:
+    max_prompt_len: the longest prompt (tokens) a rollout takes.
+    max_new_tokens: the most tokens a sample generates after its prompt.
+    group_size: samples per prompt (G).
+    temperature: the sampling temperature (> 0 for training).
+    top_k: sample from the k most likely tokens; 0: all.
+    top_p: sample from the smallest set of tokens whose mass reaches top_p; 1: all.
+    num_slots: samples decoded at once per generator engine (S).
+    update_mode: how new weights reach in-flight samples (`UPDATE_MODES`): "retract"
+      re-prefills them, "keep" keeps their KV cache, "drain" lets them finish first.
+    steps_per_call: decode steps per host round trip; new samples, aborts and weight
+      updates apply between two such chunks.
   """
   max_prompt_len: int = 64
   max_new_tokens: int = 128
@@ -358,11 +421,14 @@ class GenerationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StalenessConfig:
-  """η = `max_staleness` (None = unbounded); groups are counted in prompts.
+  """The staleness bound η and admission; groups are counted in prompts.
 
-  `on_stale` (one of `ON_STALE`) says what happens to a group holding a token older
-  than v - η: "drop" it, "mask_tokens" (train it without those tokens) or "admit" it
-  as it is.
+  Attributes:
+    max_staleness: η, how many versions a trained token may lag the trainer; None:
+      unbounded.
+    on_stale: what happens to a group holding a token older than v - η (`ON_STALE`):
+      "drop" it, "mask_tokens" (train it without those tokens) or "admit" it as it is.
+    max_concurrent: prompt groups generating at once, at most.
   """
   max_staleness: Optional[int] = 4
   on_stale: str = "drop"
@@ -434,6 +500,13 @@ class RunConfig:
   A run resumed from its workdir keeps its config: a change outside `RESUMABLE_FIELDS`
   (the length of the run, deadlines, checkpoints, evaluation, placement) stops it
   with the differing fields named, unless `allow_config_change`.
+
+  Attributes:
+    warn_after_s: a blocking wait longer than this is logged, naming what it awaits.
+    stall_timeout_s: a wait longer than this checkpoints and stops the run.
+    max_worker_restarts: rollout-worker restarts allowed over the whole run (Ray).
+    allow_config_change: resume even if the config differs outside
+      `RESUMABLE_FIELDS`.
   """
   warn_after_s: float = 60.0
   stall_timeout_s: float = 600.0
@@ -453,7 +526,13 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Checkpoint every `every_steps` updates (and at the end and on SIGTERM)."""
+  """Checkpoints of the train state and the run's bookkeeping.
+
+  Attributes:
+    every_steps: checkpoint every this many training steps (and at the end and on a
+      stop signal).
+    keep: the newest checkpoints kept.
+  """
   every_steps: int = 10
   keep: int = 3
 
@@ -468,11 +547,16 @@ class CheckpointConfig:
 class EvalConfig:
   """Held-out evaluation: greedy accuracy, and pass@k with `pass_k` samples at T=1.
 
-  A completion is correct when its score is at least `correct_threshold`; its score
-  is `correct_fn`'s (a reward function's name, called as `rollout.reward_fn`'s are),
-  or, with None, the training reward's. So a reward on another scale, or one shaped
-  with partial credit, still gives a meaningful accuracy. Runs every `every_steps`
-  updates (0: only before and after training).
+  So that a reward on another scale, or one shaped with partial credit, still gives a
+  meaningful accuracy, correctness has a criterion of its own.
+
+  Attributes:
+    every_steps: evaluate every this many training steps; 0: only before and after.
+    num_prompts: held-out prompts per evaluation (fewer if the task has fewer).
+    pass_k: samples per prompt for pass@k.
+    correct_threshold: a completion is correct when its score is at least this.
+    correct_fn: what scores correctness (a reward function's name, called as
+      `rollout.reward_fn`'s are); None: the training reward.
   """
   every_steps: int = 0
   num_prompts: int = 200
@@ -492,7 +576,14 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """Supervised warm start on reference solutions before RL (0 steps: none)."""
+  """Supervised warm start on the task's reference solutions before RL.
+
+  Attributes:
+    steps: warm-start steps; 0: none.
+    batch_size: examples per warm-start step.
+    learning_rate: the warm start's learning rate.
+    log_every: a progress line every this many steps.
+  """
   steps: int = 0
   batch_size: int = 64
   learning_rate: float = 1e-3
@@ -593,9 +684,15 @@ class MathConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CodeConfig:
-  """The code task's problems: programs that read n and print an expression of it with
-  `min_ops` to `max_ops` operations, `num_tests` test cases each; a hashed
-  `heldout_fraction` of the prompts is held out."""
+  """The code task's problems: programs that read n and print an expression of it.
+
+  Attributes:
+    min_ops: fewest operations in an expression.
+    max_ops: most operations in an expression.
+    num_tests: test cases per problem.
+    heldout_fraction: the hashed share of the prompts held out.
+    seed: seeds the training stream.
+  """
   min_ops: int = 1
   max_ops: int = 2
   num_tests: int = 3
@@ -796,12 +893,13 @@ class PlacementConfig:
 @dataclasses.dataclass(frozen=True)
 class CPUConfig:
   """XLA:CPU only (`async_rl.cpu`): programs dispatched from several threads run at
-  once, one per core, where one program's small ops mostly use one core.
+  once, one per core, where one program's small ops mostly use one core. Ignored on
+  accelerators.
 
-  `decode_threads`: slot groups of the generator, each decoded from its own thread;
-  `grad_threads`: threads that share each update's micro-batches. 0 picks half the
-  cores this process may use for each (the generator and the trainer share them).
-  Ignored on accelerators.
+  Attributes:
+    decode_threads: slot groups of a generator engine, each decoded from its own
+      thread; 0: half the cores (the generator and the trainer share them).
+    grad_threads: threads that share each update's micro-batches; 0: half the cores.
   """
   decode_threads: int = 0
   grad_threads: int = 0
@@ -814,11 +912,16 @@ class CPUConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything one run needs; `batch_groups` prompt groups make one training batch.
+  """Everything one run needs.
 
-  `hf_model_dir` is a local Hugging Face Qwen2/Qwen3 directory whose weights a fresh
-  run starts from; the builder then reads the architecture fields of `model` from its
-  `config.json`, and only `HF_RUN_MODEL_FIELDS` stay as configured.
+  Attributes:
+    seed: seeds the params' init, the sampling and the task's streams.
+    batch_groups: prompt groups per training batch (B in DESIGN.md).
+    num_steps: training steps to run to (a resumed run continues to it).
+    hf_model_dir: a local Hugging Face Qwen2/Qwen3 directory whose weights a fresh run
+      starts from; the builder reads the architecture fields of `model` from its
+      config.json, and only `HF_RUN_MODEL_FIELDS` stay as configured. None: random
+      weights (or the warm start).
   """
   seed: int = 0
   batch_groups: int = 8

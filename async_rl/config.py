@@ -373,10 +373,13 @@ class StalenessConfig:
 class RolloutConfig:
   """Rewards and group handling: `reward_fn` is a name from `rewards.REWARD_FNS` or
   "module:function" that replaces the task's own reward function (None: the task's);
-  `allow_weak_sandbox` lets code rewards run without bubblewrap (rewards/sandbox.py)."""
+  each reward worker process gets at most `reward_memory_mb` of address space (0: no
+  limit); `allow_weak_sandbox` lets code rewards run without bubblewrap
+  (rewards/sandbox.py)."""
   reward_fn: Optional[str] = None
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
+  reward_memory_mb: int = 8192
   dynamic_filter: bool = False
   allow_weak_sandbox: bool = False
 
@@ -386,6 +389,8 @@ class RolloutConfig:
       fail("rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
     if self.reward_workers < 1:
       fail("rollout.reward_workers", self.reward_workers, "must be >= 1")
+    if self.reward_memory_mb < 0:
+      fail("rollout.reward_memory_mb", self.reward_memory_mb, "must be >= 0 (0: no limit)")
 
 
 @dataclasses.dataclass(frozen=True)

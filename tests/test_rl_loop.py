@@ -67,11 +67,18 @@ def test_periodic_evaluations_and_the_final_one_evaluate_each_version_once(tmp_p
 def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path):
   cfg = small_config(**{"rollout.reward_fn": "reward_fns_for_tests:raises",
                         "num_steps": 2})
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  lines = []
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lines.append)
   assert summary["end_version"] == 2
-  steps, _ = _steps(tmp_path)
+  steps, evals = _steps(tmp_path)
   assert steps[-1]["rewards"]["errors"] >= 2 * 2 * 2
   assert all(s["reward_mean"] == 0.0 for s in steps)
+  # Held-out rewards fail too, and are counted: per evaluation one greedy and pass_k
+  # sampled completions of each prompt.
+  per_eval = cfg.eval.num_prompts * (1 + cfg.eval.pass_k)
+  assert [e["eval"]["rewards"]["errors"] for e in evals] == [per_eval, 2 * per_eval]
+  assert [e["eval"]["rewards"]["calls"] for e in evals] == [per_eval, 2 * per_eval]
+  assert sum(f"reward_errors={per_eval}" in line for line in lines if line.startswith("eval")) == 1
 
 
 def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):

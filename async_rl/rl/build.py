@@ -246,6 +246,13 @@ def reward_fn(cfg: ExperimentConfig, task):
   return cfg.rollout.reward_fn or task.reward_fn
 
 
+def reward_service(cfg: ExperimentConfig, num_workers: int) -> RewardService:
+  """A reward service of `num_workers` worker processes, as `rollout` configures them."""
+  r = cfg.rollout
+  return RewardService(num_workers=num_workers, timeout_s=r.reward_timeout_s,
+                       memory_mb=r.reward_memory_mb, allow_weak_sandbox=r.allow_weak_sandbox)
+
+
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
   """How the rollouts sample: the generation section, and the task's stop ids."""
   g = cfg.generation
@@ -279,9 +286,7 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engine=None
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
   evaluator = Evaluator(
       GeneratorPool(engine or make_engine(cfg), params, version=trainer.version),
-      RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
-                    allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
-      task, cfg.eval, reward_fn=reward_fn(cfg, task),
+      reward_service(cfg, num_workers=1), task, cfg.eval, reward_fn=reward_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
       vocab_size=cfg.model.vocab_size, wait=deadlines.result)
   return TrainLoop(trainer, server, evaluator, checkpointer, MetricsLog(workdir), deadlines,
@@ -306,9 +311,7 @@ def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
   prompts = PromptSource(lambda state: task.stream(state, worker_index=index),
                          cursor=start["cursor"], replay=start["replay"])
   pool = GeneratorPool(engine or make_engine(cfg), params, version=version, seed=cfg.seed + index)
-  rewards = RewardService(num_workers=cfg.rollout.reward_workers,
-                          timeout_s=cfg.rollout.reward_timeout_s,
-                          allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)
+  rewards = reward_service(cfg, num_workers=cfg.rollout.reward_workers)
   controller = RolloutController(
       server=server, pool=pool, rewards=rewards, prompts=prompts, reference=task.reference,
       decode=task.tokenizer.decode, reward_fn=reward_fn(cfg, task),

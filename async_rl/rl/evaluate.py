@@ -83,9 +83,11 @@ class Evaluator:
                  "the held-out generator's weight update")
 
   def evaluate(self, prompts: Optional[Sequence] = None, pass_k: Optional[int] = None
-               ) -> dict[str, float]:
+               ) -> dict[str, Any]:
     """`evaluate` of the loaded params on `prompts` (default: the task's first
-    `cfg.num_prompts` held-out prompts) with `pass_k` (default `cfg.pass_k`)."""
+    `cfg.num_prompts` held-out prompts) with `pass_k` (default `cfg.pass_k`), and the
+    reward service's counters since it started (`rewards`: calls, errors, timeouts,
+    ..., as a rollout worker's), so that a failing reward is seen here too."""
     task = self.task
     prompts = task.heldout(self.cfg.num_prompts) if prompts is None else prompts
 
@@ -94,12 +96,13 @@ class Evaluator:
                  for p, text in pairs]
       return [self._wait(f, "held-out rewards") for f in futures]
 
-    return evaluate(
+    metrics = evaluate(
         self.pool, prompts, score=score, decode=task.tokenizer.decode,
         max_new_tokens=self._max_new_tokens, stop_token_ids=task.tokenizer.stop_ids,
         pass_k=self.cfg.pass_k if pass_k is None else pass_k, seed=self._seed,
         workflow=task.workflow, vocab_size=self._vocab_size,
         wait=lambda f: self._wait(f, "held-out generation"))
+    return {**metrics, "rewards": self.rewards.metrics()}
 
   def close(self) -> None:
     """Shuts the pool and the reward service down."""

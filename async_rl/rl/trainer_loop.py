@@ -283,7 +283,7 @@ class TrainLoop:
       metrics = self.evaluate()
     self._last_eval = version, metrics
     self.log.write(version, {"eval": metrics})
-    self.echo(f"eval v={version}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    self.echo(_eval_line(version, metrics))
     return metrics
 
   def _checkpoint(self, wait=False):
@@ -331,6 +331,12 @@ def _skip_cause(metrics, groups) -> str:
   if bad_reward:
     parts.append(f"{bad_reward} non-finite rewards")
   return ", ".join(parts)
+
+
+def _eval_line(version, m) -> str:
+  scores = " ".join(f"{k}={v:.3f}" for k, v in m.items() if not isinstance(v, dict))
+  failed = {k: int(m["rewards"][k]) for k in ("errors", "timeouts") if m["rewards"][k]}
+  return f"eval v={version}: {scores}" + "".join(f" reward_{k}={n}" for k, n in failed.items())
 
 
 def _line(version, m) -> str:

@@ -12,7 +12,6 @@ from pathlib import Path
 from async_rl import sharding, timeline
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
-from async_rl.rewards import RewardService
 from async_rl.rl import build
 from async_rl.rl.evaluate import Evaluator
 from async_rl.sft import warm_start
@@ -121,7 +120,7 @@ class HeldoutEval:
     self._version = 0
     self._evaluator = Evaluator(
         GeneratorPool(build.make_engine(cfg), params),
-        RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s),
+        build.reward_service(cfg, num_workers=1),
         task, cfg.eval, reward_fn=build.reward_fn(cfg, task),
         max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed)
 

@@ -3,8 +3,9 @@ r"""Asynchronous RL training binary.
   python -m launch.train --config=configs/tiny.py --workdir=/tmp/async_rl_tiny \
       [--config.staleness.max_staleness=0] [--placement=ray]
 
-Starting again with the same --workdir resumes from its latest checkpoint. SIGTERM
-(or Ctrl-C) checkpoints and exits. A fault the run cannot survive (a stall past
+Starting again with the same --workdir resumes from its latest checkpoint. A workdir
+holds one run: a second run on it exits at once with status 1, naming the first.
+SIGTERM (or Ctrl-C) checkpoints and exits. A fault the run cannot survive (a stall past
 run.stall_timeout_s, a failed rollout worker, too many non-finite steps, no
 checkpoint that can be restored) exits with status 1 and a message naming it.
 """
@@ -17,7 +18,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from async_rl import config
-from async_rl.rl.errors import ConfigError, RunError
+from async_rl.rl.errors import ConfigError, RunError, WorkdirInUseError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -55,6 +56,8 @@ def main(argv):
     summary = build.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop, **ray)
   except ConfigError as e:
     raise app.UsageError(f"invalid config: {e}") from None
+  except WorkdirInUseError as e:
+    sys.exit(f"train: {e}")
   except RunError as e:
     sys.exit(f"train: the run stopped: {e}")
   logging.info("done: %s", summary)

@@ -30,6 +30,7 @@ from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.models import hf, hf_config
 from async_rl.param_server import ParameterServer
 from async_rl.rewards import RewardService
+from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import ConfigError
@@ -57,40 +58,43 @@ def run(cfg: ExperimentConfig, workdir: str, *, placement: str = "in_process", t
     init_params: params to start from when not resuming; by default those of
       `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
-    echo: receives the one-line summary of every step, and warnings.
+    echo: receives the run's id, the one-line summary of every step, and warnings.
     progress: show a progress bar.
     **ray_options: for placement "ray", `rl.ray_placement.run_on_ray`'s options.
 
   Raises:
     ConfigError: a setting that cannot work, found before anything is compiled.
+    WorkdirInUseError: another run holds `workdir` (`rl.workdir`).
   """
   cfg = resolve(cfg)
   if placement not in config.PLACEMENTS:
     raise ConfigError(f"placement must be one of {config.PLACEMENTS}, got {placement!r}")
-  if placement == "ray":
-    if task is not None:
-      raise ConfigError("a task object runs in process only; on Ray name it in task.name")
-    preflight(cfg, _make_task(cfg))
-    from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
-    return run_on_ray(cfg, workdir, stop=stop, init_params=init_params, echo=echo,
-                      progress=progress, **ray_options)
+  if placement == "ray" and task is not None:
+    raise ConfigError("a task object runs in process only; on Ray name it in task.name")
   task = preflight(cfg, _make_task(cfg) if task is None else task)
-  server = ParameterServer(cfg.staleness, cfg.batch_groups)
-  # One engine for the rollout and held-out pools: its programs compile once.
-  engine = make_engine(cfg)
-  loop = worker = None
-  try:
-    loop = train_loop(cfg, workdir, server, task=task, engine=engine, init_params=init_params,
-                      stop=stop, echo=echo, progress=progress)
-    worker = rollout_worker(cfg, server, task=task, engine=engine)
-    summary = loop.run([worker])
-    summary["history"] = loop.history
-    return summary
-  finally:
-    server.close()
-    for part in (worker, loop):
-      if part is not None:
-        part.close()
+  # The workdir is this run's (on Ray, the driver holds it) before anything is written.
+  with workdir_lib.hold(workdir, echo) as me:
+    echo(f"{me}: workdir {os.path.abspath(workdir)}")
+    if placement == "ray":
+      from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
+      return run_on_ray(cfg, workdir, stop=stop, init_params=init_params, echo=echo,
+                        progress=progress, **ray_options)
+    server = ParameterServer(cfg.staleness, cfg.batch_groups)
+    # One engine for the rollout and held-out pools: its programs compile once.
+    engine = make_engine(cfg)
+    loop = worker = None
+    try:
+      loop = train_loop(cfg, workdir, server, task=task, engine=engine,
+                        init_params=init_params, stop=stop, echo=echo, progress=progress)
+      worker = rollout_worker(cfg, server, task=task, engine=engine)
+      summary = loop.run([worker])
+      summary["history"] = loop.history
+      return summary
+    finally:
+      server.close()
+      for part in (worker, loop):
+        if part is not None:
+          part.close()
 
 
 def _make_task(cfg):

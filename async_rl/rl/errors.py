@@ -28,3 +28,7 @@ class NonFiniteError(RunError):
 
 class NoUsableCheckpointError(RunError):
   """Checkpoints exist, but none of them can be restored."""
+
+
+class WorkdirInUseError(RunError):
+  """Another run holds the workdir; the message names it (host, pid, start time)."""

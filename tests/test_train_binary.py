@@ -1,9 +1,11 @@
-"""launch/train.py: a smoke run; resume after SIGKILL with consistent state and data
-accounting; in the synchronous mode, resume (even past a damaged checkpoint) equals
-not stopping."""
+"""launch/train.py: a smoke run; resume after SIGKILL with consistent state, data
+accounting and a log holding each step once; in the synchronous mode, resume (even past
+a damaged checkpoint) equals not stopping."""
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,26 +67,35 @@ def test_smoke_run_prints_steps_and_writes_outputs(tmp_path):
 
 
 def test_resume_after_sigkill_continues_version_step_and_data(tmp_path):
-  proc = _train(tmp_path, "--config.num_steps=50")
+  eta2 = "--config.staleness.max_staleness=2"
+  proc = _train(tmp_path, "--config.num_steps=50", eta2)
   deadline = time.time() + 600
-  while len(_steps(tmp_path)) < 3 and proc.poll() is None and time.time() < deadline:
+  while len(_steps(tmp_path)) < 4 and proc.poll() is None and time.time() < deadline:
     time.sleep(0.2)
   proc.send_signal(signal.SIGKILL)
   proc.communicate()
   killed_at = len(_steps(tmp_path))
-  assert killed_at >= 3
+  assert killed_at >= 4
+  first_run = _steps(tmp_path)[0]["run_id"]
+  # Resume from the checkpoint before the newest: the steps after it were logged by
+  # the killed process and are trained again, so their lines are superseded.
+  shutil.rmtree(tmp_path / "checkpoints" / str(_checkpoints(tmp_path)[-1]))
   last = _checkpoints(tmp_path)[-1]
+  assert last < killed_at
   meta = _meta(tmp_path, last)
   cursor = meta["server"]["ledger"]["cursor"]["0"]["index"]
   assert meta["version"] == last and cursor > 0
 
-  proc = _train(tmp_path, "--config.num_steps=6")
+  end = killed_at + 2
+  proc = _train(tmp_path, f"--config.num_steps={end}", eta2)
   out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
-  steps = [s["step"] for s in _steps(tmp_path)]
-  resumed = steps[killed_at:]
-  assert resumed == list(range(last + 1, 7)), (steps, last)
-  assert f"v={last + 1} reward=" in out
+  lines = _steps(tmp_path)
+  assert [s["step"] for s in lines] == list(range(1, end + 1)), "each step exactly once"
+  second_run = re.search(r"^run (\S+) \(host", out, re.M).group(1)
+  assert [s["run_id"] for s in lines] == [first_run] * last + [second_run] * (end - last)
+  assert all(a["time"] < b["time"] for a, b in zip(lines, lines[1:]))
+  assert f"resumed from checkpoint {last}" in out and f"v={last + 1} reward=" in out
   # Groups open at the checkpoint were lost with the process, counted, and issued
   # again; no prompt was trained twice into the final params, or skipped.
   lost = len(meta["server"]["ledger"]["replay"].get("0", []))
@@ -96,7 +107,7 @@ def test_resume_after_sigkill_continues_version_step_and_data(tmp_path):
 _VARIED = ("--config.rollout.reward_fn=reward_fns_for_tests:length",)  # params move
 _SYNC = ("--config.staleness.max_staleness=0", "--config.num_steps=5", *_VARIED)
 # What a step computed, as opposed to how long it took or what ran beside it.
-_NOT_COMPARED = ("step", "pid", "worker_restarts", "time_pack_s", "time_train_s",
+_NOT_COMPARED = ("step", "run_id", "time", "pid", "worker_restarts", "time_pack_s", "time_train_s",
                  "time_wait_s", "time_publish_s", "train_tokens_per_s", "gen_tokens_per_s",
                  "longest_unreported_wait_s")
 
@@ -135,3 +146,4 @@ def test_sync_resume_from_a_damaged_checkpoint_equals_an_uninterrupted_run(tmp_p
         if key not in _NOT_COMPARED and not isinstance(expected[key], dict):
           assert s[key] == expected[key], (s["step"], key)
   check_prompt_accounting(cut)
+

@@ -78,14 +78,15 @@ def run(cfg: ExperimentConfig, workdir: str, *, placement: str = "in_process", t
     if placement == "ray":
       from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
       return run_on_ray(cfg, workdir, stop=stop, init_params=init_params, echo=echo,
-                        progress=progress, **ray_options)
+                        progress=progress, run_id=me.run_id, **ray_options)
     server = ParameterServer(cfg.staleness, cfg.batch_groups)
     # One engine for the rollout and held-out pools: its programs compile once.
     engine = make_engine(cfg)
     loop = worker = None
     try:
       loop = train_loop(cfg, workdir, server, task=task, engine=engine,
-                        init_params=init_params, stop=stop, echo=echo, progress=progress)
+                        init_params=init_params, stop=stop, echo=echo, progress=progress,
+                        run_id=me.run_id)
       worker = rollout_worker(cfg, server, task=task, engine=engine)
       summary = loop.run([worker])
       summary["history"] = loop.history
@@ -267,13 +268,14 @@ def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
 def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engine=None,
                init_params=None, stop: Optional[threading.Event] = None,
                echo: Callable[[str], None] = print, progress: bool = True,
-               publish_on_host: bool = False) -> TrainLoop:
+               publish_on_host: bool = False, run_id: Optional[str] = None) -> TrainLoop:
   """The trainer side of a run, resumed from `workdir`'s newest checkpoint that reads
   whole, its version published to `server` (host copies with `publish_on_host`, for a
   server in another process).
 
   `engine` serves the held-out evaluation (None: a new one); in one process it is the
-  rollout worker's, so its programs compile once.
+  rollout worker's, so its programs compile once. `run_id` marks the run's metrics
+  lines (None: a new id); the log drops the lines the restored checkpoint supersedes.
   """
   os.makedirs(workdir, exist_ok=True)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
@@ -293,7 +295,8 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engine=None
       reward_service(cfg, num_workers=1), task, cfg.eval, reward_fn=reward_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
       vocab_size=cfg.model.vocab_size, wait=deadlines.result)
-  return TrainLoop(trainer, server, evaluator, checkpointer, MetricsLog(workdir), deadlines,
+  log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step)
+  return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
                    num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
                    checkpoint_every=cfg.checkpoint.every_steps,
                    max_consecutive_skips=cfg.train.max_consecutive_skips, restored=restored,

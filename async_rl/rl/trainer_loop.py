@@ -36,8 +36,10 @@ _BATCH_POLL_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-  """What a run resumes with: the step counts kept beside the train state, and how
-  many newer checkpoints were damaged (and moved aside)."""
+  """What a run resumes with: the checkpoint's step (None: it starts afresh), the step
+  counts kept beside the train state, and how many newer checkpoints were damaged (and
+  moved aside)."""
+  step: Optional[int] = None
   skipped_steps: int = 0
   applied_updates: int = 0
   damaged_checkpoints: int = 0
@@ -83,7 +85,9 @@ class TrainLoop:
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
-    self._last_eval: tuple[Optional[int], dict[str, float]] = (None, {})
+    # An evaluation the log already holds (of the version resumed from) is not redone.
+    self._last_eval: tuple[Optional[int], Optional[dict]] = max(log.evals.items(),
+                                                                default=(None, None))
 
   @staticmethod
   def restore(checkpointer: Checkpointer, trainer: Trainer, server,
@@ -99,8 +103,8 @@ class TrainLoop:
       echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
     trainer.restore(restored.state, restored.meta.get("packed_shapes", ()))
     echo(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
-    return Restored(int(restored.meta["skipped_steps"]), int(restored.meta["applied_updates"]),
-                    len(restored.damaged))
+    return Restored(restored.step, int(restored.meta["skipped_steps"]),
+                    int(restored.meta["applied_updates"]), len(restored.damaged))
 
   def _published_params(self):
     if self.publish_on_host:
@@ -275,7 +279,8 @@ class TrainLoop:
 
   def _eval_and_log(self):
     """Evaluates and logs the current version, once: the final evaluation reuses the
-    periodic one when `num_steps` is a multiple of `eval.every_steps`."""
+    periodic one when `num_steps` is a multiple of `eval.every_steps`, and a resumed
+    run the one logged of the version it resumes from."""
     version = self.trainer.version
     if self._last_eval[0] == version:
       return self._last_eval[1]

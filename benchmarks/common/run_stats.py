@@ -27,14 +27,13 @@ def measured_config(cfg: ExperimentConfig, steps: int) -> ExperimentConfig:
 
 
 def step_lines(workdir: str) -> list[dict]:
-  """The step lines of `workdir/metrics.jsonl` that its newest params descend from: for
-  a step logged twice (trained again after a resume), the later line."""
+  """The step lines of `workdir/metrics.jsonl`, one per step (a resumed run removes
+  the lines its checkpoint superseded)."""
   path = Path(workdir) / "metrics.jsonl"
   if not path.exists():
     return []
   lines = [json.loads(line) for line in path.read_text().splitlines()]
-  by_step = {line["step"]: line for line in lines if "eval" not in line}
-  return [by_step[step] for step in sorted(by_step)]
+  return [line for line in lines if "eval" not in line]
 
 
 def prompt_accounting(workdir: str, worker: int = 0) -> dict:

@@ -5,7 +5,9 @@ r"""Asynchronous RL training binary.
 
 Starting again with the same --workdir resumes from its latest checkpoint. A workdir
 holds one run: a second run on it exits at once with status 1, naming the first.
-SIGTERM (or Ctrl-C) checkpoints and exits. A fault the run cannot survive (a stall past
+SIGTERM (or Ctrl-C) checkpoints the current version and exits with status 128 + the
+signal's number (143, 130), so that a job controller starts the job again; a second
+signal exits at once. A fault the run cannot survive (a stall past
 run.stall_timeout_s, a failed rollout worker, too many non-finite steps, no
 checkpoint that can be restored) exits with status 1 and a message naming it.
 """
@@ -19,6 +21,7 @@ from ml_collections import config_flags
 
 from async_rl import config
 from async_rl.rl.errors import ConfigError, RunError, WorkdirInUseError
+from async_rl.rl.signals import StopOnSignals
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -37,6 +40,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  signals = StopOnSignals(threading.Event())
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
   try:
@@ -47,13 +51,11 @@ def main(argv):
     import jax  # noqa: PLC0415 (only multi-host runs pay for the import here)
     jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
                                process_id=_PROCESS_ID.value)
-  stop = threading.Event()
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, lambda *_: stop.set())
   from async_rl.rl import build  # noqa: PLC0415 (after jax.distributed, which must come first)
   ray = {"address": _RAY_ADDRESS.value} if _PLACEMENT.value == "ray" else {}
   try:
-    summary = build.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=stop, **ray)
+    summary = build.run(cfg, _WORKDIR.value, placement=_PLACEMENT.value, stop=signals.stop,
+                        **ray)
   except ConfigError as e:
     raise app.UsageError(f"invalid config: {e}") from None
   except WorkdirInUseError as e:
@@ -61,6 +63,10 @@ def main(argv):
   except RunError as e:
     sys.exit(f"train: the run stopped: {e}")
   logging.info("done: %s", summary)
+  if signals.received is not None:  # the run has said what it saved
+    print(f"train: stopped by {signal.Signals(signals.received).name}; exit status "
+          f"{signals.exit_status}", file=sys.stderr)
+    sys.exit(signals.exit_status)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """End-to-end in-process runs: async and sync, metrics, staleness bound, failing rewards."""
 
 import json
+import threading
 import types
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from async_rl import cpu, sharding
 from async_rl.config import MeshConfig
 from async_rl.generation import Engine
 from async_rl.rl import build
+from async_rl.rl.evaluate import Evaluator
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
@@ -139,3 +141,30 @@ def test_the_trainer_packs_into_a_shape_it_compiled_within_the_slack():
     shapes[slack] = [trainer.pack(groups(lengths)).tokens.shape
                      for lengths in ([22] * 8, [22] * 6 + [10] * 2)]
   assert shapes == {0.0: [(1, 8, 40), (1, 6, 40)], 0.5: [(1, 8, 40), (1, 8, 40)]}
+
+
+def test_a_stop_during_the_first_evaluation_ends_it_and_checkpoints_version_0(
+    tmp_path, monkeypatch):
+  stop, lines = threading.Event(), []
+  evaluate = Evaluator.evaluate
+
+  def stopped_meanwhile(self, *args, **kwargs):
+    threading.Timer(0.5, stop.set).start()  # while it waits for its first compile
+    return evaluate(self, *args, **kwargs)
+
+  monkeypatch.setattr(Evaluator, "evaluate", stopped_meanwhile)
+  summary = build.run(small_config(), str(tmp_path), stop=stop, progress=False,
+                      echo=lines.append)
+  assert summary["stopped"] and summary["eval_before"] is None
+  assert (summary["end_version"], summary["checkpoint"]) == (0, 0)
+  assert _steps(tmp_path) == ([], [])
+  assert f"stopped at version 0: checkpoint 0 in {tmp_path / 'checkpoints'} holds it; rerun " \
+         f"the same command to resume" in lines
+
+
+def test_a_stop_before_the_run_is_built_writes_nothing(tmp_path):
+  stop = threading.Event()
+  stop.set()
+  summary = build.run(small_config(), str(tmp_path / "w"), stop=stop, progress=False,
+                      echo=lambda _: None)
+  assert summary == {"stopped": True} and not (tmp_path / "w").exists()

@@ -1,6 +1,7 @@
 """launch/train.py: a smoke run; resume after SIGKILL with consistent state, data
-accounting and a log holding each step once; in the synchronous mode, resume (even past
-a damaged checkpoint) equals not stopping."""
+accounting and a log holding each step once; SIGTERM stops, saves and exits 143, and a
+second run on a held workdir is refused; in the synchronous mode, resume (even past a
+damaged checkpoint) equals not stopping."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -147,3 +149,75 @@ def test_sync_resume_from_a_damaged_checkpoint_equals_an_uninterrupted_run(tmp_p
           assert s[key] == expected[key], (s["step"], key)
   check_prompt_accounting(cut)
 
+
+class _Output:
+  """A process's output, read as it comes; `wait_for(text)` blocks until it appears."""
+
+  def __init__(self, proc):
+    self.proc, self._text, self._cv = proc, "", threading.Condition()
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      with self._cv:
+        self._text += line
+        self._cv.notify_all()
+
+  def wait_for(self, text, timeout=600):
+    with self._cv:
+      assert self._cv.wait_for(lambda: text in self._text or self.proc.poll() is not None,
+                               timeout), self._text[-3000:]
+      assert text in self._text, self._text[-3000:]
+
+  def wait(self, timeout=600):
+    self.proc.wait(timeout)
+    time.sleep(0.2)  # the last lines
+    with self._cv:
+      return self._text
+
+
+# A job controller's grace period (Kubernetes' default) before it SIGKILLs: the run
+# stops well within it (on an idle machine, in a few seconds; see docs/operations.md).
+_GRACE_S = 30
+
+
+def _sigterm(out):
+  start = time.monotonic()
+  out.proc.send_signal(signal.SIGTERM)
+  text = out.wait(timeout=_GRACE_S)
+  return text, time.monotonic() - start
+
+
+def test_sigterm_saves_and_exits_143_at_startup_and_mid_run_and_the_same_command_resumes(
+    tmp_path):
+  flags = ("--config.num_steps=200",)
+  # At startup: the run holds its workdir and builds its parts (compiles).
+  out = _Output(_train(tmp_path, *flags))
+  out.wait_for(": workdir ")
+  text, took = _sigterm(out)
+  assert out.proc.returncode == 143, text[-3000:]
+  assert took < _GRACE_S
+  assert "SIGTERM: stopping" in text and "train: stopped by SIGTERM; exit status 143" in text
+  assert "stopped at version 0: checkpoint 0 in" in text and _checkpoints(tmp_path) == [0]
+
+  # Mid-run, with a second run on the same workdir refused meanwhile.
+  out = _Output(_train(tmp_path, *flags))
+  out.wait_for("v=2 reward=")
+  holder = re.search(r"^(run \S+ \(host \S+, pid \d+, started \S+\))", out._text, re.M)
+  assert f"pid {out.proc.pid}," in holder.group(1)
+  second = _train(tmp_path, *flags)
+  refused, _ = second.communicate(timeout=600)
+  assert second.returncode == 1 and f"is in use by {holder.group(1)}" in refused, refused[-3000:]
+  text, took = _sigterm(out)
+  assert out.proc.returncode == 143, text[-3000:]
+  assert took < _GRACE_S
+  stopped = int(re.search(r"stopped at version (\d+): checkpoint \1 in", text).group(1))
+  assert 2 <= stopped < 200 and _checkpoints(tmp_path)[-1] == stopped
+
+  # The same command resumes (here to a nearer end).
+  out = _Output(_train(tmp_path, f"--config.num_steps={stopped + 2}"))
+  text = out.wait()
+  assert out.proc.returncode == 0, text[-3000:]
+  assert f"resumed from checkpoint {stopped}" in text
+  assert [s["step"] for s in _steps(tmp_path)] == list(range(1, stopped + 3))
+  check_prompt_accounting(tmp_path)

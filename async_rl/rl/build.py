@@ -57,7 +57,8 @@ def run(cfg: ExperimentConfig, workdir: str, *, placement: str = "in_process", t
       (in process only).
     init_params: params to start from when not resuming; by default those of
       `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
-    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
+    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early (at
+      once, saving nothing, if it is set before the run is built).
     echo: receives the run's id, the one-line summary of every step, and warnings.
     progress: show a progress bar.
     **ray_options: for placement "ray", `rl.ray_placement.run_on_ray`'s options.
@@ -72,6 +73,9 @@ def run(cfg: ExperimentConfig, workdir: str, *, placement: str = "in_process", t
   if placement == "ray" and task is not None:
     raise ConfigError("a task object runs in process only; on Ray name it in task.name")
   task = preflight(cfg, _make_task(cfg) if task is None else task)
+  if stop is not None and stop.is_set():  # before anything is built or written
+    echo(f"stopped before the run started; {workdir} is as it was")
+    return {"stopped": True}
   # The workdir is this run's (on Ray, the driver holds it) before anything is written.
   with workdir_lib.hold(workdir, echo) as me:
     echo(f"{me}: workdir {os.path.abspath(workdir)}")
@@ -290,11 +294,12 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engine=None
   params = trainer.host_params() if publish_on_host else trainer.device_params()
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
+  stop = stop or threading.Event()
   evaluator = Evaluator(
       GeneratorPool(engine or make_engine(cfg), params, version=trainer.version),
       reward_service(cfg, num_workers=1), task, cfg.eval, reward_fn=reward_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
-      vocab_size=cfg.model.vocab_size, wait=deadlines.result)
+      vocab_size=cfg.model.vocab_size, wait=functools.partial(deadlines.result, stop=stop))
   log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step)
   return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
                    num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,

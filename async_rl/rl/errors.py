@@ -32,3 +32,7 @@ class NoUsableCheckpointError(RunError):
 
 class WorkdirInUseError(RunError):
   """Another run holds the workdir; the message names it (host, pid, start time)."""
+
+
+class StopRequested(Exception):
+  """The run was asked to stop (a signal) while this waited; not a fault."""

@@ -221,7 +221,7 @@ def test_output_limiter_counts_per_interval_and_reports_once_an_interval_ends():
   limiter.line("d", 12.0)
   limiter.flush()  # the output ended: the count is due at once
   assert logged[3:] == ["w: b", "w: c",
-                        "w: 1 more lines of output left out (at most 2 per 10 s are logged)"]
+                        "w: 1 more line of output left out (at most 2 per 10 s are logged)"]
 
 
 def test_sandbox_runs_code_on_stdin():

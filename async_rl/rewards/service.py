@@ -92,8 +92,9 @@ class OutputLimiter:
 
   def flush(self, now: float | None = None) -> None:
     if self.left_out and (now is None or now >= self._ends):
-      self._log(f"{self.name}: {self.left_out} more lines of output left out (at most "
-                f"{self.max_lines} per {self.interval_s:g} s are logged)")
+      n = self.left_out
+      self._log(f"{self.name}: {n} more line{'s' if n > 1 else ''} of output left out "
+                f"(at most {self.max_lines} per {self.interval_s:g} s are logged)")
       self.left_out = 0
 
   def seconds_to_flush(self, now: float) -> float | None:

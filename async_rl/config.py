@@ -458,6 +458,7 @@ class RolloutConfig:
     reward_weights: one weight per function of `reward_fn`; empty: all 1.
     reward_timeout_s: hard limit on one reward call (all its functions).
     reward_workers: reward worker processes.
+    reward_memory_mb: address-space limit of each reward worker process (0: none).
     dynamic_filter: drop groups whose rewards are all equal (no learning signal).
     allow_weak_sandbox: lets code rewards run without bubblewrap (rewards/sandbox.py).
   """
@@ -466,6 +467,7 @@ class RolloutConfig:
   reward_weights: tuple[float, ...] = ()
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
+  reward_memory_mb: int = 8192
   dynamic_filter: bool = False
   allow_weak_sandbox: bool = False
 
@@ -486,6 +488,8 @@ class RolloutConfig:
       if len(names) != len(self.reward_weights):
         fail("rollout.reward_weights", self.reward_weights,
              f"must give one weight per function of rollout.reward_fn ({len(names)})")
+    if self.reward_memory_mb < 0:
+      fail("rollout.reward_memory_mb", self.reward_memory_mb, "must be >= 0 (0: no limit)")
 
 
 @dataclasses.dataclass(frozen=True)

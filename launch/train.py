@@ -7,8 +7,11 @@ Across hosts (`jax.distributed`): the same command on every host, with
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I; process 0 runs the
 parameter server, the rollouts and the evaluation, every process trains.
 
-Starting again with the same --workdir resumes from its latest checkpoint. SIGTERM
-(or Ctrl-C) checkpoints and exits. A fault the run cannot survive (a stall past
+Starting again with the same --workdir resumes from its latest checkpoint. A workdir
+holds one run: a second run on it exits at once with status 1, naming the first.
+SIGTERM (or Ctrl-C) checkpoints the current version and exits with status 128 + the
+signal's number (143, 130), so that a job controller starts the job again; a second
+signal exits at once. A fault the run cannot survive (a stall past
 run.stall_timeout_s, a failed rollout worker, too many non-finite steps, no
 checkpoint that can be restored) exits with status 1 and a message naming it.
 """
@@ -21,7 +24,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from async_rl import config
-from async_rl.rl.errors import ConfigError, RunError
+from async_rl.rl.errors import ConfigError, RunError, WorkdirInUseError
+from async_rl.rl.signals import StopOnSignals
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -36,6 +40,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  signals = StopOnSignals(threading.Event())
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
   try:
@@ -48,17 +53,20 @@ def main(argv):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
                                process_id=_PROCESS_ID.value)
-  stop = threading.Event()
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, lambda *_: stop.set())
   from async_rl.rl import build  # noqa: PLC0415 (after jax.distributed, which must come first)
   try:
-    summary = build.run(cfg, _WORKDIR.value, stop=stop)
+    summary = build.run(cfg, _WORKDIR.value, stop=signals.stop)
   except ConfigError as e:
     raise app.UsageError(f"invalid config: {e}") from None
+  except WorkdirInUseError as e:
+    sys.exit(f"train: {e}")
   except RunError as e:
     sys.exit(f"train: the run stopped: {e}")
   logging.info("done: %s", summary)
+  if signals.received is not None:  # the run has said what it saved
+    print(f"train: stopped by {signal.Signals(signals.received).name}; exit status "
+          f"{signals.exit_status}", file=sys.stderr)
+    sys.exit(signals.exit_status)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import ctypes
 import os
+import sys
 import time
 
 
@@ -38,3 +39,19 @@ def segfaults(completion, reference):
   del completion, reference
   ctypes.string_at(0)
 
+
+
+def allocates_mb(completion, reference):
+  """Allocates `reference` MB (a bytearray, so the pages are touched); scores 1."""
+  del completion
+  block = bytearray(int(reference) << 20)
+  return float(len(block) > 0)
+
+
+def prints(completion, reference):
+  """Prints `reference` numbered lines to stdout and one to stderr; scores 1."""
+  del completion
+  for i in range(int(reference)):
+    print(f"reward says {i}", flush=True)
+  print("reward complains", file=sys.stderr, flush=True)
+  return 1.0

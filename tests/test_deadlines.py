@@ -12,7 +12,7 @@ import pytest
 
 from async_rl.param_server import ParameterServer
 from async_rl.rl.deadlines import Deadlines
-from async_rl.rl.errors import RolloutWorkerError, StallError
+from async_rl.rl.errors import RolloutWorkerError, StallError, StopRequested
 from rl_test_utils import checkpoint_meta, run_parts, small_config
 
 
@@ -78,6 +78,16 @@ def test_result_and_call_return_in_time_and_raise_past_the_hard_deadline():
   with pytest.raises(StallError, match=r"waited 0 s for the checkpoint"):
     d.call(threading.Event().wait, "the checkpoint")
   assert 0.2 <= time.monotonic() - started < 2.0
+
+
+def test_result_ends_as_soon_as_the_stop_event_is_set_while_it_waits():
+  d, stop = _deadlines([]), threading.Event()
+  threading.Timer(0.2, stop.set).start()
+  with pytest.raises(StopRequested, match="stopped while waiting for held-out generation"):
+    d.result(Future(), "held-out generation", stop=stop)
+  done = Future()
+  done.set_result(3)
+  assert d.result(done, "a result", stop=threading.Event()) == 3
 
 
 def test_the_watchdog_records_a_probe_that_stalls():

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from async_rl.rewards import code_tests, sandbox
+from async_rl.rewards.service import OutputLimiter
 from async_rl.rewards import (REWARD_FNS, RewardService, RewardTask, code_tests_all_reward,
                               code_tests_reward, resolve_reward_fn, run_sandboxed)
 
@@ -168,6 +169,59 @@ def test_closed_service_cancels_queued_calls_and_refuses_new_ones():
   assert queued.cancelled()
   with pytest.raises(RuntimeError, match="closed"):
     svc.submit(_task("echo", 1.0))
+
+
+def test_a_worker_past_its_memory_limit_scores_zero_as_an_error_and_serves_on():
+  with RewardService(num_workers=1, timeout_s=20.0, memory_mb=512) as svc:
+    assert svc.submit(_task("allocates_mb", 64)).result() == 1.0
+    assert svc.submit(_task("allocates_mb", 1024)).result() == 0.0
+    assert svc.submit(_task("allocates_mb", 64)).result() == 1.0
+    m = svc.metrics()
+    assert (m["calls"], m["errors"], m["worker_restarts"]) == (3, 1, 0)
+
+
+def _relayed(caplog):
+  return [r.getMessage() for r in caplog.records if r.getMessage().startswith("reward worker")]
+
+
+def test_a_workers_output_goes_into_the_log_not_the_terminal(caplog, capfd):
+  with RewardService(num_workers=1, timeout_s=20.0) as svc:
+    pid = svc.submit(_task("worker_pid")).result()
+    assert svc.submit(_task("prints", 2)).result() == 1.0
+  name = f"reward worker 0 (pid {int(pid)})"
+  assert _relayed(caplog) == [f"{name}: reward says 0", f"{name}: reward says 1",
+                              f"{name}: reward complains"]
+  out, err = capfd.readouterr()
+  assert "reward says" not in out + err and "reward complains" not in out + err
+
+
+def test_a_chatty_worker_is_rate_limited_with_a_count_of_what_was_left_out(caplog):
+  with RewardService(num_workers=1, timeout_s=20.0, output_lines=5,
+                     output_interval_s=600.0) as svc:
+    assert svc.submit(_task("prints", 30)).result() == 1.0
+  lines = _relayed(caplog)
+  assert [line.split(": ", 1)[1] for line in lines[:5]] == [f"reward says {i}" for i in range(5)]
+  assert len(lines) == 6 and lines[5].endswith(
+      "26 more lines of output left out (at most 5 per 600 s are logged)")
+
+
+def test_output_limiter_counts_per_interval_and_reports_once_an_interval_ends():
+  logged = []
+  limiter = OutputLimiter("w", max_lines=2, interval_s=10.0, log=logged.append)
+  for t in (0.0, 1.0, 2.0, 3.0):
+    limiter.line(f"a{t:g}", t)
+  assert logged == ["w: a0", "w: a1"] and limiter.seconds_to_flush(4.0) == 6.0
+  limiter.flush(9.0)
+  assert len(logged) == 2
+  limiter.flush(10.0)
+  assert logged[2] == "w: 2 more lines of output left out (at most 2 per 10 s are logged)"
+  assert limiter.seconds_to_flush(10.0) is None
+  limiter.line("b", 10.5)  # a new interval
+  limiter.line("c", 11.0)
+  limiter.line("d", 12.0)
+  limiter.flush()  # the output ended: the count is due at once
+  assert logged[3:] == ["w: b", "w: c",
+                        "w: 1 more line of output left out (at most 2 per 10 s are logged)"]
 
 
 def test_sandbox_runs_code_on_stdin():

@@ -1,6 +1,7 @@
 """End-to-end in-process runs: async and sync, metrics, staleness bound, failing rewards."""
 
 import json
+import threading
 import types
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from async_rl import cpu, sharding
 from async_rl.config import MeshConfig
 from async_rl.generation import Engine
 from async_rl.rl import build
+from async_rl.rl.evaluate import Evaluator
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
@@ -67,11 +69,18 @@ def test_periodic_evaluations_and_the_final_one_evaluate_each_version_once(tmp_p
 def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path):
   cfg = small_config(**{"rollout.reward_fn": "reward_fns_for_tests:raises",
                         "num_steps": 2})
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  lines = []
+  summary = build.run(cfg, str(tmp_path), progress=False, echo=lines.append)
   assert summary["end_version"] == 2
-  steps, _ = _steps(tmp_path)
+  steps, evals = _steps(tmp_path)
   assert steps[-1]["rewards"]["errors"] >= 2 * 2 * 2
   assert all(s["reward_mean"] == 0.0 for s in steps)
+  # Held-out rewards fail too, and are counted: per evaluation one greedy and pass_k
+  # sampled completions of each prompt.
+  per_eval = cfg.eval.num_prompts * (1 + cfg.eval.pass_k)
+  assert [e["eval"]["rewards"]["errors"] for e in evals] == [per_eval, 2 * per_eval]
+  assert [e["eval"]["rewards"]["calls"] for e in evals] == [per_eval, 2 * per_eval]
+  assert sum(f"reward_errors={per_eval}" in line for line in lines if line.startswith("eval")) == 1
 
 
 def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
@@ -132,3 +141,30 @@ def test_the_trainer_packs_into_a_shape_it_compiled_within_the_slack():
     shapes[slack] = [trainer.pack(groups(lengths)).tokens.shape
                      for lengths in ([22] * 8, [22] * 6 + [10] * 2)]
   assert shapes == {0.0: [(1, 8, 40), (1, 6, 40)], 0.5: [(1, 8, 40), (1, 8, 40)]}
+
+
+def test_a_stop_during_the_first_evaluation_ends_it_and_checkpoints_version_0(
+    tmp_path, monkeypatch):
+  stop, lines = threading.Event(), []
+  evaluate = Evaluator.evaluate
+
+  def stopped_meanwhile(self, *args, **kwargs):
+    stop.set()  # its waits (tests/test_deadlines.py) end as soon as they see it
+    return evaluate(self, *args, **kwargs)
+
+  monkeypatch.setattr(Evaluator, "evaluate", stopped_meanwhile)
+  summary = build.run(small_config(), str(tmp_path), stop=stop, progress=False,
+                      echo=lines.append)
+  assert summary["stopped"] and summary["eval_before"] is None
+  assert (summary["end_version"], summary["checkpoint"]) == (0, 0)
+  assert _steps(tmp_path) == ([], [])
+  assert f"stopped at version 0: checkpoint 0 in {tmp_path / 'checkpoints'} holds it; rerun " \
+         f"the same command to resume" in lines
+
+
+def test_a_stop_before_the_run_is_built_writes_nothing(tmp_path):
+  stop = threading.Event()
+  stop.set()
+  summary = build.run(small_config(), str(tmp_path / "w"), stop=stop, progress=False,
+                      echo=lambda _: None)
+  assert summary == {"stopped": True} and not (tmp_path / "w").exists()

@@ -1,12 +1,16 @@
-"""launch/train.py: a smoke run; resume after SIGKILL with consistent state and data
-accounting; in the synchronous mode, resume (even past a damaged checkpoint) equals
-not stopping."""
+"""launch/train.py: a smoke run; resume after SIGKILL with consistent state, data
+accounting and a log holding each step once; SIGTERM stops, saves and exits 143, and a
+second run on a held workdir is refused; in the synchronous mode, resume (even past a
+damaged checkpoint) equals not stopping."""
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,26 +69,35 @@ def test_smoke_run_prints_steps_and_writes_outputs(tmp_path):
 
 
 def test_resume_after_sigkill_continues_version_step_and_data(tmp_path):
-  proc = _train(tmp_path, "--config.num_steps=50")
+  eta2 = "--config.staleness.max_staleness=2"
+  proc = _train(tmp_path, "--config.num_steps=50", eta2)
   deadline = time.time() + 600
-  while len(_steps(tmp_path)) < 3 and proc.poll() is None and time.time() < deadline:
+  while len(_steps(tmp_path)) < 4 and proc.poll() is None and time.time() < deadline:
     time.sleep(0.2)
   proc.send_signal(signal.SIGKILL)
   proc.communicate()
   killed_at = len(_steps(tmp_path))
-  assert killed_at >= 3
+  assert killed_at >= 4
+  first_run = _steps(tmp_path)[0]["run_id"]
+  # Resume from the checkpoint before the newest: the steps after it were logged by
+  # the killed process and are trained again, so their lines are superseded.
+  shutil.rmtree(tmp_path / "checkpoints" / str(_checkpoints(tmp_path)[-1]))
   last = _checkpoints(tmp_path)[-1]
+  assert last < killed_at
   meta = _meta(tmp_path, last)
   cursor = meta["server"]["ledger"]["cursor"]["0"]["index"]
   assert meta["version"] == last and cursor > 0
 
-  proc = _train(tmp_path, "--config.num_steps=6")
+  end = killed_at + 2
+  proc = _train(tmp_path, f"--config.num_steps={end}", eta2)
   out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
-  steps = [s["step"] for s in _steps(tmp_path)]
-  resumed = steps[killed_at:]
-  assert resumed == list(range(last + 1, 7)), (steps, last)
-  assert f"v={last + 1} reward=" in out
+  lines = _steps(tmp_path)
+  assert [s["step"] for s in lines] == list(range(1, end + 1)), "each step exactly once"
+  second_run = re.search(r"^run (\S+) \(host", out, re.M).group(1)
+  assert [s["run_id"] for s in lines] == [first_run] * last + [second_run] * (end - last)
+  assert all(a["time"] < b["time"] for a, b in zip(lines, lines[1:]))
+  assert f"resumed from checkpoint {last}" in out and f"v={last + 1} reward=" in out
   # Groups open at the checkpoint were lost with the process, counted, and issued
   # again; no prompt was trained twice into the final params, or skipped.
   lost = len(meta["server"]["ledger"]["replay"].get("0", []))
@@ -96,7 +109,7 @@ def test_resume_after_sigkill_continues_version_step_and_data(tmp_path):
 _VARIED = ("--config.rollout.reward_fn=reward_fns_for_tests:length",)  # params move
 _SYNC = ("--config.staleness.max_staleness=0", "--config.num_steps=5", *_VARIED)
 # What a step computed, as opposed to how long it took or what ran beside it.
-_NOT_COMPARED = ("step", "pid", "worker_restarts", "time_pack_s", "time_train_s",
+_NOT_COMPARED = ("step", "run_id", "time", "pid", "worker_restarts", "time_pack_s", "time_train_s",
                  "time_wait_s", "time_publish_s", "train_tokens_per_s", "gen_tokens_per_s",
                  "longest_unreported_wait_s")
 
@@ -135,3 +148,76 @@ def test_sync_resume_from_a_damaged_checkpoint_equals_an_uninterrupted_run(tmp_p
         if key not in _NOT_COMPARED and not isinstance(expected[key], dict):
           assert s[key] == expected[key], (s["step"], key)
   check_prompt_accounting(cut)
+
+
+class _Output:
+  """A process's output, read as it comes; `wait_for(text)` blocks until it appears."""
+
+  def __init__(self, proc):
+    self.proc, self._text, self._cv = proc, "", threading.Condition()
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      with self._cv:
+        self._text += line
+        self._cv.notify_all()
+
+  def wait_for(self, text, timeout=600):
+    with self._cv:
+      assert self._cv.wait_for(lambda: text in self._text or self.proc.poll() is not None,
+                               timeout), self._text[-3000:]
+      assert text in self._text, self._text[-3000:]
+
+  def wait(self, timeout=600):
+    self.proc.wait(timeout)
+    time.sleep(0.2)  # the last lines
+    with self._cv:
+      return self._text
+
+
+# A job controller's grace period (Kubernetes' default) before it SIGKILLs: the run
+# stops well within it (on an idle machine, in a few seconds; see docs/operations.md).
+_GRACE_S = 30
+
+
+def _sigterm(out):
+  start = time.monotonic()
+  out.proc.send_signal(signal.SIGTERM)
+  text = out.wait(timeout=_GRACE_S)
+  return text, time.monotonic() - start
+
+
+def test_sigterm_saves_and_exits_143_at_startup_and_mid_run_and_the_same_command_resumes(
+    tmp_path):
+  flags = ("--config.num_steps=200",)
+  # At startup: the run holds its workdir and builds its parts (compiles).
+  out = _Output(_train(tmp_path, *flags))
+  out.wait_for(": workdir ")
+  text, took = _sigterm(out)
+  assert out.proc.returncode == 143, text[-3000:]
+  assert took < _GRACE_S
+  assert "SIGTERM: stopping" in text and "train: stopped by SIGTERM; exit status 143" in text
+  assert "stopped at version 0: checkpoint 0 in" in text and _checkpoints(tmp_path) == [0]
+
+  # Mid-run, with a second run on the same workdir refused meanwhile.
+  out = _Output(_train(tmp_path, *flags))
+  out.wait_for("v=2 reward=")
+  holder = re.search(r"^(run \S+ \(host \S+, pid \d+, started \S+\))", out._text, re.M)
+  assert f"pid {out.proc.pid}," in holder.group(1)
+  second = _train(tmp_path, *flags)
+  refused, _ = second.communicate(timeout=600)
+  assert second.returncode == 1 and f"is in use by {holder.group(1)}" in refused, refused[-3000:]
+  text, took = _sigterm(out)
+  assert out.proc.returncode == 143, text[-3000:]
+  assert took < _GRACE_S
+  stopped = int(re.search(r"stopped at version (\d+): checkpoint \1 in", text).group(1))
+  assert 2 <= stopped < 200 and _checkpoints(tmp_path)[-1] == stopped
+
+  # The same command resumes (here to a nearer end).
+  out = _Output(_train(tmp_path, f"--config.num_steps={stopped + 2}"))
+  text = out.wait()
+  assert out.proc.returncode == 0, text[-3000:]
+  assert f"resumed from checkpoint {stopped}" in text
+  assert [s["step"] for s in _steps(tmp_path)] == list(range(1, stopped + 3))
+  check_prompt_accounting(tmp_path)

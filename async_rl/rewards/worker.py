@@ -8,7 +8,9 @@ the pickled `(completion, reference)`, and `fn` says what `fn_key` is the first 
 the worker sees the key (None after): a registry name, or a function pickled by
 value with cloudpickle (`ship_fn`). Answers are ("ready", pid) once, then
 ("ok", reward) or ("error", message) per call. Reward functions run in the worker's
-main thread, so those that use signals work.
+main thread, so those that use signals work. A worker may be given a limit on its
+address space (RLIMIT_AS, the soft limit only, so that a sandbox it starts can set
+its own); an allocation past it raises MemoryError, which scores as an error.
 """
 
 import ctypes
@@ -17,6 +19,7 @@ import math
 import numbers
 import os
 import pickle
+import resource
 import signal
 import struct
 import sys
@@ -30,10 +33,11 @@ _BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
          "from async_rl.rewards.worker import serve; serve(*map(int, sys.argv[2:]))")
 
 
-def worker_command(rx: int, tx: int) -> list[str]:
-  """The command that starts a worker reading fd `rx` and writing fd `tx`."""
+def worker_command(rx: int, tx: int, memory_mb: int = 0) -> list[str]:
+  """The command that starts a worker reading fd `rx` and writing fd `tx`, with at most
+  `memory_mb` of address space (0: no limit)."""
   return [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(rx), str(tx),
-          str(os.getpid())]
+          str(os.getpid()), str(memory_mb)]
 
 
 def ship_fn(fn) -> str | bytes:
@@ -85,9 +89,18 @@ def _exit_with_parent(parent_pid: int):
     os._exit(1)
 
 
-def serve(rx: int, tx: int, parent_pid: int):
+def _limit_memory(memory_mb: int):
+  if memory_mb:
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS,
+                       (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def serve(rx: int, tx: int, parent_pid: int, memory_mb: int = 0):
   """The worker's loop: answers requests on `rx` until told to stop or orphaned."""
   _exit_with_parent(parent_pid)
+  _limit_memory(memory_mb)
   fns = {}
   send_bytes(tx, pickle.dumps(("ready", os.getpid())))
   while True:

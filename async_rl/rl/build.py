@@ -35,6 +35,7 @@ from async_rl.models import hf, hf_config
 from async_rl.param_server import ParameterServer
 from async_rl.rewards import Reward, RewardService
 from async_rl.rl import multihost
+from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import ConfigError
@@ -61,47 +62,54 @@ def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
       (in process only).
     init_params: params to start from when not resuming; by default those of
       `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
-    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
-    echo: receives the one-line summary of every step, and warnings.
+    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early (at
+      once, saving nothing, if it is set before the run is built).
+    echo: receives the run's id, the one-line summary of every step, and warnings.
     progress: show a progress bar.
 
   Raises:
     ConfigError: a setting that cannot work, found before anything is compiled.
+    WorkdirInUseError: another run holds `workdir` (`rl.workdir`).
   """
   cfg = resolve(cfg)
-  if cfg.placement.kind == "ray":
-    if task is not None:
-      raise ConfigError("a task object runs in process only; on Ray name it in task.name")
-    preflight(cfg, _make_task(cfg))
-    from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
-    return run_on_ray(cfg, workdir, stop=stop, init_params=init_params, echo=echo,
-                      progress=progress)
+  if cfg.placement.kind == "ray" and task is not None:
+    raise ConfigError("a task object runs in process only; on Ray name it in task.name")
   task = preflight(cfg, _make_task(cfg) if task is None else task)
-  if not multihost.is_leader():
+  if not multihost.is_leader():  # the leader holds the workdir
     follow(cfg, workdir, task=task, init_params=init_params)
     return {}
-  devices = split_devices(cfg.placement, jax.local_devices(), jax.devices())
-  with _config_errors():
-    cfg.mesh.axis_sizes(len(devices.trainer))  # the mesh must fill the trainer's devices
-  check_resume(cfg, workdir)
-  server = ParameterServer(cfg.staleness, cfg.batch_groups)
-  # One engine per generator replica, for the rollout and held-out pools alike: their
-  # programs compile once.
-  engines = [make_engine(cfg, replica) for replica in devices.replicas]
-  loop = worker = None
-  try:
-    loop = train_loop(cfg, workdir, server, task=task, engines=engines,
-                      trainer_devices=devices.trainer, init_params=init_params, stop=stop,
-                      echo=echo, progress=progress)
-    worker = rollout_worker(cfg, server, task=task, engines=engines)
-    summary = loop.run([worker])
-    summary["history"] = loop.history
-    return summary
-  finally:
-    server.close()
-    for part in (worker, loop):
-      if part is not None:
-        part.close()
+  if stop is not None and stop.is_set():  # before anything is built or written
+    echo(f"stopped before the run started; {workdir} is as it was")
+    return {"stopped": True}
+  # The workdir is this run's (on Ray, the driver holds it) before anything is written.
+  with workdir_lib.hold(workdir, echo) as me:
+    echo(f"{me}: workdir {os.path.abspath(workdir)}")
+    check_resume(cfg, workdir)
+    if cfg.placement.kind == "ray":
+      from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
+      return run_on_ray(cfg, workdir, stop=stop, init_params=init_params, echo=echo,
+                        progress=progress, run_id=me.run_id)
+    devices = split_devices(cfg.placement, jax.local_devices(), jax.devices())
+    with _config_errors():
+      cfg.mesh.axis_sizes(len(devices.trainer))  # the mesh must fill the trainer's devices
+    server = ParameterServer(cfg.staleness, cfg.batch_groups)
+    # One engine per generator replica, for the rollout and held-out pools alike: their
+    # programs compile once.
+    engines = [make_engine(cfg, replica) for replica in devices.replicas]
+    loop = worker = None
+    try:
+      loop = train_loop(cfg, workdir, server, task=task, engines=engines,
+                        trainer_devices=devices.trainer, init_params=init_params, stop=stop,
+                        echo=echo, progress=progress, run_id=me.run_id)
+      worker = rollout_worker(cfg, server, task=task, engines=engines)
+      summary = loop.run([worker])
+      summary["history"] = loop.history
+      return summary
+    finally:
+      server.close()
+      for part in (worker, loop):
+        if part is not None:
+          part.close()
 
 
 def _make_task(cfg):
@@ -377,6 +385,13 @@ def correct_fn(cfg: ExperimentConfig, task) -> Reward:
   return Reward(cfg.eval.correct_fn, field="eval.correct_fn")
 
 
+def reward_service(cfg: ExperimentConfig, num_workers: int) -> RewardService:
+  """A reward service of `num_workers` worker processes, as `rollout` configures them."""
+  r = cfg.rollout
+  return RewardService(num_workers=num_workers, timeout_s=r.reward_timeout_s,
+                       memory_mb=r.reward_memory_mb, allow_weak_sandbox=r.allow_weak_sandbox)
+
+
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
   """How the rollouts sample: the generation section, and the task's stop ids."""
   g = cfg.generation
@@ -387,14 +402,16 @@ def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
 def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=None,
                trainer_devices=None, init_params=None,
                stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
-               progress: bool = True, publish_on_host: bool = False) -> TrainLoop:
+               progress: bool = True, publish_on_host: bool = False,
+               run_id: Optional[str] = None) -> TrainLoop:
   """The trainer side of a run, resumed from `workdir`'s newest checkpoint that reads
   whole, its version published to `server` (host copies with `publish_on_host`, for a
   server in another process).
 
   `engines` serve the held-out evaluation (None: one new engine); in one process they
   are the rollout worker's, so their programs compile once. `trainer_devices` carry
-  the trainer's mesh (None: every device).
+  the trainer's mesh (None: every device). `run_id` marks the run's metrics lines
+  (None: a new id); the log drops the lines the restored checkpoint supersedes.
   """
   check_resume(cfg, workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -413,15 +430,15 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   params = trainer.host_params(dtype) if on_host else trainer.device_params()
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
+  stop = stop or threading.Event()
   evaluator = Evaluator(
       make_pool(engines or [make_engine(cfg)], params, version=trainer.version),
-      RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s,
-                    allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
-      task, cfg.eval, reward_fn=correct_fn(cfg, task),
+      reward_service(cfg, num_workers=1), task, cfg.eval, reward_fn=correct_fn(cfg, task),
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
       vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
-      wait=deadlines.result)
-  return TrainLoop(trainer, server, evaluator, checkpointer, MetricsLog(workdir), deadlines,
+      wait=functools.partial(deadlines.result, stop=stop))
+  log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step)
+  return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
                    num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
                    checkpoint_every=cfg.checkpoint.every_steps,
                    max_consecutive_skips=cfg.train.max_consecutive_skips, restored=restored,
@@ -492,9 +509,7 @@ def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
   prompts = PromptSource(lambda state: task.stream(state, worker_index=index),
                          cursor=start["cursor"], replay=start["replay"])
   pool = make_pool(engines or [make_engine(cfg)], params, version=version, seed=cfg.seed + index)
-  rewards = RewardService(num_workers=cfg.rollout.reward_workers,
-                          timeout_s=cfg.rollout.reward_timeout_s,
-                          allow_weak_sandbox=cfg.rollout.allow_weak_sandbox)
+  rewards = reward_service(cfg, num_workers=cfg.rollout.reward_workers)
   controller = RolloutController(
       server=server, pool=pool, rewards=rewards, prompts=prompts, reference=task.reference,
       decode=task.tokenizer.decode, reward_fn=reward_fn(cfg, task),

@@ -22,7 +22,9 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from async_rl.rl.errors import StallError
+from async_rl.rl.errors import StallError, StopRequested
+
+_STOP_POLL_S = 0.1
 
 
 class Deadlines:
@@ -122,13 +124,21 @@ class Deadlines:
     with self._lock:
       return StallError(self._stall_message(what, s, self._current(time.monotonic())))
 
-  def result(self, future: concurrent.futures.Future, what: str) -> Any:
-    """`future.result()`, reported past the soft deadline; StallError past the hard one."""
+  def result(self, future: concurrent.futures.Future, what: str, *,
+             stop: Optional[threading.Event] = None) -> Any:
+    """`future.result()`, reported past the soft deadline; StallError past the hard one.
+
+    With `stop`, raises `StopRequested` within `_STOP_POLL_S` of it being set (the
+    future is left to whoever made it).
+    """
     start = time.monotonic()
+    poll_s = self.tick_s if stop is None else min(self.tick_s, _STOP_POLL_S)
     with self.waiting(what, may_stall=False):
       while True:
+        if stop is not None and stop.is_set():
+          raise StopRequested(f"stopped while waiting for {what}")
         try:
-          return future.result(timeout=self.tick_s)
+          return future.result(timeout=poll_s)
         except concurrent.futures.TimeoutError:
           self.observe()
           waited = time.monotonic() - start

@@ -28,3 +28,11 @@ class NonFiniteError(RunError):
 
 class NoUsableCheckpointError(RunError):
   """Checkpoints exist, but none of them can be restored."""
+
+
+class WorkdirInUseError(RunError):
+  """Another run holds the workdir; the message names it (host, pid, start time)."""
+
+
+class StopRequested(Exception):
+  """The run was asked to stop (a signal) while this waited; not a fault."""

@@ -90,9 +90,11 @@ class Evaluator:
                  "the held-out generator's weight update")
 
   def evaluate(self, prompts: Optional[Sequence] = None, pass_k: Optional[int] = None
-               ) -> dict[str, float]:
+               ) -> dict[str, Any]:
     """`evaluate` of the loaded params on `prompts` (default: the task's first
-    `cfg.num_prompts` held-out prompts) with `pass_k` (default `cfg.pass_k`)."""
+    `cfg.num_prompts` held-out prompts) with `pass_k` (default `cfg.pass_k`), and the
+    reward service's counters since it started (`rewards`: calls, errors, timeouts,
+    ..., as a rollout worker's), so that a failing reward is seen here too."""
     task = self.task
     prompts = task.heldout(self.cfg.num_prompts) if prompts is None else prompts
     fitting = [p for p in prompts
@@ -110,7 +112,7 @@ class Evaluator:
         workflow=task.workflow, vocab_size=self._vocab_size,
         correct_threshold=self.cfg.correct_threshold,
         wait=lambda f: self._wait(f, "held-out generation"))
-    return {**metrics, "too_long": len(prompts) - len(fitting)}
+    return {**metrics, "too_long": len(prompts) - len(fitting), "rewards": self.rewards.metrics()}
 
   def close(self) -> None:
     """Shuts the pool and the reward service down."""

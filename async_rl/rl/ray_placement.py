@@ -166,13 +166,13 @@ def _rollout_actor(cfg, server, index, options):
 class _Trainer:
   """The trainer actor: a `TrainLoop` whose step lines the driver collects."""
 
-  def __init__(self, cfg, workdir, server, init_params):
+  def __init__(self, cfg, workdir, server, init_params, run_id):
     self._lines = queue.SimpleQueue()
     self._rollouts = []
     # The server is another process: publish host copies (one device_get per step).
     self.loop = build.train_loop(cfg, workdir, server, task=make_task(cfg.task),
                                  init_params=init_params, echo=self._lines.put, progress=False,
-                                 publish_on_host=True)
+                                 publish_on_host=True, run_id=run_id)
 
   def run(self, rollouts):
     self._rollouts = rollouts
@@ -200,7 +200,7 @@ class _Trainer:
 
 def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.Event] = None,
                init_params=None, echo: Callable[[str], None] = print,
-               progress: bool = True) -> dict[str, Any]:
+               progress: bool = True, run_id: Optional[str] = None) -> dict[str, Any]:
   """Runs (or resumes from `workdir`) the experiment with its components as Ray actors,
   placed as `cfg.placement` says (cluster address, rollout workers, actor resources,
   runtime_env, core pinning).
@@ -213,6 +213,8 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.
     init_params: params to start from when not resuming.
     echo: receives the one-line summary of every step.
     progress: show a progress bar.
+    run_id: marks the metrics lines (None: a new id). `rl.build.run` holds the workdir
+      (`rl.workdir.hold`) in this process and passes its run's id.
 
   Returns:
     The trainer loop's summary, its `history` of step metrics and `pids`: the process
@@ -234,7 +236,8 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.
     ).remote(cfg.staleness, cfg.batch_groups)
     # request_stop and lines must run while run() does.
     trainer = ray.remote(_Trainer).options(**trainer_options, max_concurrency=4).remote(
-        cfg, workdir, _Proxy(server, "server", cfg.run.stall_timeout_s), init_params)
+        cfg, workdir, _Proxy(server, "server", cfg.run.stall_timeout_s), init_params,
+        run_id)
     # The trainer publishes the (restored) params before the workers fetch them.
     ray.get(trainer.__ray_ready__.remote())
     rollouts = [_rollout_actor(cfg, server, i, rollout_options)

@@ -10,6 +10,11 @@ Faults: a damaged latest checkpoint falls back to the previous one
 wait runs under the run's deadlines (`deadlines.Deadlines`), and a stall or a
 failed rollout worker checkpoints the current version and stops the run with an
 error that names it.
+
+Stopping: once `stop` is set (a signal), the loop ends at the step it is in (a
+training step, once started, runs to its end; waits for a batch or for a held-out
+evaluation end at once), checkpoints the current version and returns, its summary
+saying `stopped` and which checkpoint holds the params.
 """
 
 import dataclasses
@@ -26,7 +31,7 @@ from async_rl.param_server.buffer import length_summary
 from async_rl.rl import multihost
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
-from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError
+from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError, StopRequested
 from async_rl.rl.evaluate import Evaluator
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
@@ -37,8 +42,10 @@ _BATCH_POLL_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-  """What a run resumes with: the step counts kept beside the train state, and how
-  many newer checkpoints were damaged (and moved aside)."""
+  """What a run resumes with: the checkpoint's step (None: it starts afresh), the step
+  counts kept beside the train state, and how many newer checkpoints were damaged (and
+  moved aside)."""
+  step: Optional[int] = None
   skipped_steps: int = 0
   applied_updates: int = 0
   damaged_checkpoints: int = 0
@@ -63,7 +70,8 @@ class TrainLoop:
     leader: with a trainer over several `jax.distributed` processes (this one
       process 0), announces each collective step to the others (`multihost`); the
       params it publishes and evaluates are then host copies gathered from all.
-    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
+    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early; the
+      evaluator's waits must end when it is set (`Deadlines.result`'s `stop`).
     echo: receives the one-line summary of every step, and warnings.
     progress: show a progress bar.
   """
@@ -92,7 +100,9 @@ class TrainLoop:
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
-    self._last_eval: tuple[Optional[int], dict[str, float]] = (None, {})
+    # An evaluation the log already holds (of the version resumed from) is not redone.
+    self._last_eval: tuple[Optional[int], Optional[dict]] = max(log.evals.items(),
+                                                                default=(None, None))
 
   @staticmethod
   def restore(checkpointer: Checkpointer, trainer: Trainer, server,
@@ -109,8 +119,8 @@ class TrainLoop:
       echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
     trainer.restore(restored.state, restored.meta.get("packed_shapes", ()))
     echo(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
-    return Restored(int(restored.meta["skipped_steps"]), int(restored.meta["applied_updates"]),
-                    len(restored.damaged))
+    return Restored(restored.step, int(restored.meta["skipped_steps"]),
+                    int(restored.meta["applied_updates"]), len(restored.damaged))
 
   def _announce(self, step: str, payload=None) -> None:
     if self.leader is not None:
@@ -133,6 +143,10 @@ class TrainLoop:
   def run(self, rollouts: Sequence) -> dict[str, Any]:
     """Starts `rollouts` and trains to `num_steps` (or until `stop`).
 
+    Returns the run's summary: versions, evaluations (None when stopped first),
+    `stopped`, the newest `checkpoint` and its `checkpoint_dir`, the server's counters
+    and the timeline.
+
     Raises:
       StallError: a wait passed `run.stall_timeout_s`.
       RolloutWorkerError: a rollout worker's controller failed.
@@ -143,9 +157,11 @@ class TrainLoop:
     summary: dict[str, Any] = {"start_version": start_version,
                                "damaged_checkpoints": self.damaged_checkpoints}
     # The rollouts start first, so the first batch is generated while the held-out
-    # evaluation of the starting params runs.
-    for r in rollouts:
-      r.start()
+    # evaluation of the starting params runs; a run stopped already starts nothing
+    # that it would have to wait for (a generator's first compile).
+    if not self.stop.is_set():
+      for r in rollouts:
+        r.start()
     if start_version == 0:
       summary["eval_before"] = self._eval_and_log()
     bar = tqdm(total=self.num_steps, initial=start_version, desc="train", unit="step",
@@ -164,9 +180,15 @@ class TrainLoop:
     finally:
       bar.close()
     self._checkpoint(wait=True)
-    summary["end_version"] = self.trainer.version
+    version = self.trainer.version
+    summary.update(end_version=version, stopped=self.stop.is_set(),
+                   checkpoint=self.checkpointer.latest_step(),
+                   checkpoint_dir=self.checkpointer.directory)
+    if self.stop.is_set():
+      self.echo(f"stopped at version {version}: checkpoint {summary['checkpoint']} in "
+                f"{self.checkpointer.directory} holds it; rerun the same command to resume")
     summary["timeline"] = self.timeline.spans() + [s for r in rollouts for s in r.timeline()]
-    if self.trainer.version >= self.num_steps:
+    if version >= self.num_steps and not self.stop.is_set():
       summary["eval_after"] = self._eval_and_log()
     summary["server"] = {**self.server.metrics(),
                          "length_hist": self.server.length_histograms()}
@@ -292,17 +314,21 @@ class TrainLoop:
           f"step {version} ({cause}); the run stops and keeps its last checkpoint "
           f"(step {self.checkpointer.latest_step()})")
 
-  def _eval_and_log(self):
+  def _eval_and_log(self) -> Optional[dict]:
     """Evaluates and logs the current version, once: the final evaluation reuses the
-    periodic one when `num_steps` is a multiple of `eval.every_steps`."""
+    periodic one when `num_steps` is a multiple of `eval.every_steps`, and a resumed
+    run the one logged of the version it resumes from. None if stopped meanwhile."""
     version = self.trainer.version
     if self._last_eval[0] == version:
       return self._last_eval[1]
-    with self.timeline.span("trainer", "eval"):
-      metrics = self.evaluate()
+    try:
+      with self.timeline.span("trainer", "eval"):
+        metrics = self.evaluate()
+    except StopRequested:
+      return None
     self._last_eval = version, metrics
     self.log.write(version, {"eval": metrics})
-    self.echo(f"eval v={version}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    self.echo(_eval_line(version, metrics))
     return metrics
 
   def _checkpoint(self, wait=False):
@@ -355,6 +381,12 @@ def _skip_cause(metrics, groups) -> str:
   if bad_reward:
     parts.append(f"{bad_reward} non-finite rewards")
   return ", ".join(parts)
+
+
+def _eval_line(version, m) -> str:
+  scores = " ".join(f"{k}={v:.3f}" for k, v in m.items() if not isinstance(v, dict))
+  failed = {k: int(m["rewards"][k]) for k in ("errors", "timeouts") if m["rewards"][k]}
+  return f"eval v={version}: {scores}" + "".join(f" reward_{k}={n}" for k, n in failed.items())
 
 
 def _line(version, m) -> str:

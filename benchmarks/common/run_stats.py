@@ -12,7 +12,6 @@ from pathlib import Path
 from async_rl import sharding, timeline
 from async_rl.config import ExperimentConfig
 from async_rl.generation import GeneratorPool
-from async_rl.rewards import RewardService
 from async_rl.rl import build
 from async_rl.rl.evaluate import Evaluator
 from async_rl.sft import warm_start
@@ -28,14 +27,13 @@ def measured_config(cfg: ExperimentConfig, steps: int) -> ExperimentConfig:
 
 
 def step_lines(workdir: str) -> list[dict]:
-  """The step lines of `workdir/metrics.jsonl` that its newest params descend from: for
-  a step logged twice (trained again after a resume), the later line."""
+  """The step lines of `workdir/metrics.jsonl`, one per step (a resumed run removes
+  the lines its checkpoint superseded)."""
   path = Path(workdir) / "metrics.jsonl"
   if not path.exists():
     return []
   lines = [json.loads(line) for line in path.read_text().splitlines()]
-  by_step = {line["step"]: line for line in lines if "eval" not in line}
-  return [by_step[step] for step in sorted(by_step)]
+  return [line for line in lines if "eval" not in line]
 
 
 def prompt_accounting(workdir: str, worker: int = 0) -> dict:
@@ -121,7 +119,7 @@ class HeldoutEval:
     self._version = 0
     self._evaluator = Evaluator(
         GeneratorPool(build.make_engine(cfg), params),
-        RewardService(num_workers=1, timeout_s=cfg.rollout.reward_timeout_s),
+        build.reward_service(cfg, num_workers=1),
         task, cfg.eval, reward_fn=build.correct_fn(cfg, task),
         max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed)
 

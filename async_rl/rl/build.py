@@ -176,14 +176,19 @@ def _config_errors():
 
 
 def make_engine(cfg: ExperimentConfig):
-  """The generator engine. Its prefill takes whole episodes so far, not only prompts:
-  a multi-turn workflow's next turn holds everything before it. On the CPU backend its
-  slots split into groups decoded at once (`cpu.SlotGroupEngine`)."""
+  """The generator engine, its KV cache `generation.kv_blocks` blocks. Its prefill takes
+  whole episodes so far, not only prompts: a multi-turn workflow's next turn holds
+  everything before it. On the CPU backend its slots split into groups decoded at once
+  (`cpu.SlotGroupEngine`), each with its share of the KV blocks, so no more groups than
+  shares that hold a sequence of `generation.max_length`."""
   g = cfg.generation
   groups = decode_groups(cfg, jax.default_backend())
+  if g.kv_blocks:
+    groups = cpu.engine.num_groups(g.num_slots, min(groups, g.kv_blocks // g.sequence_blocks))
   engine = Engine(cfg.model, max_concurrent_decodes=g.num_slots // groups,
                   max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
-                  steps_per_call=g.steps_per_call)
+                  steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks // groups,
+                  kv_block_size=g.kv_block_size)
   return engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
 
 

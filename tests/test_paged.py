@@ -77,11 +77,16 @@ class _Both:
     self.live = slot
 
   def grow(self):
-    """Gives each live slot the block its next position needs; returns the bucket."""
+    """Gives each live slot the block its next position needs; returns `attention`'s
+    static size for the tables."""
     for s in range(self.live):
       assert self.slot_blocks.grow(s, self.positions_S[s] + 1)
     tables_SM = self.slot_blocks.table(range(self.live))
     self.cache = self.cache.replace(tables_SM=jnp.asarray(tables_SM))
+    return paged.step_blocks(tables_SM, 48)
+
+  def columns(self):
+    """The Pallas kernel's static size: the bucket of the fullest table's columns."""
     return paged.bucket(max(len(b) for b in self.blocks), self.M)
 
   def step(self):
@@ -125,12 +130,13 @@ def test_paged_decode_equals_dense_decode(block_size, seed):
 
 
 def test_only_live_blocks_matter():
-  """A larger bucket, and garbage in every block no slot holds, change nothing."""
+  """A larger static size, and garbage in every block no slot holds, change nothing."""
   both = _Both(4, seed=3)
   for _ in range(3):
     both.step()
   blocks = both.grow()
-  assert blocks < both.M
+  largest = paged.step_buckets(both.S, both.M)[-1]
+  assert blocks < largest
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
   step = lambda cache, blocks: _paged_decode(both.params, both.cfg, cache, tokens_S,
                                              both.positions_S, blocks=blocks)[0][:both.live]
@@ -140,8 +146,8 @@ def test_only_live_blocks_matter():
   noisy = both.cache.replace(k=tuple(map(garbage, both.cache.k)),
                              v=tuple(map(garbage, both.cache.v)))
   np.testing.assert_allclose(step(noisy, blocks), reference, **_TOL)
-  np.testing.assert_allclose(step(both.cache, both.M), reference, **_TOL)
-  # A bucket short of a live slot's blocks does change its logits: the test can fail.
+  np.testing.assert_allclose(step(both.cache, largest), reference, **_TOL)
+  # A size short of the live slots' blocks does change their logits: the test can fail.
   assert not np.allclose(step(both.cache, blocks // 2), reference, **_TOL)
 
 
@@ -211,16 +217,36 @@ def _dense_reference(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S):
   return out
 
 
-@pytest.mark.parametrize("Z, M, blocks", [(4, 8, 8), (16, 2, 2)])
-def test_gather_and_interpreted_pallas_attention_equal_the_reference(Z, M, blocks):
+@pytest.mark.parametrize("Z, M, columns", [(4, 8, 8), (16, 2, 2)])
+def test_ragged_and_interpreted_pallas_attention_equal_the_reference(Z, M, columns):
   q, k, v, tables_SM, lengths_S = _random_pages(5, S=3, H=4, K=2, E=8, N=32, Z=Z, M=M)
   reference = _dense_reference(q, k, v, tables_SM, lengths_S)
-  gather = paged.gather_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
-  pallas = paged.pallas_attention(q, k, v, tables_SM, lengths_S, blocks=blocks, interpret=True)
-  # float32 dot products of 8 terms and softmax over at most 32 positions against a
-  # float64 reference; the kernel's online softmax rescales once per step of blocks.
-  np.testing.assert_allclose(gather, reference, atol=2e-6, rtol=2e-6)
+  # The blocks of all slots together, padded up to a larger static size.
+  held = int(np.sum(np.asarray(tables_SM) < 32))
+  for blocks in (held, held + 5):
+    ragged = paged.ragged_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
+    # float32 dot products of 8 terms and softmax over at most 32 positions against a
+    # float64 reference.
+    np.testing.assert_allclose(ragged, reference, atol=2e-6, rtol=2e-6)
+  pallas = paged.pallas_attention(q, k, v, tables_SM, lengths_S, blocks=columns,
+                                  interpret=True)
+  # The kernel's online softmax rescales once per step of blocks.
   np.testing.assert_allclose(pallas, reference, atol=2e-6, rtol=2e-6)
+
+
+def test_ragged_attention_reads_only_each_slots_blocks_up_to_its_length():
+  q, k, v, tables_SM, lengths_S = _random_pages(7, S=4, H=4, K=2, E=8, N=32, Z=4, M=8)
+  # Slot 3 holds no block (idle): zeros, not NaN. Slot 1 holds more blocks than its
+  # length reaches: the extra ones are not read.
+  tables_SM = np.asarray(tables_SM).copy()
+  tables_SM[3] = 32
+  lengths_S = np.asarray(lengths_S).copy()
+  lengths_S[1] = 5
+  garbage_k = k.at[:, tables_SM[1, 2:]].set(1e3)
+  out = paged.ragged_attention(q, garbage_k, v, tables_SM, lengths_S, blocks=32)
+  reference = _dense_reference(q[:3], k, v, tables_SM[:3], lengths_S[:3])
+  np.testing.assert_allclose(out[:3], reference, atol=2e-6, rtol=2e-6)
+  np.testing.assert_array_equal(out[3], 0)
 
 
 def test_interpreted_pallas_decode_step_equals_the_xla_step():
@@ -229,10 +255,11 @@ def test_interpreted_pallas_decode_step_equals_the_xla_step():
     both.step()
   blocks = both.grow()
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
-  run = lambda attend: paged.decode(both.params, both.cfg, both.cache, tokens_S,
-                                    both.positions_S, blocks=blocks, attend=attend)
-  xla_SV, xla_cache = run(paged.gather_attention)
-  pallas_SV, pallas_cache = run(functools.partial(paged.pallas_attention, interpret=True))
+  run = lambda attend, blocks: paged.decode(both.params, both.cfg, both.cache, tokens_S,
+                                            both.positions_S, blocks=blocks, attend=attend)
+  xla_SV, xla_cache = run(paged.ragged_attention, blocks)
+  pallas_SV, pallas_cache = run(functools.partial(paged.pallas_attention, interpret=True),
+                                both.columns())
   np.testing.assert_allclose(pallas_SV[:both.live], xla_SV[:both.live], **_TOL)
   jax.tree.map(functools.partial(np.testing.assert_allclose, **_TOL), pallas_cache, xla_cache)
 
@@ -274,6 +301,20 @@ def test_decode_compiles_once_per_bucket():
 def test_bucket_is_the_next_power_of_two_up_to_the_table():
   assert [paged.bucket(n, 64) for n in (0, 1, 2, 3, 4, 5, 33, 64)] == [1, 1, 2, 4, 4, 8, 64, 64]
   assert paged.bucket(40, 48) == 48
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's sizes")
+def test_step_blocks_take_one_of_the_step_buckets():
+  # On the CPU, the blocks of all rows together, a shared block once per row: more
+  # than the pool's 20 when the rows share.
+  assert paged.step_buckets(4, 16) == (1, 2, 4, 8, 16, 32, 64)
+  assert paged.step_buckets(6, 16) == (1, 2, 4, 8, 16, 32, 64, 96)
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    held_S = rng.integers(0, 17, 6)
+    tables_SM = np.where(np.arange(16)[None] < held_S[:, None], 3, 20)
+    blocks = paged.step_blocks(tables_SM, 20)
+    assert blocks in paged.step_buckets(6, 16) and blocks >= held_S.sum()
 
 
 def test_allocator_errors_leave_it_unchanged():

@@ -178,11 +178,11 @@ def live(state: DecodeState) -> jax.Array:
   return (state.positions_S + 1 < state.end_S) & ~stopped_S & has_blocks_S
 
 
-def generate(params, state, *, cfg):
-  """One decode step of every slot over its whole table, as JetStream's `generate`: no
-  slot stops."""
+def generate(params, state, *, cfg, blocks):
+  """One decode step of every slot, as JetStream's `generate`: no slot stops. `blocks`
+  (`paged.attention`'s static size) must hold every table."""
   logits_SV, cache = paged.decode(params, cfg, state.cache, state.tokens_S, state.positions_S,
-                                  blocks=state.cache.tables_SM.shape[1])
+                                  blocks=blocks)
   # Idle slots stay parked past the tables instead of counting up.
   positions_S = jnp.minimum(state.positions_S + 1, _past_tables(state.cache))
   tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
@@ -194,10 +194,10 @@ def generate_chunk(params, state, tables_SM, *, cfg, steps, blocks):
   """Up to `steps` decode steps of the live slots in one `while_loop`, with the block
   tables `tables_SM`.
 
-  Every live slot's blocks must lie in the first `blocks` columns of its table, which
-  is all that attention reads. A slot stops for good at a stop id or at its token
-  budget, and the loop exits early once no slot is live. Keys depend only on (seed,
-  sample index, position), so the tokens do not depend on `steps` or `blocks`.
+  `blocks`, `paged.attention`'s static size, must hold the tables
+  (`paged.step_blocks`). A slot stops for good at a stop id or at its token budget,
+  and the loop exits early once no slot is live. Keys depend only on (seed, sample
+  index, position), so the tokens do not depend on `steps` or `blocks`.
   """
   state = state.replace(cache=state.cache.replace(tables_SM=tables_SM))
   S, nowhere = state.tokens_S.shape[0], _past_tables(state.cache)

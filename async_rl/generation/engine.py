@@ -24,16 +24,16 @@ heads, the axis tensor parallelism splits (`sharding.kv_pool_sharding`).
 `generate` is JetStream's one decode step (its orchestrator ends requests on the
 host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
 loop, and a slot stops inside it at a stop id or its token budget. Its attention reads
-only the table columns that the longest live slot fills, a power of two of them
-(`paged.bucket`), so a step's cost follows the live lengths, not the longest allowed
-sequence. The keys of a draw depend only on (seed, sample index, position), so a chunk
+only the blocks that hold the live slots' positions (`paged.attention`), within a
+static size that is a power of two (`paged.step_blocks`), so a step's cost follows the
+tokens in flight, not the longest allowed sequence. The keys of a draw depend only on (seed, sample index, position), so a chunk
 draws the tokens that as many single steps would.
 
 Compilation is bounded: prefill and insert compile once per length bucket (powers of
 two from 16, then `max_target_length`), prefill_many's batched prefill and
 insert_samples once per bucket a prompt can take and prefix size (1 or
 `PREFILL_ROWS` prompts), extend once per bucket a prompt can take, generate_chunk once
-per table bucket (`decode_buckets`), generate once. Slot indices, blocks, sample
+per attention size (`decode_buckets`), generate once. Slot indices, blocks, sample
 counts and extension lengths are traced, so filling different slots never recompiles.
 
 A CPU-only variant (`cpu.SlotGroupEngine`) splits the slots among several of these
@@ -117,8 +117,7 @@ class Engine:
     # The buckets a prompt of at most max_prefill_length tokens can take.
     self.prompt_buckets = tuple(b for b in self.prefill_buckets if b < max_prefill_length) + (
         next(b for b in self.prefill_buckets if b >= max_prefill_length),)
-    self.decode_buckets = tuple(sorted({paged.bucket(n, max_blocks)
-                                        for n in range(1, max_blocks + 1)}))
+    self.decode_buckets = paged.step_buckets(max_concurrent_decodes, max_blocks)
     if mesh is None:
       mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self._mesh = mesh
@@ -144,8 +143,9 @@ class Engine:
     self._draw_fn = jax.jit(ds.draw, out_shardings=replicated)
     self._extend_fn = jax.jit(functools.partial(ds.extend, cfg=cfg, max_len=T),
                               donate_argnums=(1,), out_shardings=(state_sharding, replicated))
-    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg), donate_argnums=(1,),
-                                out_shardings=(state_sharding, replicated))
+    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg,
+                                                  blocks=self.decode_buckets[-1]),
+                                donate_argnums=(1,), out_shardings=(state_sharding, replicated))
     self._generate_chunk_fn = jax.jit(
         functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call),
         static_argnames="blocks", donate_argnums=(1,), out_shardings=(state_sharding, replicated))
@@ -316,17 +316,16 @@ class Engine:
 
     `tables_SM` [S, M] lists the blocks of the slots to decode (N: no block), each
     enough for the positions the chunk writes; other slots' rows are empty, and they do
-    not decode. Attention reads the smallest of `decode_buckets` columns that holds
-    every row.
+    not decode. Attention's static size is the smallest of `decode_buckets` that holds
+    the tables (`paged.step_blocks`).
     """
-    held = int((tables_SM < self.num_blocks).sum(axis=1).max())
     return self._generate_chunk_fn(params, decode_state, tables_SM,
-                                   blocks=paged.bucket(held, self.max_blocks))
+                                   blocks=paged.step_blocks(tables_SM, self.num_blocks))
 
   def warmup(self, params) -> None:
     """Compiles every call the pool makes: prefill and insert for every bucket,
     prefill_many, insert_samples and extend for every bucket a prompt can take (one
-    and `PREFILL_ROWS` prompts), generate, and generate_chunk for every table bucket.
+    and `PREFILL_ROWS` prompts), generate, and generate_chunk for every attention size.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -351,7 +350,9 @@ class Engine:
                                sampling, every)
     state, result = self.generate(params, state)
     for blocks in self.decode_buckets:
-      tables_SM = np.full((self._num_slots, self.max_blocks), self.num_blocks, np.int32)
-      tables_SM[0, :blocks] = every[:blocks]
+      # `blocks` blocks, row by row: that bucket by either count of `paged.step_blocks`.
+      held_SM = np.arange(self._num_slots * self.max_blocks).reshape(-1, self.max_blocks)
+      tables_SM = np.where(held_SM < blocks, held_SM % self.num_blocks,
+                           self.num_blocks).astype(np.int32)
       state, chunk = self.generate_chunk(params, state, tables_SM)
     jax.block_until_ready((result, chunk))

@@ -99,26 +99,49 @@ def insert(cache: PagedCache, prompt, row, slot, table_M, shared) -> PagedCache:
                        tables_SM=cache.tables_SM.at[slot].set(table_M))
 
 
-def gather_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
-  """Plain XLA: gathers the first `blocks` columns' blocks per slot into [S, K, T, E] and
-  attends to the first `lengths_S[s]` positions; the work follows `blocks`, not M."""
+def ragged_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
+  """Plain XLA over the blocks that hold the slots' positions, all slots' laid end to
+  end: the work follows the tokens in flight, not the longest slot.
+
+  Slot s reads the first min(ceil(lengths_S[s] / Z), its table's blocks) of its blocks;
+  `blocks` (static) must hold them all together (the rest is padding, masked). Each
+  block's scores are taken against its slot's queries, and the softmax over a slot's
+  blocks is reduced with one-hot matmuls over the list, which on a CPU cost less than
+  scatters.
+  """
   S, H, E = q_SHE.shape
   K, N, Z, _ = k_KNZE.shape
-  T = blocks * Z
-  tables_Sn = jnp.minimum(tables_SM[:, :blocks], N - 1)
-  # Both index arrays in one gather, so its result comes out slot-major with no copy
+  M = tables_SM.shape[1]
+  counts_S = jnp.minimum(-(-lengths_S // Z), jnp.sum(tables_SM < N, axis=1))
+  ends_S = jnp.cumsum(counts_S)
+  # Entry p of the list is column col_P[p] of slot slot_P[p]'s table.
+  p_P = jnp.arange(blocks)
+  slot_P = jnp.minimum(jnp.searchsorted(ends_S, p_P, side="right"), S - 1)
+  col_P = jnp.clip(p_P - (ends_S - counts_S)[slot_P], 0, M - 1)
+  valid_P = p_P < ends_S[-1]
+  block_P = jnp.minimum(tables_SM[slot_P, col_P], N - 1)
+  # Both index arrays in one gather, so its result comes out block-major with no copy
   # of the pool.
-  heads_1K1 = jnp.arange(K)[None, :, None]
-  gather = lambda pages: pages[heads_1K1, tables_Sn[:, None, :]].reshape(S, K, T, E)
-  k_SKTE, v_SKTE = gather(k_KNZE), gather(v_KNZE)
-  # As `models.decode`'s attention, so that a paged cache decodes to the same numbers.
-  q_SKQE = q_SHE.reshape(S, K, H // K, E)
-  scores = jnp.einsum("skqe,skte->skqt", q_SKQE, k_SKTE,
+  heads_1K = jnp.arange(K)[None, :]
+  k_PKZE, v_PKZE = k_KNZE[heads_1K, block_P[:, None]], v_KNZE[heads_1K, block_P[:, None]]
+  q_PKQE = q_SHE.reshape(S, K, H // K, E)[slot_P]
+  scores = jnp.einsum("pkqe,pkze->pkqz", q_PKQE, k_PKZE,
                       preferred_element_type=jnp.float32) * (E ** -0.5)
-  mask_ST = jnp.arange(T)[None, :] < lengths_S[:, None]
-  scores = jnp.where(mask_ST[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_SKTE.dtype)
-  return jnp.einsum("skqt,skte->skqe", probs, v_SKTE).reshape(S, H, E)
+  mask_PZ = ((col_P[:, None] * Z + jnp.arange(Z)[None, :] < lengths_S[slot_P][:, None])
+             & valid_P[:, None])
+  scores = jnp.where(mask_PZ[:, None, None], scores, _NEG_INF)
+  own_SP = (slot_P[None, :] == jnp.arange(S)[:, None]) & valid_P[None, :]
+  max_SKQ = jnp.max(jnp.where(own_SP[:, :, None, None], jnp.max(scores, -1)[None], _NEG_INF),
+                    axis=1)
+  probs = jnp.exp(scores - max_SKQ[slot_P][..., None])
+  own_SP = own_SP.astype(jnp.float32)
+  sum_SKQ = jnp.einsum("sp,pkq->skq", own_SP, jnp.sum(probs, -1))
+  out_PKQE = jnp.einsum("pkqz,pkze->pkqe", probs.astype(v_PKZE.dtype), v_PKZE,
+                        preferred_element_type=jnp.float32)
+  out_SKQE = jnp.einsum("sp,pkqe->skqe", own_SP, out_PKQE)
+  # A slot with no block (idle) gets zeros, not 0 / 0.
+  out_SKQE = out_SKQE / jnp.where(sum_SKQ > 0, sum_SKQ, 1)[..., None]
+  return out_SKQE.reshape(S, H, E).astype(q_SHE.dtype)
 
 
 def pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks,
@@ -150,14 +173,34 @@ def pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks,
 
 
 def attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
-  """Decode attention over the blocks of the first `blocks` table columns, each slot
-  to its first `lengths_S[s]` positions: the Pallas kernel on GPU, XLA elsewhere.
+  """Decode attention of each slot to its first `lengths_S[s]` positions, in the blocks
+  its table lists: the Pallas kernel on GPU (`blocks`: the table columns it reads),
+  `ragged_attention` elsewhere (`blocks`: the blocks all slots read together).
+  `step_blocks` gives `blocks` for a set of tables.
 
   Returns [S, H, E] in the queries' dtype.
   """
   if jax.default_backend() == "gpu":
     return pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=blocks)
-  return gather_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=blocks)
+  return ragged_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=blocks)
+
+
+def step_blocks(tables_SM: np.ndarray, num_blocks: int) -> int:
+  """`attention`'s static `blocks` for the block tables `tables_SM` (host, [S, M]) of a
+  pool of `num_blocks`: on GPU the bucket of the columns of the fullest row, elsewhere
+  the bucket of the blocks of all rows together (a block that several rows share, a
+  prompt's, counts once per row)."""
+  held_S = np.sum(tables_SM < num_blocks, axis=1)
+  if jax.default_backend() == "gpu":
+    return bucket(int(held_S.max()), tables_SM.shape[1])
+  return bucket(int(held_S.sum()), tables_SM.size)
+
+
+def step_buckets(num_slots: int, max_blocks: int) -> tuple[int, ...]:
+  """Every value `step_blocks` can take for S slots and M columns; the last covers
+  every table."""
+  limit = max_blocks if jax.default_backend() == "gpu" else num_slots * max_blocks
+  return tuple(b for b in (1 << i for i in range(limit.bit_length())) if b < limit) + (limit,)
 
 
 def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *,
@@ -165,9 +208,10 @@ def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *,
   """`models.decode` on a paged cache: one token per slot, written at `positions_S`,
   attending to positions <= it; returns (logits [S, V] float32, updated cache).
 
-  Attention reads the first `blocks` columns of the tables (`bucket`), which must hold
-  every live slot's blocks; slots past their table (idle) write nowhere. `attend` is
-  `attention` or one of its implementations.
+  Attention reads each slot's blocks up to its position, within `blocks` (static, as
+  `attention` takes it: `step_blocks`), which must hold every live slot's; slots past
+  their table (idle) write nowhere. `attend` is `attention` or one of its
+  implementations.
   """
   lengths_S = positions_S + 1
 
@@ -322,13 +366,14 @@ class SlotBlocks:
   def blocks_for(self, tokens: int) -> int:
     return -(-tokens // self.block_size)
 
-  def assign(self, slot: int, tokens: int, prompt: tuple[dict, int] | None = None) -> int | None:
+  def assign(self, slot: int, tokens: int, prompt: tuple[dict, int] | None = None,
+             keep_free: int = 0) -> int | None:
     """Gives `slot`, which holds no block, the blocks of its first `tokens` positions.
 
     With `prompt` = (record, length), the prompt's `length // Z` full blocks are shared
     with the slots of this pool that `record` lists, or allocated and listed there.
     Returns how many leading blocks were shared (written already), or None, changing
-    nothing, when the pool has too few free blocks.
+    nothing, when the pool would have fewer than `keep_free` blocks left.
     """
     if self.blocks[slot]:
       raise ValueError(f"slot {slot} already holds blocks {self.blocks[slot]}")
@@ -340,7 +385,7 @@ class SlotBlocks:
     full = min(full // self.block_size, total)
     listed = record.get(pool)
     shared = listed is not None and allocator.still_held(*listed)
-    if total - full * shared > allocator.num_free:
+    if total - full * shared + keep_free > allocator.num_free:
       return None
     if shared:
       head = list(listed[0])

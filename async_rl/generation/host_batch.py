@@ -149,13 +149,20 @@ class HostBatch:
   def end_of(self, job: Job) -> int:
     return min(len(job.prompt_P) + job.request.sampling.max_new_tokens, self._max_len)
 
-  def place(self, tokens: int, prompt: tuple[dict, int] | None = None
+  def place(self, tokens: int, prompt: tuple[dict, int] | None = None, steps: int = 0
             ) -> tuple[int, int] | None:
     """A free slot given the blocks of `tokens` positions (`SlotBlocks.assign`, sharing
     `prompt`'s full blocks where its pool holds them), as (slot, blocks shared); None
-    when no free slot's pool has the blocks."""
+    when no free slot's pool has the blocks and, left over, those its running samples
+    need for `steps` steps past the next chunk (so that a sample just started is not
+    preempted at once for their growth)."""
+    growth = [0] * len(self.blocks.allocators)
+    for i, s in enumerate(self.slots):
+      if s is not None:
+        growth[self.blocks.pools_S[i]] += max(
+            self.blocks.blocks_for(s.cache_need(2 * steps)) - len(self.blocks.blocks[i]), 0)
     for slot in self.free_slots():
-      shared = self.blocks.assign(slot, tokens, prompt)
+      shared = self.blocks.assign(slot, tokens, prompt, growth[self.blocks.pools_S[slot]])
       if shared is not None:
         return slot, shared
     return None

@@ -10,12 +10,13 @@ KV blocks, as vLLM schedules them. Before each chunk every running sample gets t
 blocks the chunk writes, oldest admission first. When a pool runs out, a held slot of
 it is evicted, or else its most recently admitted sample is preempted: its blocks are
 freed, its tokens, log-probs and versions kept, and it waits at the head of the line.
-Then waiting samples start while a free slot's pool has their blocks, preempted ones
-first (re-prefilled: prompt and tokens so far), then queued ones in order; none is
-passed over, and running samples are never preempted for them. Since a pool holds one
-sequence of the longest length, the oldest sample always runs and a waiting one
-always starts once the samples ahead of it are done: nothing deadlocks and nothing is
-lost.
+Then waiting samples start while a free slot's pool has their blocks, and those its
+running samples need for one more chunk besides (so that a sample just started is not
+preempted at once), preempted ones first (re-prefilled: prompt and tokens so far), then
+queued ones in order; none is passed over, and running samples are never preempted for
+them. Since a pool holds one sequence of the longest length, the oldest sample always
+runs and a waiting one always starts once the samples ahead of it are done: nothing
+deadlocks and nothing is lost.
 """
 
 import dataclasses
@@ -229,9 +230,9 @@ class Scheduler:
         if job.prompt_blocks_version != self.version:
           job.prompt_blocks, job.prompt_blocks_version = {}, self.version
         tokens = min(len(job.prompt_P) + steps, batch.end_of(job) - 1)
-        placed = batch.place(tokens, (job.prompt_blocks, len(job.prompt_P)))
+        placed = batch.place(tokens, (job.prompt_blocks, len(job.prompt_P)), steps)
       else:
-        placed = batch.place(min(waiting.length + steps, waiting.end - 1))
+        placed = batch.place(min(waiting.length + steps, waiting.end - 1), steps=steps)
       if placed is None:
         if batch.held and (not batch.free_slots() or not batch.num_active()):
           batch.evict_oldest()

@@ -3,8 +3,13 @@ versions of an unpreempted run; a long-tailed mix at a small budget finishes eve
 sample; blocks all come back; held slots and weight updates work under preemption;
 decoding reads (and compiles for) the live table bucket only."""
 
+import json
+import os
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,7 +17,7 @@ import pytest
 
 from async_rl import cpu, models, policy
 from async_rl.config import ModelConfig
-from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, paged
 
 CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   head_dim=8, d_ff=64)
@@ -201,29 +206,28 @@ def test_random_schedules_of_updates_holds_and_aborts_at_a_small_budget(params, 
                                    _recompute_logp(versions[v], s)[mine], atol=1e-4)
 
 
-def test_decode_reads_the_live_bucket_and_compiles_once_per_bucket(params):
+def test_decode_reads_the_live_blocks_and_compiles_once_per_size(params):
   engine = Engine(CFG, max_concurrent_decodes=SLOTS, max_prefill_length=16,
                   max_target_length=1024, kv_block_size=16)
-  assert engine.max_blocks == 64 and engine.decode_buckets == (1, 2, 4, 8, 16, 32, 64)
-  chunk_fn, buckets = engine._generate_chunk_fn, []
+  assert engine.max_blocks == 64 and engine.decode_buckets[-1] >= 64
+  chunk_fn, sizes = engine._generate_chunk_fn, []
 
   def spy(*args, blocks):
-    buckets.append(blocks)
+    sizes.append(blocks)
     return chunk_fn(*args, blocks=blocks)
 
   engine._generate_chunk_fn = spy
-  # 16-token prompts and 32 new tokens: at most 48 positions, 3 blocks, a bucket of 4.
+  # 16-token prompts and 32 new tokens: at most 48 positions, 3 blocks a slot.
   requests = [Request(i, list(range(1, 17)), n=2, sampling=SamplingParams(max_new_tokens=32))
               for i in range(4)]
   _run(engine, params, requests)
-  assert sorted(set(buckets)) == [2, 4] and len(buckets) > 2
-  assert chunk_fn._cache_size() == 2
-  # A second chunk in a bucket already compiled does not compile again.
+  live = np.where(np.arange(64)[None] < 3, 7, engine.num_blocks).repeat(SLOTS, axis=0)
+  assert max(sizes) == paged.step_blocks(live, engine.num_blocks) <= 16
+  assert chunk_fn._cache_size() == len(set(sizes)) < len(engine.decode_buckets)
+  # A second chunk of a size already compiled does not compile again.
   state = engine.init_decode_state()
-  tables_SM = np.full((SLOTS, 64), engine.num_blocks, np.int32)
-  tables_SM[0, :3] = [5, 9, 2]
-  state, _ = engine.generate_chunk(engine.load_params(params), state, tables_SM)
-  assert buckets[-1] == 4 and chunk_fn._cache_size() == 2
+  state, _ = engine.generate_chunk(engine.load_params(params), state, live)
+  assert sizes[-1] == max(sizes) and chunk_fn._cache_size() == len(set(sizes))
 
 
 def test_a_budget_below_one_sequence_is_rejected():
@@ -233,3 +237,19 @@ def test_a_budget_below_one_sequence_is_rejected():
   with pytest.raises(ValueError, match="kv_block_size"):
     Engine(CFG, max_concurrent_decodes=1, max_prefill_length=4, max_target_length=8,
            kv_block_size=0)
+
+
+def test_a_tensor_parallel_engine_splits_its_pools_over_kv_heads_and_samples_the_same():
+  check = Path(__file__).with_name("kv_tensor_check.py")
+  env = dict(os.environ, PYTHONPATH=str(check.parent.parent))
+  out = subprocess.run([sys.executable, str(check)], env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  # [K, N, Z, E]: kv heads over `tensor`.
+  assert result["pool_spec"] == ["tensor", "None", "None", "None"]
+  assert result["pool_devices"] == 2
+  assert result["preemptions"] > 0 and result["tokens_equal"]
+  # Each device sums its own heads' attention, and the output projection adds the two
+  # halves: float32 rounding.
+  assert result["logp_max_diff"] < 1e-4

@@ -7,9 +7,12 @@ and counts their holders, and `SlotBlocks`, which keeps each slot's blocks and t
 so that the samples of a group share their prompt's blocks.
 
 Shapes: S slots, L layers, K kv heads, H query heads, E head dim, N blocks in the pool,
-Z tokens per block, M block-table columns (the most blocks one slot may hold), n the
-columns one decode step reads (static), T = n Z the positions it reads, B prompts,
-P their padded length, J = ceil(P / Z) blocks of a padded prompt.
+Z tokens per block, M block-table columns (the most blocks one slot may hold), B
+prompts, P their padded length, J = ceil(P / Z) blocks of a padded prompt. A decode
+step's attention has a static size (`step_blocks`): on GPU the table columns the
+Pallas kernel reads for every slot, which skips the blocks past a slot's length;
+elsewhere the blocks of all slots laid end to end (`ragged_attention`), so that its
+work follows the tokens in flight.
 
 Slot s's token at position p lives in block `tables_SM[s, p // Z]`, at offset `p % Z`.
 A table entry N (one past the pool) means no block: a write there is dropped, a read
@@ -78,9 +81,9 @@ def insert(cache: PagedCache, prompt, row, slot, table_M, shared) -> PagedCache:
 
   `prompt` is the cache `models.prefill` returns (k and v, L arrays [B, K, P, E]). The
   first `shared` blocks are skipped: they are the prompt's full blocks, which another
-  sample of the group holds too and has written already (`BlockAllocator.allocate_group`).
-  The rest of the last block past the prompt's length gets the prefill's padding; the
-  decode step overwrites a position before attention reads it.
+  sample of the group holds too and has written already (`SlotBlocks.assign`). The
+  blocks past the prompt's length get the prefill's padding; the decode step
+  overwrites a position before attention reads it.
   """
   N, Z = cache.num_blocks, cache.block_size
   P = prompt["k"][0].shape[2]

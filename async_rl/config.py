@@ -383,6 +383,10 @@ class GenerationConfig:
       re-prefills them, "keep" keeps their KV cache, "drain" lets them finish first.
     steps_per_call: decode steps per host round trip; new samples, aborts and weight
       updates apply between two such chunks.
+    kv_blocks: KV cache blocks of each generator engine, shared by the samples in
+      flight (one that finds none free is preempted and resumed later); 0: enough for
+      every slot at `max_length`; otherwise at least one sequence of `max_length`.
+    kv_block_size: tokens per KV block.
   """
   max_prompt_len: int = 64
   max_new_tokens: int = 128
@@ -393,12 +397,19 @@ class GenerationConfig:
   num_slots: int = 32
   update_mode: str = "retract"
   steps_per_call: int = 8
+  kv_blocks: int = 0
+  kv_block_size: int = 16
 
   def __post_init__(self):
     for name in ("max_prompt_len", "max_new_tokens", "group_size", "num_slots",
-                 "steps_per_call"):
+                 "steps_per_call", "kv_block_size"):
       if getattr(self, name) < 1:
         fail(f"generation.{name}", getattr(self, name), "must be >= 1")
+    if self.kv_blocks and self.kv_blocks < self.sequence_blocks:
+      fail("generation.kv_blocks", self.kv_blocks,
+           f"must be 0 (every slot at full length) or hold one sequence of max_length: "
+           f"at least {self.sequence_blocks} blocks of generation.kv_block_size="
+           f"{self.kv_block_size} for {self.max_length} tokens")
     _check_finite("generation", self)
     if self.temperature < 0:
       fail("generation.temperature", self.temperature, "must be >= 0")
@@ -417,6 +428,16 @@ class GenerationConfig:
   def max_length(self) -> int:
     """The longest sequence: prompt plus completion."""
     return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def sequence_blocks(self) -> int:
+    """KV blocks of one sequence of `max_length`."""
+    return -(-self.max_length // self.kv_block_size)
+
+  @property
+  def kv_cache_blocks(self) -> int:
+    """KV blocks of one generator engine: `kv_blocks`, or every slot at full length."""
+    return self.kv_blocks or self.num_slots * self.sequence_blocks
 
 
 @dataclasses.dataclass(frozen=True)

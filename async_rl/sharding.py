@@ -49,6 +49,16 @@ def _fit(spec: P, shape, mesh: Mesh) -> P:
   return P(*out)
 
 
+# A generator's paged KV pools, [K, N, Z, E] per layer: kv heads over `tensor`, as the k
+# and v projections split them, so each device keeps the keys and values of its heads.
+KV_POOL_SPEC = P("tensor")
+
+
+def kv_pool_sharding(shape, mesh: Mesh) -> NamedSharding:
+  """The sharding of one KV pool of `shape` on a generator's `mesh` (`KV_POOL_SPEC`)."""
+  return NamedSharding(mesh, _fit(KV_POOL_SPEC, shape, mesh))
+
+
 def param_spec(path: str, shape, mesh: Mesh) -> P:
   for pattern, spec in PARAM_RULES:
     if re.search(pattern, path):

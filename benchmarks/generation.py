@@ -138,7 +138,8 @@ def _run_static(engine, params, requests):
       padded, length = engine.pad_tokens(r.prompt)
       prefix, result = engine.prefill(params=params, padded_tokens=padded, true_length=length,
                                       sampling=SlotSampling.create(r.sampling, r.sampling.seed, 0))
-      state = engine.insert(prefix, state, slot)
+      M = engine.max_blocks
+      state = engine.insert(prefix, state, slot, range(slot * M, (slot + 1) * M))
     jax.device_get(result)
     longest = max(r.sampling.max_new_tokens for r in batch)
     for _ in range(longest - 1):

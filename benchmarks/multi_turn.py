@@ -83,12 +83,14 @@ def engine_costs(engine, params, reps):
   state = engine.init_decode_state()
   prefix, _ = engine.prefill(params=params, padded_tokens=np.ones(16, np.int32),
                              true_length=16, sampling=sampling)
+  M = engine.max_blocks
   for slot in range(engine.max_concurrent_decodes):
-    state = engine.insert(prefix, state, slot)
+    state = engine.insert(prefix, state, slot, range(slot * M, (slot + 1) * M))
   holder = [state]
 
   def extend():
-    holder[0], first = engine.extend(params, holder[0], 0, np.ones(3, np.int32), 16, sampling)
+    holder[0], first = engine.extend(params, holder[0], 0, np.ones(3, np.int32), 16, sampling,
+                                     range(M))
     return first
 
   def step():

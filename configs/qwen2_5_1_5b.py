@@ -1,6 +1,7 @@
-"""Qwen2.5-1.5B shapes, bf16, sized for GSM8K-style math on one or eight GPUs.
+"""Qwen2.5-1.5B shapes, bf16, sized for reasoning RL (8k new tokens) on one or eight GPUs.
 
   python -m launch.train --config=configs/qwen2_5_1_5b.py --workdir=/tmp/q15
+  python -m launch.train --config=configs/qwen2_5_1_5b.py:32k --workdir=/tmp/q15_32k
 
 Mesh: `data=1, fsdp=-1, tensor=1`, so the trainer's params, AdamW state and gradients
 are sharded over every device (fsdp=1 on one GPU, fsdp=8 on eight). Other 8-GPU
@@ -14,13 +15,27 @@ model, before sharding; activations not counted):
   params: 2.88 GiB        (bf16)
   optimizer: 5.75 GiB     (AdamW moments, bf16 like the params)
   gradients: 5.75 GiB     (float32)
-  kv_cache: 3.50 GiB      (per engine: 2 * 28 L * 128 S * 1024 T * 2 K * 128 E * 2 bytes)
+  kv_cache: 10.50 GiB     (per engine: 2 * 28 L * 24576 N * 16 Z * 2 K * 128 E * 2 bytes)
   trainer: 14.38 GiB      (/ fsdp per device)
-  generator: 6.38 GiB     (per engine, all on the first device)
+  generator: 13.38 GiB    (per engine, all on the first device)
+
+The KV budget. A token's keys and values take 2 * 28 L * 2 K * 128 E * 2 bytes = 28
+KiB, so the 24,576 blocks of 16 tokens (393,216 tokens: the 128 slots at a mean of
+3,072 tokens, or 46 sequences of the full 8,448) take 10.50 GiB per engine, where
+every slot at full length would take 28.88 GiB. On one 80 GB GPU (74.5 GiB) the
+trainer and both engines take 14.38 + 2 x 13.38, about 41.1 GiB, which leaves 33.4 GiB
+for the train step's temporaries. Samples beyond the budget wait, preempted, and
+resume where they stopped (`generation.pool`).
 
 The compiled train step needs more than `trainer`: its temporaries for a micro-batch
 (`python -m benchmarks.memory --config=configs/qwen2_5_1_5b.py` reads them from XLA's memory
 analysis; BENCHMARKS.md, "Memory", has the figures).
+
+Variants, named after the file (`--config=configs/qwen2_5_1_5b.py:32k`):
+
+  32k   AReaL's reasoning length: 1,024 prompt + 31,744 new tokens, 64 slots, the same
+        KV budget (12 sequences of the full 32,768, or the slots at a mean of 6,144),
+        micro-batches of 32,768 tokens.
 
 What runs today: as it stands, this config trains the 1.5B-shaped model from random
 weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` times
@@ -33,19 +48,22 @@ weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` 
       --config.task.math.heldout_path=/data/gsm8k/test.jsonl
   python -m launch.export_hf --workdir=/tmp/q15 --out=/tmp/q15_hf
 
-The architecture then comes from the directory's config.json. The shapes (256 prompt
-+ 768 new tokens) and the group settings are those for GSM8K.
+The architecture then comes from the directory's config.json. The group settings
+are those for GSM8K; the lengths (256 prompt + 8,192 new tokens) leave room for long
+chains of thought.
 """
 
 from async_rl.config import MODEL_PRESETS, config_dict
 
+VARIANTS = ("32k",)
 
-def get_config():
+
+def get_config(variant=None):
   c = config_dict()
   c.batch_groups = 32
   c.num_steps = 200
   c.model.update(MODEL_PRESETS["qwen2.5-1.5b"])
-  c.model.max_seq_len = 1024
+  c.model.max_seq_len = 256 + 8192
   # Keep the MLP's gate projection and the mid-layer residual through remat: memory
   # traded for recomputation (`benchmarks.memory --saves=...`).
   c.model.remat_saves = ("mlp_gate", "residual")
@@ -59,13 +77,23 @@ def get_config():
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
   c.generation.max_prompt_len = 256
-  c.generation.max_new_tokens = 768
+  c.generation.max_new_tokens = 8192
   c.generation.group_size = 8
   c.generation.temperature = 1.0
   c.generation.num_slots = 128
   c.generation.update_mode = "retract"
+  c.generation.kv_blocks = 24576
+  c.generation.kv_block_size = 16
   c.staleness.max_staleness = 4
   c.staleness.max_concurrent = 64
   c.eval.num_prompts = 200
   c.checkpoint.every_steps = 50
+  if variant == "32k":
+    c.model.max_seq_len = 32768
+    c.batching.max_tokens_per_mb = 32768
+    c.generation.max_prompt_len = 1024
+    c.generation.max_new_tokens = 31744
+    c.generation.num_slots = 64
+  elif variant is not None:
+    raise ValueError(f"configs/qwen2_5_1_5b.py has variants {VARIANTS}, got {variant!r}")
   return c

@@ -17,11 +17,19 @@ Variants, named after the file (`--config=configs/tiny.py:tool`):
   long_tail  problems of up to 24 operands instead of 8: solutions of up to 187
              tokens (median about 15), the tail that stalls synchronous RL
              (`python -m benchmarks.sync_vs_async --config=configs/tiny.py:long_tail`).
+  long_reasoning
+             problems of up to 128 operands with a heavier tail (exponent 1): prompts
+             of up to 257 tokens and solutions of up to 1,019 (median about 65, p99
+             about 930), within 1,024 new tokens, the generation-bound regime of
+             reasoning RL at CPU scale. The generator's KV budget is a quarter of
+             every slot at full length: 1,296 blocks of 16 tokens, 16 sequences of the
+             full 1,288 or the 64 slots at a mean of 324; longer bursts are preempted
+             and resumed.
 """
 
 from async_rl.config import MODEL_PRESETS, config_dict
 
-VARIANTS = ("tool", "long_tail")
+VARIANTS = ("tool", "long_tail", "long_reasoning")
 
 
 def get_config(variant=None):
@@ -55,6 +63,15 @@ def get_config(variant=None):
     c.generation.max_prompt_len = 56
     c.generation.max_new_tokens = 192
     c.generation.num_slots = 64
+  elif variant == "long_reasoning":
+    c.task.arithmetic.max_terms = 128
+    c.task.arithmetic.tail_exponent = 1.0
+    c.model.max_seq_len = 264 + 1024
+    c.batching.max_tokens_per_mb = 2048
+    c.generation.max_prompt_len = 264
+    c.generation.max_new_tokens = 1024
+    c.generation.num_slots = 64
+    c.generation.kv_blocks = 1296
   elif variant is not None:
     raise ValueError(f"configs/tiny.py has variants {VARIANTS}, got {variant!r}")
   return c

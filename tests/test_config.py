@@ -62,6 +62,8 @@ def test_conversion_types_and_defaults():
     ({"cpu": {"decode_threads": -1}}, "cpu.decode_threads"),
     ({"cpu": {"grad_threads": -1}}, "cpu.grad_threads"),
     ({"generation": {"update_mode": "swap"}}, "generation.update_mode"),
+    ({"generation": {"kv_blocks": 11}}, "generation.kv_blocks must be 0"),
+    ({"generation": {"kv_block_size": 0}}, "generation.kv_block_size"),
     ({"advantage": {"std_level": "prompt"}}, "advantage.std_level"),
     ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads"),
     ({"model": {"max_seq_len": 100}}, "model.max_seq_len"),

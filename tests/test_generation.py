@@ -105,39 +105,53 @@ def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params)
   samplings = [SlotSampling.create(sp, 4, i) for i in range(3)]
   ((prefix, _), *_) = engine.prefill_many(params=params, prompts=prompts,
                                          samplings=samplings + samplings[:1])
-  rows, slots = [2, 0, 2], [5, 1, 6]
+  rows, slots, blocks = [2, 0, 2], [5, 1, 6], [[9, 4], [3, 12], [0, 7]]
   state, first = engine.insert_samples(prefix, engine.init_decode_state(), rows, slots,
-                                       samplings)
+                                       samplings, blocks, [0, 0, 0])
   for i, (row, slot, sampling) in enumerate(zip(rows, slots, samplings)):
     alone, draw = _prefill_one(engine, params, prompts[row], sampling)
     assert first.tokens_S[i] == draw.tokens_S[0] == state.tokens_S[slot]
     np.testing.assert_allclose(first.logp_S[i], draw.logp_S[0], atol=1e-5)
-    np.testing.assert_allclose(np.stack(state.cache["k"])[:, slot, :, :16],
+    np.testing.assert_allclose(_stacked(state.cache)["k"][:, slot, :, :16],
                                np.stack(alone.cache["k"])[:, 0], atol=1e-5)
     assert state.positions_S[slot] == len(prompts[row])
     assert state.end_S[slot] == len(prompts[row]) + 5
   others = [0, 2, 3, 4, 7]
-  assert all(state.positions_S[s] == T and state.end_S[s] == 0 for s in others)
-  assert not np.any(np.stack(state.cache["k"])[:, others])
+  past_tables = engine.max_blocks * engine.block_size
+  assert all(state.positions_S[s] == past_tables and state.end_S[s] == 0 for s in others)
+  assert not np.any(_stacked(state.cache)["k"][:, others])
+  unused = sorted(set(range(engine.num_blocks)) - {b for bs in blocks for b in bs})
+  assert not np.any(np.stack(state.cache.k)[:, :, unused])
 
 
 def _stacked(cache):
-  """The per-layer cache as [L, S, K, T, E] arrays."""
-  return {name: np.stack(cache[name]) for name in ("k", "v")}
+  """The per-layer paged cache as [L, S, K, M Z, E] arrays: each slot's blocks in table
+  order, zeros where its table has no block."""
+  N, Z = cache.num_blocks, cache.block_size
+  tables_SM = np.asarray(cache.tables_SM)
+
+  def dense(pools):
+    pages_LKNZE = np.concatenate([np.stack(pools), np.zeros_like(np.stack(pools)[:, :, :1])],
+                                 axis=2)
+    L, K, _, _, E = pages_LKNZE.shape
+    S, M = tables_SM.shape
+    return pages_LKNZE[:, :, tables_SM].transpose(0, 2, 1, 3, 4, 5).reshape(L, S, K, M * Z, E)
+
+  return {"k": dense(cache.k), "v": dense(cache.v)}
 
 
 def test_extend_continues_a_slot_as_a_prefill_of_the_whole_sequence(engine, params):
   seq = [3, 1, 4, 1, 5, *range(20, 28)]  # 13 tokens; the slot holds the first 6
   sampling = SlotSampling.create(SamplingParams(temperature=1.0, max_new_tokens=6, seed=2), 2, 0)
   head, _ = _prefill_one(engine, params, seq[:6], sampling)
-  state = engine.insert(head, engine.init_decode_state(), 1)
+  state = engine.insert(head, engine.init_decode_state(), 1, [3, 0])
   before = _stacked(state.cache)
   # The cache holds positions 0..5; the slot's last token (seq[6]) and the rest are fed.
-  state, first = engine.extend(params, state, 1, seq[6:], 6, sampling)
+  state, first = engine.extend(params, state, 1, seq[6:], 6, sampling, [3, 0])
   alone, draw = _prefill_one(engine, params, seq, sampling)
   assert first.tokens_S[0] == draw.tokens_S[0] == state.tokens_S[1]
   np.testing.assert_allclose(first.logp_S[0], draw.logp_S[0], atol=1e-5)
-  got, alone = _stacked(state.cache), _stacked(alone.cache)
+  got, alone = _stacked(state.cache), {name: np.stack(alone.cache[name]) for name in "kv"}
   for name in ("k", "v"):
     np.testing.assert_allclose(got[name][:, 1, :, :len(seq)], alone[name][:, 0, :, :len(seq)],
                                atol=1e-5)
@@ -146,7 +160,7 @@ def test_extend_continues_a_slot_as_a_prefill_of_the_whole_sequence(engine, para
   assert state.positions_S[1] == first.positions_S[0] == len(seq)
   assert state.end_S[1] == len(seq) + 6
   with pytest.raises(ValueError, match="no room"):
-    engine.extend(params, state, 1, list(range(16)), T - 16, sampling)
+    engine.extend(params, state, 1, list(range(16)), T - 16, sampling, [3, 0])
 
 
 def test_greedy_pool_equals_argmax_of_full_reforward(engine, params):
@@ -320,7 +334,8 @@ def test_slot_groups_interleave_the_slots(params):
   sampling = SlotSampling.create(SamplingParams(), 0, 0)
   # Slot s is slot s // 3 of group s % 3: slots 2 and 3 are group 2's first, group 0's
   # second (at the prompt's length); the other slots stay idle.
-  state, first = engine.insert_samples(prefix, state, [0, 0], [2, 3], [sampling] * 2)
+  state, first = engine.insert_samples(prefix, state, [0, 0], [2, 3], [sampling] * 2,
+                                       [[0], [0]], [0, 0])
   assert [np.asarray(s.positions_S).tolist() for s in state] == [[T, 3], [T, T], [3, T]]
   assert np.asarray(first.positions_S)[:2].tolist() == [3, 3]
 
@@ -348,11 +363,13 @@ def test_no_recompilation_after_warmup(params, groups):
   with _count_compilations() as warmup_compiles:
     engine.warmup(params)
   # prefill and insert per bucket; prefill_many's batch, insert_samples (for one and
-  # for a batch of prompts) and extend per prompt bucket; the draws of insert_samples (one,
-  # a batch), generate, generate_chunk and init_decode_state once; with slot groups,
-  # the joins of generate's and generate_chunk's results and insert_samples' gather.
-  buckets = 2 * len(engine.prefill_buckets) + 4 * len(engine.prompt_buckets)
-  assert len(warmup_compiles) <= buckets + 5 + 3 * (groups > 1)
+  # for a batch of prompts) and extend per prompt bucket; generate_chunk per table
+  # bucket; the draws of insert_samples (one, a batch), generate and init_decode_state
+  # once; with slot groups, the joins of generate's and generate_chunk's results and
+  # insert_samples' gather.
+  buckets = (2 * len(engine.prefill_buckets) + 4 * len(engine.prompt_buckets)
+             + len(engine.decode_buckets))
+  assert len(warmup_compiles) <= buckets + 4 + 3 * (groups > 1)
   new_params = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(5)
   requests = [Request(i, p, n=int(rng.integers(1, 4)),

@@ -27,11 +27,16 @@ def test_qwen2_5_1_5b_by_hand():
   per_layer = 2 * 1536 * 1536 + 2 * 1536 * 256 + 3 * 1536 * 8960 + 2 * 1536 + 16 * 128
   n = 28 * per_layer + 151936 * 1536 + 1536
   assert n == 1_543_714_304
-  kv = 2 * 28 * 128 * (256 + 768) * 2 * 128 * 2
+  # The KV budget: 24576 blocks of 16 tokens, 2 kv heads of 128, k and v, 28 layers, bf16.
+  kv = 2 * 28 * 24576 * 16 * 2 * 128 * 2
   assert estimate_memory(cfg) == dict(
       params=2 * n, optimizer=4 * n, gradients=4 * n, kv_cache=kv,
       trainer=10 * n, generator=2 * n + kv)
-  assert kv == 3.5 * GIB
+  assert kv == 10.5 * GIB
+  # With no budget, every one of the 128 slots at the full 256 + 8192 tokens.
+  dense = _module("qwen2_5_1_5b").get_config()
+  dense.generation.kv_blocks = 0
+  assert estimate_memory(from_dict(dense))["kv_cache"] == 2 * 28 * 128 * (256 + 8192) * 2 * 128 * 2
 
 
 @pytest.mark.parametrize("name", ACCELERATOR_CONFIGS)

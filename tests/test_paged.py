@@ -33,10 +33,9 @@ def _cfg(**kw):
                      head_dim=8, d_ff=64, **kw)
 
 
-def _shuffled_allocator(num_blocks, block_size, seed):
-  """An allocator that hands its blocks out in a random order (tables not contiguous)."""
-  allocator = paged.BlockAllocator(num_blocks, block_size)
-  blocks = allocator.allocate(num_blocks)
+def _shuffle(allocator, seed):
+  """Makes `allocator` hand its blocks out in a random order (tables not contiguous)."""
+  blocks = allocator.allocate(allocator.num_blocks)
   allocator.free(list(np.random.default_rng(seed).permutation(blocks)))
   return allocator
 
@@ -53,36 +52,41 @@ class _Both:
     self.cfg = cfg = _cfg(qk_norm=True)
     self.params = models.init_params(cfg, jax.random.key(seed))
     self.rng = rng = np.random.default_rng(seed)
-    self.C, self.M, self.S = block_size, self.T // block_size, sum(self.GROUPS) + 1
+    self.Z, self.M, self.S = block_size, self.T // block_size, sum(self.GROUPS) + 1
     self.lengths_B = rng.integers(1, 21, len(self.GROUPS))
     tokens_BP = rng.integers(0, cfg.vocab_size, (len(self.GROUPS), 20)).astype(np.int32)
     _, prompt = models.prefill(self.params, cfg, tokens_BP, self.lengths_B)
     self.dense = models.init_cache(cfg, self.S, self.T)
-    self.allocator = _shuffled_allocator(48, block_size, seed)
+    self.slot_blocks = paged.SlotBlocks([0] * self.S, num_blocks=48, block_size=block_size,
+                                        max_blocks=self.M)
+    self.allocator = _shuffle(self.slot_blocks.allocators[0], seed)
+    self.blocks = self.slot_blocks.blocks
     self.cache = paged.init_cache(cfg, num_slots=self.S, num_blocks=48, block_size=block_size,
                                   max_blocks=self.M)
-    self.blocks, self.positions_S, slot = [], np.full(self.S, self.T, np.int32), 0
+    self.positions_S, slot = np.full(self.S, self.T, np.int32), 0
     for row, samples in enumerate(self.GROUPS):
-      length = int(self.lengths_B[row])
-      for i, blocks in enumerate(self.allocator.allocate_group(length, samples)):
+      length, record = int(self.lengths_B[row]), {}
+      for _ in range(samples):
+        shared = self.slot_blocks.assign(slot, length, (record, length))
         self.dense = jax.tree.map(lambda c, p: c.at[slot, :, :p.shape[2]].set(p[row]),
                                   self.dense, prompt)
-        self.cache = paged.insert(self.cache, prompt, row, slot,
-                                  self.allocator.table(blocks, self.M),
-                                  0 if i == 0 else length // block_size)
-        self.blocks.append(blocks)
+        self.cache = paged.insert(self.cache, prompt, row, slot, self.slot_blocks.row(slot),
+                                  shared)
         self.positions_S[slot] = length
         slot += 1
     self.live = slot
 
   def grow(self):
-    """Gives each live slot the block its next position needs; returns the bucket."""
+    """Gives each live slot the block its next position needs; returns `attention`'s
+    static size for the tables."""
     for s in range(self.live):
-      if self.positions_S[s] // self.C >= len(self.blocks[s]):
-        self.blocks[s] += self.allocator.allocate(1)
-    tables_SM = np.stack([self.allocator.table(b, self.M) for b in self.blocks] +
-                         [self.allocator.table([], self.M)])
+      assert self.slot_blocks.grow(s, self.positions_S[s] + 1)
+    tables_SM = self.slot_blocks.table(range(self.live))
     self.cache = self.cache.replace(tables_SM=jnp.asarray(tables_SM))
+    return paged.step_blocks(tables_SM, 48)
+
+  def columns(self):
+    """The Pallas kernel's static size: the bucket of the fullest table's columns."""
     return paged.bucket(max(len(b) for b in self.blocks), self.M)
 
   def step(self):
@@ -101,7 +105,7 @@ class _Both:
   def read_back(self, layer, name):
     """Slot s's paged keys (or values) at its written positions, as [K, p, E] each."""
     pages = np.asarray(getattr(self.cache, name)[layer])
-    return [np.stack([pages[:, self.blocks[s][p // self.C], p % self.C]
+    return [np.stack([pages[:, self.blocks[s][p // self.Z], p % self.Z]
                       for p in range(self.positions_S[s])], axis=1)
             for s in range(self.live)]
 
@@ -126,12 +130,13 @@ def test_paged_decode_equals_dense_decode(block_size, seed):
 
 
 def test_only_live_blocks_matter():
-  """A larger bucket, and garbage in every block no slot holds, change nothing."""
+  """A larger static size, and garbage in every block no slot holds, change nothing."""
   both = _Both(4, seed=3)
   for _ in range(3):
     both.step()
   blocks = both.grow()
-  assert blocks < both.M
+  largest = paged.step_buckets(both.S, both.M)[-1]
+  assert blocks < largest
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
   step = lambda cache, blocks: _paged_decode(both.params, both.cfg, cache, tokens_S,
                                              both.positions_S, blocks=blocks)[0][:both.live]
@@ -141,31 +146,31 @@ def test_only_live_blocks_matter():
   noisy = both.cache.replace(k=tuple(map(garbage, both.cache.k)),
                              v=tuple(map(garbage, both.cache.v)))
   np.testing.assert_allclose(step(noisy, blocks), reference, **_TOL)
-  np.testing.assert_allclose(step(both.cache, both.M), reference, **_TOL)
-  # A bucket short of a live slot's blocks does change its logits: the test can fail.
+  np.testing.assert_allclose(step(both.cache, largest), reference, **_TOL)
+  # A size short of the live slots' blocks does change their logits: the test can fail.
   assert not np.allclose(step(both.cache, blocks // 2), reference, **_TOL)
 
 
 def test_idle_and_blockless_slots_write_nowhere():
-  C, M, N = 4, 3, 8
-  pages_KNCE = jnp.arange(2 * N * C * 5, dtype=jnp.float32).reshape(2, N, C, 5)
+  Z, M, N = 4, 3, 8
+  pages_KNZE = jnp.arange(2 * N * Z * 5, dtype=jnp.float32).reshape(2, N, Z, 5)
   tables_SM = jnp.array([[5, 2, N], [1, N, N], [6, N, N]], jnp.int32)
   new_SKE = -jnp.ones((3, 2, 5))
   # Slot 0 writes position 6 (block 2, offset 2); slot 1's column 1 has no block; slot 2
   # is idle, past its table.
-  out = paged.write_token(pages_KNCE, new_SKE, tables_SM, jnp.array([6, 5, M * C]))
-  expected = np.array(pages_KNCE)
+  out = paged.write_token(pages_KNZE, new_SKE, tables_SM, jnp.array([6, 5, M * Z]))
+  expected = np.array(pages_KNZE)
   expected[:, 2, 2] = -1
   np.testing.assert_array_equal(out, expected)
 
 
 def test_insert_writes_the_prompt_and_skips_shared_blocks():
   cfg = _cfg()
-  C, N, M = 4, 10, 4
+  Z, N, M = 4, 10, 4
   rng = np.random.default_rng(4)
   prompt = {name: tuple(jnp.asarray(rng.normal(size=(2, 2, 10, 8)), jnp.float32)
                         for _ in range(cfg.n_layers)) for name in ("k", "v")}
-  cache = paged.init_cache(cfg, num_slots=2, num_blocks=N, block_size=C, max_blocks=M)
+  cache = paged.init_cache(cfg, num_slots=2, num_blocks=N, block_size=Z, max_blocks=M)
   cache = paged.insert(cache, prompt, 1, 0, jnp.array([7, 3, 9, N], jnp.int32), 0)
   # Another row, so that a write to the two shared blocks would show.
   cache = paged.insert(cache, prompt, 0, 1, jnp.array([7, 3, 4, N], jnp.int32), 2)
@@ -174,7 +179,7 @@ def test_insert_writes_the_prompt_and_skips_shared_blocks():
     pages = np.asarray(getattr(cache, name)[1])
     # Each row's 10 positions in 3 blocks of 4, the last 2 positions padding.
     row0, row1 = (np.pad(np.asarray(prompt[name][1][b]), ((0, 0), (0, 2), (0, 0)))
-                  .reshape(2, 3, C, 8) for b in (0, 1))
+                  .reshape(2, 3, Z, 8) for b in (0, 1))
     for j, block in enumerate([7, 3, 9]):
       np.testing.assert_array_equal(pages[:, block], row1[:, j])
     np.testing.assert_array_equal(pages[:, 4], row0[:, 2])
@@ -182,27 +187,27 @@ def test_insert_writes_the_prompt_and_skips_shared_blocks():
     assert not pages[:, untouched].any()
 
 
-def _random_pages(seed, S, H, K, E, N, C, M):
+def _random_pages(seed, S, H, K, E, N, Z, M):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(S, H, E)), jnp.float32)
-  k, v = (jnp.asarray(rng.normal(size=(K, N, C, E)), jnp.float32) for _ in range(2))
-  lengths_S = rng.integers(1, M * C + 1, S).astype(np.int32)
-  allocator = _shuffled_allocator(N, C, seed)
+  k, v = (jnp.asarray(rng.normal(size=(K, N, Z, E)), jnp.float32) for _ in range(2))
+  lengths_S = rng.integers(1, M * Z + 1, S).astype(np.int32)
+  allocator = _shuffle(paged.BlockAllocator(N, Z), seed)
   tables_SM = np.stack([allocator.table(allocator.allocate(allocator.blocks_for(n)), M)
                         for n in lengths_S])
   return q, k, v, jnp.asarray(tables_SM), jnp.asarray(lengths_S)
 
 
-def _dense_reference(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S):
+def _dense_reference(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S):
   """Attention of each slot over its own positions, from the blocks read one by one."""
   S, H, E = q_SHE.shape
-  K = k_KNCE.shape[0]
+  K = k_KNZE.shape[0]
   out = np.zeros((S, H, E))
   for s in range(S):
     n = int(lengths_S[s])
-    keys = [np.asarray(k_KNCE)[:, tables_SM[s, p // k_KNCE.shape[2]], p % k_KNCE.shape[2]]
+    keys = [np.asarray(k_KNZE)[:, tables_SM[s, p // k_KNZE.shape[2]], p % k_KNZE.shape[2]]
             for p in range(n)]
-    vals = [np.asarray(v_KNCE)[:, tables_SM[s, p // k_KNCE.shape[2]], p % k_KNCE.shape[2]]
+    vals = [np.asarray(v_KNZE)[:, tables_SM[s, p // k_KNZE.shape[2]], p % k_KNZE.shape[2]]
             for p in range(n)]
     k_KnE, v_KnE = np.stack(keys, 1), np.stack(vals, 1)
     for h in range(H):
@@ -212,16 +217,36 @@ def _dense_reference(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S):
   return out
 
 
-@pytest.mark.parametrize("C, M, blocks", [(4, 8, 8), (16, 2, 2)])
-def test_gather_and_interpreted_pallas_attention_equal_the_reference(C, M, blocks):
-  q, k, v, tables_SM, lengths_S = _random_pages(5, S=3, H=4, K=2, E=8, N=32, C=C, M=M)
+@pytest.mark.parametrize("Z, M, columns", [(4, 8, 8), (16, 2, 2)])
+def test_ragged_and_interpreted_pallas_attention_equal_the_reference(Z, M, columns):
+  q, k, v, tables_SM, lengths_S = _random_pages(5, S=3, H=4, K=2, E=8, N=32, Z=Z, M=M)
   reference = _dense_reference(q, k, v, tables_SM, lengths_S)
-  gather = paged.gather_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
-  pallas = paged.pallas_attention(q, k, v, tables_SM, lengths_S, blocks=blocks, interpret=True)
-  # float32 dot products of 8 terms and softmax over at most 32 positions against a
-  # float64 reference; the kernel's online softmax rescales once per step of blocks.
-  np.testing.assert_allclose(gather, reference, atol=2e-6, rtol=2e-6)
+  # The blocks of all slots together, padded up to a larger static size.
+  held = int(np.sum(np.asarray(tables_SM) < 32))
+  for blocks in (held, held + 5):
+    ragged = paged.ragged_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
+    # float32 dot products of 8 terms and softmax over at most 32 positions against a
+    # float64 reference.
+    np.testing.assert_allclose(ragged, reference, atol=2e-6, rtol=2e-6)
+  pallas = paged.pallas_attention(q, k, v, tables_SM, lengths_S, blocks=columns,
+                                  interpret=True)
+  # The kernel's online softmax rescales once per step of blocks.
   np.testing.assert_allclose(pallas, reference, atol=2e-6, rtol=2e-6)
+
+
+def test_ragged_attention_reads_only_each_slots_blocks_up_to_its_length():
+  q, k, v, tables_SM, lengths_S = _random_pages(7, S=4, H=4, K=2, E=8, N=32, Z=4, M=8)
+  # Slot 3 holds no block (idle): zeros, not NaN. Slot 1 holds more blocks than its
+  # length reaches: the extra ones are not read.
+  tables_SM = np.asarray(tables_SM).copy()
+  tables_SM[3] = 32
+  lengths_S = np.asarray(lengths_S).copy()
+  lengths_S[1] = 5
+  garbage_k = k.at[:, tables_SM[1, 2:]].set(1e3)
+  out = paged.ragged_attention(q, garbage_k, v, tables_SM, lengths_S, blocks=32)
+  reference = _dense_reference(q[:3], k, v, tables_SM[:3], lengths_S[:3])
+  np.testing.assert_allclose(out[:3], reference, atol=2e-6, rtol=2e-6)
+  np.testing.assert_array_equal(out[3], 0)
 
 
 def test_interpreted_pallas_decode_step_equals_the_xla_step():
@@ -230,10 +255,11 @@ def test_interpreted_pallas_decode_step_equals_the_xla_step():
     both.step()
   blocks = both.grow()
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
-  run = lambda attend: paged.decode(both.params, both.cfg, both.cache, tokens_S,
-                                    both.positions_S, blocks=blocks, attend=attend)
-  xla_SV, xla_cache = run(paged.gather_attention)
-  pallas_SV, pallas_cache = run(functools.partial(paged.pallas_attention, interpret=True))
+  run = lambda attend, blocks: paged.decode(both.params, both.cfg, both.cache, tokens_S,
+                                            both.positions_S, blocks=blocks, attend=attend)
+  xla_SV, xla_cache = run(paged.ragged_attention, blocks)
+  pallas_SV, pallas_cache = run(functools.partial(paged.pallas_attention, interpret=True),
+                                both.columns())
   np.testing.assert_allclose(pallas_SV[:both.live], xla_SV[:both.live], **_TOL)
   jax.tree.map(functools.partial(np.testing.assert_allclose, **_TOL), pallas_cache, xla_cache)
 
@@ -277,13 +303,25 @@ def test_bucket_is_the_next_power_of_two_up_to_the_table():
   assert paged.bucket(40, 48) == 48
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's sizes")
+def test_step_blocks_take_one_of_the_step_buckets():
+  # On the CPU, the blocks of all rows together, a shared block once per row: more
+  # than the pool's 20 when the rows share.
+  assert paged.step_buckets(4, 16) == (1, 2, 4, 8, 16, 32, 64)
+  assert paged.step_buckets(6, 16) == (1, 2, 4, 8, 16, 32, 64, 96)
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    held_S = rng.integers(0, 17, 6)
+    tables_SM = np.where(np.arange(16)[None] < held_S[:, None], 3, 20)
+    blocks = paged.step_blocks(tables_SM, 20)
+    assert blocks in paged.step_buckets(6, 16) and blocks >= held_S.sum()
+
+
 def test_allocator_errors_leave_it_unchanged():
   allocator = paged.BlockAllocator(4, 16)
   a = allocator.allocate(3)
   with pytest.raises(paged.OutOfBlocks, match="2 blocks asked for, 1 of 4 free"):
     allocator.allocate(2)
-  with pytest.raises(paged.OutOfBlocks, match="needs 3 blocks"):
-    allocator.allocate_group(17, samples=2)
   assert allocator.num_free == 1
   allocator.free(a[:1])
   with pytest.raises(ValueError, match=f"block {a[0]} freed 1 times but held 0"):
@@ -304,30 +342,64 @@ def test_allocator_errors_leave_it_unchanged():
 @pytest.mark.parametrize("length, samples, shared, total", [(40, 3, 2, 5), (32, 3, 2, 2),
                                                             (5, 4, 0, 4), (0, 2, 0, 0)])
 def test_a_group_shares_its_full_prompt_blocks(length, samples, shared, total):
-  allocator = paged.BlockAllocator(8, 16)
-  assert allocator.group_blocks(length, samples) == total
-  group = allocator.allocate_group(length, samples)
+  slot_blocks = paged.SlotBlocks([0] * 4, num_blocks=8, block_size=16, max_blocks=4)
+  allocator, record = slot_blocks.allocators[0], {}
+  assert [slot_blocks.assign(s, length, (record, length)) for s in range(samples)] == [
+      0] + [shared] * (samples - 1)
+  group = slot_blocks.blocks[:samples]
   assert allocator.num_free == 8 - total
   assert all(g[:shared] == group[0][:shared] for g in group)
   assert all(allocator.refcount(b) == samples for b in group[0][:shared])
   own = [b for g in group for b in g[shared:]]
   assert len(set(own)) == len(own) == total - shared
   assert all(allocator.refcount(b) == 1 for b in own)
-  for g in group:
-    allocator.free(g)
-  assert allocator.num_free == 8
+  for s in range(samples):
+    slot_blocks.release(s)
+  assert allocator.num_free == slot_blocks.num_free == 8
+
+
+def test_a_prompt_is_shared_only_while_held_and_within_its_pool():
+  # Slots 0 and 2 draw from pool 0, slots 1 and 3 from pool 1, 6 blocks of 4 each.
+  slot_blocks = paged.SlotBlocks([0, 1, 0, 1], num_blocks=6, block_size=4, max_blocks=6)
+  record = {}
+  prompt = (record, 9)  # 2 full blocks and a partial one
+  assert slot_blocks.assign(0, 12, prompt) == 0
+  assert slot_blocks.assign(1, 10, prompt) == 0  # the other pool writes its own
+  assert slot_blocks.assign(2, 11, prompt) == 2
+  assert slot_blocks.blocks[2][:2] == slot_blocks.blocks[0][:2] == list(record[0][0])
+  assert slot_blocks.num_free == 12 - 4 - 3
+  # Pool 1 has 3 blocks left: not enough for 16 positions, and nothing changes.
+  assert slot_blocks.assign(3, 16) is None and slot_blocks.blocks[3] == []
+  assert slot_blocks.grow(1, 20) and len(slot_blocks.blocks[1]) == 5
+  assert not slot_blocks.grow(3, 8) and slot_blocks.blocks[3] == []
+  with pytest.raises(ValueError, match="already holds"):
+    slot_blocks.assign(1, 4)
+  with pytest.raises(ValueError, match="do not fit"):
+    slot_blocks.grow(3, 25)
+  tables_SM = slot_blocks.table([0, 1])
+  np.testing.assert_array_equal(tables_SM[0, :3], slot_blocks.blocks[0])
+  np.testing.assert_array_equal(tables_SM[1, :5], slot_blocks.blocks[1])
+  assert (tables_SM[0, 3:] == 6).all() and tables_SM[1, 5] == 6 and (tables_SM[2:] == 6).all()
+  # Once every holder let go, the record no longer names held blocks: a new sample of
+  # the prompt allocates (and writes) them again, even if the same blocks come back.
+  slot_blocks.release(0)
+  slot_blocks.release(2)
+  assert slot_blocks.assign(2, 9, prompt) == 0
+  assert slot_blocks.assign(0, 9, prompt) == 2
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-  """Random allocate / group / share / free sequences against a model of who holds
-  what: no block is lost or handed out twice, and every count is exact."""
+  """Random allocate / share / free sequences against a model of who holds what: no
+  block is lost or handed out twice, every count is exact, and a record of blocks and
+  serials is held exactly while a holder of that hand-out is left."""
 
   N = 12
 
   def __init__(self):
     super().__init__()
     self.allocator = paged.BlockAllocator(self.N, 4)
-    self.holders = []  # one list of blocks per holder
+    self.holders = []  # (blocks, serials) per holder
+    self.gone = []  # the records of hand-outs every holder let go of
 
   @rule(n=st.integers(0, 14))
   def allocate(self, n):
@@ -337,40 +409,30 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.allocator.allocate(n)
       return
     blocks = self.allocator.allocate(n)
-    held = {b for h in self.holders for b in h}
+    held = {b for h, _ in self.holders for b in h}
     assert len(set(blocks)) == n and not held & set(blocks)
-    self.holders.append(blocks)
-
-  @rule(length=st.integers(0, 30), samples=st.integers(1, 4))
-  def allocate_group(self, length, samples):
-    need = self.allocator.group_blocks(length, samples)
-    if need > self.allocator.num_free:
-      with pytest.raises(paged.OutOfBlocks):
-        self.allocator.allocate_group(length, samples)
-      return
-    held = {b for h in self.holders for b in h}
-    group = self.allocator.allocate_group(length, samples)
-    assert not held & {b for g in group for b in g}
-    assert all(len(g) == self.allocator.blocks_for(length) for g in group)
-    self.holders.extend(group)
+    self.holders.append((blocks, self.allocator.serials(blocks)))
 
   @precondition(lambda self: self.holders)
   @rule(data=st.data())
   def share(self, data):
-    holder = data.draw(st.sampled_from(self.holders))
-    self.allocator.share(holder)
-    self.holders.append(list(holder))
+    blocks, serials = data.draw(st.sampled_from(self.holders))
+    self.allocator.share(blocks)
+    self.holders.append((list(blocks), serials))
 
   @precondition(lambda self: self.holders)
   @rule(data=st.data())
   def free(self, data):
     i = data.draw(st.integers(0, len(self.holders) - 1))
-    self.allocator.free(self.holders.pop(i))
+    blocks, serials = self.holders.pop(i)
+    self.allocator.free(blocks)
+    if blocks and all(s != serials for _, s in self.holders):
+      self.gone.append((blocks, serials))
 
   @precondition(lambda self: self.allocator.num_free)
   @rule(data=st.data())
   def free_a_free_block_fails(self, data):
-    held = {b for h in self.holders for b in h}
+    held = {b for h, _ in self.holders for b in h}
     free = sorted(set(range(self.N)) - held)
     with pytest.raises(ValueError, match="double free"):
       self.allocator.free([data.draw(st.sampled_from(free))])
@@ -378,10 +440,15 @@ class AllocatorMachine(RuleBasedStateMachine):
   @invariant()
   def counts_are_exact(self):
     counts = np.zeros(self.N, int)
-    for h in self.holders:
+    for h, _ in self.holders:
       np.add.at(counts, h, 1)
     assert [self.allocator.refcount(b) for b in range(self.N)] == list(counts)
     assert self.allocator.num_free == int((counts == 0).sum())
+
+  @invariant()
+  def records_are_held_exactly_while_held(self):
+    assert all(self.allocator.still_held(*h) for h in self.holders)
+    assert not any(self.allocator.still_held(*g) for g in self.gone)
 
 
 TestAllocator = AllocatorMachine.TestCase

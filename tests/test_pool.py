@@ -76,14 +76,14 @@ def _pause_mid_generation(pool):
   engine, generate_chunk = pool.engine, pool.engine.generate_chunk
   calls, reached = 0, threading.Event()
 
-  def gated(params, state):
+  def gated(*args):
     nonlocal calls
     calls += 1
     if calls == 2:
       reached.set()
       while not pool._inbox.paused:
         time.sleep(0.0005)
-    return generate_chunk(params, state)
+    return generate_chunk(*args)
 
   engine.generate_chunk = gated
   try:

@@ -121,6 +121,22 @@ def test_automatic_thread_counts_share_the_cores_between_generator_and_trainer(m
   assert [cpu.engine.num_groups(s, 4) for s in (64, 48, 24, 12, 8)] == [4, 4, 3, 1, 1]
 
 
+def test_the_engines_kv_budget_splits_over_slot_groups_that_hold_a_sequence(monkeypatch):
+  monkeypatch.setattr(cpu.threads, "cores", lambda: 4)
+  base = {"generation.num_slots": 32, "generation.kv_block_size": 8}
+  sequence = small_config(**base).generation.sequence_blocks
+  # No budget: each of the 2 groups holds its 16 slots at full length.
+  engine = build.make_engine(small_config(**base))
+  assert engine._groups == 2 and engine.num_blocks == 16 * sequence
+  # Three sequences' worth splits in two shares of 1.5 each.
+  engine = build.make_engine(small_config(**base, **{"generation.kv_blocks": 3 * sequence}))
+  assert engine._groups == 2 and engine.num_blocks == 3 * sequence // 2
+  assert engine.block_size == 8 and engine.kv_cache_bytes == 2 * engine._engine.kv_cache_bytes
+  # One sequence's worth cannot be split: one group.
+  engine = build.make_engine(small_config(**base, **{"generation.kv_blocks": sequence}))
+  assert isinstance(engine, Engine) and engine.num_blocks == sequence
+
+
 def test_the_trainer_packs_into_a_shape_it_compiled_within_the_slack():
   # One trajectory of 22 tokens per row of 40 (320 tokens per micro-batch: at most 8
   # rows): 8 of them pack as [1, 8, 40]; then six of 22 and two of 10 (a 10 beside a

@@ -1,9 +1,9 @@
 """An engine whose slots split into groups, each decoded from its own thread.
 
 One `Engine` of S / W slots serves W slot groups, each with its own decode state (W
-the decode threads); slot s of the S the pool sees is
-slot s // W of group s % W, so a pool filling its lowest free slots first spreads its
-samples evenly over the groups. A decode chunk dispatches each group's call from its
+the decode threads) and so its own pool of KV blocks (the engine's `kv_blocks` each);
+slot s of the S the pool sees is slot s // W of group s % W, so a pool filling its
+lowest free slots first spreads its samples evenly over the groups. A decode chunk dispatches each group's call from its
 own thread, so the W programs run at once, one per core; every other call touches one
 group. The tokens are those of one engine over S slots: a draw's key depends only on
 (seed, sample index, position).
@@ -71,18 +71,30 @@ class SlotGroupEngine:
   def max_concurrent_decodes(self) -> int:
     return self._groups * self._engine.max_concurrent_decodes
 
+  @property
+  def num_pools(self) -> int:
+    """One block pool per group."""
+    return self._groups
+
+  def pool_of(self, slot: int) -> int:
+    return self._locate(slot)[0]
+
+  @property
+  def kv_cache_bytes(self) -> int:
+    return self._groups * self._engine.kv_cache_bytes
+
   def _locate(self, slot: int) -> tuple[int, int]:
     return slot % self._groups, slot // self._groups
 
   def init_decode_state(self):
     return tuple(self._engine.init_decode_state() for _ in range(self._groups))
 
-  def insert(self, prefix, decode_state, slot: int):
+  def insert(self, prefix, decode_state, slot: int, blocks):
     g, local = self._locate(slot)
-    return _replace(decode_state, g, self._engine.insert(prefix, decode_state[g], local))
+    return _replace(decode_state, g, self._engine.insert(prefix, decode_state[g], local, blocks))
 
   def insert_samples(self, prefix, decode_state, rows: Sequence[int], slots: Sequence[int],
-                     samplings):
+                     samplings, blocks, shared):
     """As `Engine.insert_samples`, the samples of each group inserted in one call."""
     by_group: dict[int, list[int]] = {}
     for i, slot in enumerate(slots):
@@ -92,7 +104,8 @@ class SlotGroupEngine:
     for g, members in by_group.items():
       state, first = self._engine.insert_samples(
           prefix, decode_state[g], [rows[i] for i in members],
-          [slots[i] // self._groups for i in members], [samplings[i] for i in members])
+          [slots[i] // self._groups for i in members], [samplings[i] for i in members],
+          [blocks[i] for i in members], [shared[i] for i in members])
       decode_state = _replace(decode_state, g, state)
       for j, i in enumerate(members):
         index_N[i] = len(results) * rows_per_result + j
@@ -101,19 +114,24 @@ class SlotGroupEngine:
     results += [results[0]] * (self._groups - len(results))
     return decode_state, self._rows(tuple(results), index_N)
 
-  def extend(self, params, decode_state, slot: int, tokens, start: int, sampling):
+  def extend(self, params, decode_state, slot: int, tokens, start: int, sampling, blocks):
     g, local = self._locate(slot)
-    state, result = self._engine.extend(params, decode_state[g], local, tokens, start, sampling)
+    state, result = self._engine.extend(params, decode_state[g], local, tokens, start, sampling,
+                                        blocks)
     return _replace(decode_state, g, state), result
 
   def generate(self, params, decode_state) -> tuple[tuple, ResultTokens]:
-    return self._each_group(self._engine.generate, params, decode_state)
+    return self._each_group(self._engine.generate, [(params, s) for s in decode_state])
 
-  def generate_chunk(self, params, decode_state) -> tuple[tuple, ChunkTokens]:
-    return self._each_group(self._engine.generate_chunk, params, decode_state)
+  def generate_chunk(self, params, decode_state, tables_SM) -> tuple[tuple, ChunkTokens]:
+    """As `Engine.generate_chunk`; group g decodes with the rows of its slots (g, g + W,
+    ...), reading as many table columns as its own longest slot needs."""
+    return self._each_group(self._engine.generate_chunk,
+                            [(params, s, tables_SM[g::self._groups])
+                             for g, s in enumerate(decode_state)])
 
-  def _each_group(self, fn, params, decode_state):
-    states, results = zip(*self._dispatchers.map(fn, [(params, s) for s in decode_state]))
+  def _each_group(self, fn, args):
+    states, results = zip(*self._dispatchers.map(fn, args))
     return states, self._interleave(results)
 
   def warmup(self, params) -> None:
@@ -124,9 +142,12 @@ class SlotGroupEngine:
     prefix, _ = self._engine.prefill(
         params=params, padded_tokens=np.zeros(self._engine.prefill_buckets[0], np.int32),
         true_length=1, sampling=_any_sampling())
-    state, first = self.insert_samples(prefix, state, [0], [0], [_any_sampling()])
+    state, first = self.insert_samples(prefix, state, [0], [0], [_any_sampling()], [[0]], [0])
     state, result = self.generate(params, state)
-    state, chunk = self.generate_chunk(params, state)
+    tables_SM = np.full((self.max_concurrent_decodes, self.max_blocks), self.num_blocks,
+                        np.int32)
+    tables_SM[0, 0] = 0
+    state, chunk = self.generate_chunk(params, state, tables_SM)
     jax.block_until_ready((first, result, chunk))
 
 

@@ -1,8 +1,9 @@
 """The engine's decode state and the pure device functions over it.
 
 This is the functional core of `engine.Engine`, which jits these functions with its
-shardings and donates the decode state. Shapes: S slots, T the cache length, P a
-padded prompt length, B prompts prefilled together.
+shardings and donates the decode state. Shapes: S slots, P a padded prompt length, B
+prompts prefilled together, M block-table columns, Z tokens per block; `max_len` is the
+longest sequence a slot may hold (at most M Z).
 """
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from async_rl import models
-from async_rl.generation import sampling as sampling_lib
+from async_rl.generation import paged, sampling as sampling_lib
 from async_rl.generation.sampling import SlotSampling
 
 
@@ -40,13 +41,14 @@ class DecodeState:
   """Everything one decode step transforms, for all S slots.
 
   `tokens_S` is each slot's last generated token, not yet fed to the model;
-  `positions_S` its sequence position. The cache holds k and v, L arrays [S, K, T, E]
-  each (`models.init_cache`). An idle slot sits at position T, where
-  decoding writes nothing. `end_S` is one past the position of a slot's last allowed
-  token (prompt length plus `max_new_tokens`, capped by T); `generate_chunk` advances
-  only live slots (see `live`).
+  `positions_S` its sequence position. The cache is a `paged.PagedCache`: L pools of
+  blocks for k and v, and each slot's block table, which the host sets (`insert`,
+  `extend`, `generate_chunk`). An idle slot sits at position M Z, past every table,
+  where decoding writes nothing. `end_S` is one past the position of a slot's last
+  allowed token (prompt length plus `max_new_tokens`, capped by the longest sequence);
+  `generate_chunk` advances only live slots (see `live`).
   """
-  cache: dict
+  cache: paged.PagedCache
   tokens_S: jax.Array
   positions_S: jax.Array
   sampling_S: SlotSampling
@@ -88,25 +90,28 @@ def prefill(params, tokens_BP, lengths_B, generated_B, sampling_B, *, cfg):
   return prefix, ResultTokens(tokens_B, logp_B, lengths_B)
 
 
-def _insert_row(prefix, row, token, sampling, state, slot):
-  """Puts prompt `row` of `prefix` into `slot`, with first token `token`."""
-  def put(c, p):
-    p_row = jax.lax.dynamic_slice_in_dim(p, row, 1, axis=0)
-    return jax.lax.dynamic_update_slice(c, p_row.astype(c.dtype), (slot, 0, 0, 0))
+def _past_tables(cache: paged.PagedCache) -> int:
+  """M Z: the first position no block table reaches, where idle slots sit."""
+  return cache.tables_SM.shape[1] * cache.block_size
 
-  T = models.cache_len(state.cache)
-  end = jnp.minimum(prefix.starts_B[row] + sampling.max_new_tokens, T)
+
+def _insert_row(prefix, row, token, sampling, state, slot, table_M, shared, max_len):
+  """Puts prompt `row` of `prefix` into `slot`, whose blocks `table_M` lists (the first
+  `shared` of them written already), with first token `token`."""
+  end = jnp.minimum(prefix.starts_B[row] + sampling.max_new_tokens, max_len)
   sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, sampling)
-  return DecodeState(cache=jax.tree.map(put, state.cache, prefix.cache),
+  return DecodeState(cache=paged.insert(state.cache, prefix.cache, row, slot, table_M, shared),
                      tokens_S=state.tokens_S.at[slot].set(token),
                      positions_S=state.positions_S.at[slot].set(prefix.lengths_B[row]),
                      sampling_S=sampling_S, end_S=state.end_S.at[slot].set(end))
 
 
-def insert(prefix, state, slot):
-  """Puts the first prompt of `prefix`, with its own first token, into `slot`."""
+def insert(prefix, state, slot, table_M, *, max_len):
+  """Puts the first prompt of `prefix`, with its own first token, into `slot`, whose
+  blocks `table_M` lists."""
   return _insert_row(prefix, 0, prefix.tokens_B[0],
-                     jax.tree.map(lambda x: x[0], prefix.sampling_B), state, slot)
+                     jax.tree.map(lambda x: x[0], prefix.sampling_B), state, slot, table_M, 0,
+                     max_len)
 
 
 def draw(logits_BV, lengths_B, rows_S, sampling_S):
@@ -117,77 +122,85 @@ def draw(logits_BV, lengths_B, rows_S, sampling_S):
   return ResultTokens(tokens_S, logp_S, positions_S)
 
 
-def insert_samples(prefix, state, rows_S, slots_S, tokens_S, sampling_S, count):
+def insert_samples(prefix, state, rows_S, slots_S, tokens_S, sampling_S, tables_SM, shared_S,
+                   count, *, max_len):
   """Inserts `count` samples: sample i, of prompt `rows_S[i]`, with first token
-  `tokens_S[i]` drawn under `sampling_S[i]`, goes to slot `slots_S[i]`. Only `count`
-  copies of a prompt's cache are written, however many slots there are."""
+  `tokens_S[i]` drawn under `sampling_S[i]`, goes to slot `slots_S[i]`, whose blocks
+  `tables_SM[i]` lists. Its first `shared_S[i]` blocks are a prompt's full blocks that
+  an earlier sample wrote, so only the rest of the prompt is written again."""
 
   def insert_one(i, state):
     sampling = jax.tree.map(lambda x: x[i], sampling_S)
-    return _insert_row(prefix, rows_S[i], tokens_S[i], sampling, state, slots_S[i])
+    return _insert_row(prefix, rows_S[i], tokens_S[i], sampling, state, slots_S[i],
+                       tables_SM[i], shared_S[i], max_len)
 
   return jax.lax.fori_loop(0, count, insert_one, state)
 
 
-def extend(params, state, tokens_P, count, slot, start, sampling, *, cfg):
-  """Continues a held sample in `slot`: feeds the first `count` tokens of `tokens_P`
-  through the decode step at positions `start ..` (attending to the slot's cached
-  keys and values, writing their own), then draws the slot's next token with
-  `sampling` at position `start + count`, as `prefill` would for the whole sequence.
+def extend(params, state, tokens_P, count, slot, start, sampling, table_M, *, cfg, max_len):
+  """Continues a held sample in `slot`, whose blocks `table_M` now lists: feeds the first
+  `count` tokens of `tokens_P` through the decode step at positions `start ..`
+  (attending to the slot's cached keys and values, writing their own), then draws the
+  slot's next token with `sampling` at position `start + count`, as `prefill` would for
+  the whole sequence.
 
-  Only the slot's rows of the cache are computed on; the tokens are fed one by one
-  because the decode step is the path that wrote the rest of the cache.
+  Only the slot's blocks are computed on; the tokens are fed one by one because the
+  decode step is the path that wrote the rest of the cache.
   """
-  T = models.cache_len(state.cache)
-  cache_1 = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0), state.cache)
+  tables_SM = state.cache.tables_SM.at[slot].set(table_M)
+  one = state.cache.replace(tables_SM=table_M[None])
 
   def feed(i, carry):
-    cache_1, _ = carry
-    logits_1V, cache_1 = models.decode(params, cfg, cache_1, tokens_P[i][None],
-                                       (start + i)[None])
-    return cache_1, logits_1V
+    one, _ = carry
+    logits_1V, one = paged.decode(params, cfg, one, tokens_P[i][None], (start + i)[None],
+                                  blocks=table_M.shape[0])
+    return one, logits_1V
 
-  cache_1, logits_1V = jax.lax.fori_loop(
-      0, count, feed, (cache_1, jnp.zeros((1, cfg.vocab_size), jnp.float32)))
+  one, logits_1V = jax.lax.fori_loop(
+      0, count, feed, (one, jnp.zeros((1, cfg.vocab_size), jnp.float32)))
   position = start + count
   tokens_1, logp_1 = sampling_lib.sample(logits_1V, jax.tree.map(lambda x: x[None], sampling),
                                          position[None])
   sampling_S = jax.tree.map(lambda a, x: a.at[slot].set(x), state.sampling_S, sampling)
-  cache = jax.tree.map(
-      lambda c, c1: jax.lax.dynamic_update_slice(c, c1.astype(c.dtype), (slot, 0, 0, 0)),
-      state.cache, cache_1)
   new_state = DecodeState(
-      cache=cache, tokens_S=state.tokens_S.at[slot].set(tokens_1[0]),
+      cache=one.replace(tables_SM=tables_SM), tokens_S=state.tokens_S.at[slot].set(tokens_1[0]),
       positions_S=state.positions_S.at[slot].set(position), sampling_S=sampling_S,
-      end_S=state.end_S.at[slot].set(jnp.minimum(position + sampling.max_new_tokens, T)))
+      end_S=state.end_S.at[slot].set(jnp.minimum(position + sampling.max_new_tokens, max_len)))
   return new_state, ResultTokens(tokens_1, logp_1, position[None])
 
 
 def live(state: DecodeState) -> jax.Array:
-  """Bool [S]: the slots whose sample goes on, i.e. whose last token is not a stop id
-  and is not at the last allowed position. Idle slots (position T) are not live."""
+  """Bool [S]: the slots whose sample goes on, i.e. that hold a block, whose last token
+  is not a stop id and is not at the last allowed position. Idle slots are not live,
+  nor are slots the host took every block from (a finished or preempted sample)."""
   stopped_S = jnp.any(state.tokens_S[:, None] == state.sampling_S.stop_ids, axis=1)
-  return (state.positions_S + 1 < state.end_S) & ~stopped_S
+  has_blocks_S = state.cache.tables_SM[:, 0] < state.cache.num_blocks
+  return (state.positions_S + 1 < state.end_S) & ~stopped_S & has_blocks_S
 
 
-def generate(params, state, *, cfg):
-  """One decode step of every slot, as JetStream's `generate`: no slot stops."""
-  logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, state.positions_S)
-  # Idle slots stay parked at position T (past the cache end) instead of counting up.
-  positions_S = jnp.minimum(state.positions_S + 1, models.cache_len(state.cache))
+def generate(params, state, *, cfg, blocks):
+  """One decode step of every slot, as JetStream's `generate`: no slot stops. `blocks`
+  (`paged.attention`'s static size) must hold every table."""
+  logits_SV, cache = paged.decode(params, cfg, state.cache, state.tokens_S, state.positions_S,
+                                  blocks=blocks)
+  # Idle slots stay parked past the tables instead of counting up.
+  positions_S = jnp.minimum(state.positions_S + 1, _past_tables(state.cache))
   tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
   new_state = state.replace(cache=cache, tokens_S=tokens_S, positions_S=positions_S)
   return new_state, ResultTokens(tokens_S, logp_S, positions_S)
 
 
-def generate_chunk(params, state, *, cfg, steps):
-  """Up to `steps` decode steps of the live slots in one `while_loop`.
+def generate_chunk(params, state, tables_SM, *, cfg, steps, blocks):
+  """Up to `steps` decode steps of the live slots in one `while_loop`, with the block
+  tables `tables_SM`.
 
-  A slot stops for good at a stop id, at its token budget or at the cache end, and
-  the loop exits early once no slot is live. Keys depend only on (seed, sample
-  index, position), so the tokens do not depend on `steps`.
+  `blocks`, `paged.attention`'s static size, must hold the tables
+  (`paged.step_blocks`). A slot stops for good at a stop id or at its token budget,
+  and the loop exits early once no slot is live. Keys depend only on (seed, sample
+  index, position), so the tokens do not depend on `steps` or `blocks`.
   """
-  S, T = state.tokens_S.shape[0], models.cache_len(state.cache)
+  state = state.replace(cache=state.cache.replace(tables_SM=tables_SM))
+  S, nowhere = state.tokens_S.shape[0], _past_tables(state.cache)
 
   def cond(carry):
     step, state, _ = carry
@@ -198,8 +211,9 @@ def generate_chunk(params, state, *, cfg, steps):
     live_S = live(state)
     # A stopped slot writes nowhere and keeps its token and position, so it stays
     # stopped until `insert` gives the slot a new sample.
-    write_S = jnp.where(live_S, state.positions_S, T)
-    logits_SV, cache = models.decode(params, cfg, state.cache, state.tokens_S, write_S)
+    write_S = jnp.where(live_S, state.positions_S, nowhere)
+    logits_SV, cache = paged.decode(params, cfg, state.cache, state.tokens_S, write_S,
+                                    blocks=blocks)
     positions_S = jnp.where(live_S, state.positions_S + 1, state.positions_S)
     tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
     state = state.replace(cache=cache, tokens_S=jnp.where(live_S, tokens_S, state.tokens_S),
@@ -213,10 +227,11 @@ def generate_chunk(params, state, *, cfg, steps):
                             count_S=state.positions_S - start_S, steps=ran)
 
 
-def init_decode_state(*, cfg, num_slots, max_len):
-  """An empty cache with every slot idle."""
-  return DecodeState(cache=models.init_cache(cfg, num_slots, max_len),
-                     tokens_S=jnp.zeros(num_slots, jnp.int32),
-                     positions_S=jnp.full(num_slots, max_len, jnp.int32),
+def init_decode_state(*, cfg, num_slots, num_blocks, block_size, max_blocks):
+  """An empty pool of `num_blocks` blocks, every table empty and every slot idle."""
+  cache = paged.init_cache(cfg, num_slots=num_slots, num_blocks=num_blocks,
+                           block_size=block_size, max_blocks=max_blocks)
+  return DecodeState(cache=cache, tokens_S=jnp.zeros(num_slots, jnp.int32),
+                     positions_S=jnp.full(num_slots, _past_tables(cache), jnp.int32),
                      sampling_S=jax.tree.map(jnp.asarray, SlotSampling.zeros(num_slots)),
                      end_S=jnp.zeros(num_slots, jnp.int32))

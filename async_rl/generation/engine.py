@@ -1,4 +1,4 @@
-"""A generation engine with JetStream's `Engine` interface over the model's KV cache.
+"""A generation engine with JetStream's `Engine` interface over a paged KV cache.
 
 The method and argument names follow `jetstream.engine.engine_api.Engine`
 (`prefill(*, params, padded_tokens, true_length)`, `insert(prefix, decode_state,
@@ -14,18 +14,27 @@ them into slots in one call, each drawing its own first token, so a prompt is
 prefilled once for all its samples. `existing_prefix` (prefix caching) is not
 supported.
 
+The KV cache is a pool of `kv_blocks` blocks of `kv_block_size` tokens
+(`generation.paged`): memory is that budget, not slots x `max_target_length`. Which
+blocks a slot holds is the caller's to decide (the pool's `Scheduler` keeps a
+`paged.SlotBlocks`): `insert`, `insert_samples` and `extend` take the slot's blocks and
+`generate_chunk` the block tables of the slots to decode. The pools lead with the kv
+heads, the axis tensor parallelism splits (`sharding.kv_pool_sharding`).
+
 `generate` is JetStream's one decode step (its orchestrator ends requests on the
 host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
-loop, and a slot stops inside it at a stop id, its token budget or the cache end. The
-keys of a draw depend only on (seed, sample index, position), so a chunk draws the
-tokens that as many single steps would.
+loop, and a slot stops inside it at a stop id or its token budget. Its attention reads
+only the blocks that hold the live slots' positions (`paged.attention`), within a
+static size that is a power of two (`paged.step_blocks`), so a step's cost follows the
+tokens in flight, not the longest allowed sequence. The keys of a draw depend only on (seed, sample index, position), so a chunk
+draws the tokens that as many single steps would.
 
 Compilation is bounded: prefill and insert compile once per length bucket (powers of
 two from 16, then `max_target_length`), prefill_many's batched prefill and
 insert_samples once per bucket a prompt can take and prefix size (1 or
-`PREFILL_ROWS` prompts), extend once per bucket a prompt can take, generate and
-generate_chunk once. Slot indices, sample counts and extension lengths are traced, so
-filling different slots never recompiles.
+`PREFILL_ROWS` prompts), extend once per bucket a prompt can take, generate_chunk once
+per attention size (`decode_buckets`), generate once. Slot indices, blocks, sample
+counts and extension lengths are traced, so filling different slots never recompiles.
 
 A CPU-only variant (`cpu.SlotGroupEngine`) splits the slots among several of these
 engines, one per core; nothing here depends on it.
@@ -35,11 +44,12 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from async_rl import models, sharding
-from async_rl.generation import decode_state as ds, sampling as sampling_lib
+from async_rl.generation import decode_state as ds, paged, sampling as sampling_lib
 from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
 from async_rl.generation.sampling import SlotSampling
 
@@ -61,23 +71,27 @@ def prefill_buckets(max_length: int) -> tuple[int, ...]:
 
 
 class Engine:
-  """Prefill, insert and batched decode of one model over S KV-cache slots.
+  """Prefill, insert and batched decode of one model over S slots and a paged KV cache.
 
   Args:
     cfg: the model config.
     max_concurrent_decodes: S, the number of slots.
     max_prefill_length: longest prompt accepted from users.
-    max_target_length: T, the cache length: prompt plus completion never exceed it.
-      Re-prefilling a sequence (retract) may use prefill lengths up to T.
+    max_target_length: T, the longest sequence: prompt plus completion never exceed
+      it. Re-prefilling a sequence (retract, resuming a preempted sample) may use
+      prefill lengths up to T.
     steps_per_call: decode steps per `generate_chunk` call.
+    kv_blocks: N, the blocks of the KV pool; 0: enough for every slot at length T
+      (S x `max_blocks`). At least `max_blocks`, so that one sequence of T fits.
+    kv_block_size: Z, tokens per block.
     mesh: devices of this engine; defaults to the first local device.
     param_sharding: a sharding (or pytree prefix of shardings) for the params on
       `mesh`; defaults to fully replicated.
   """
 
   def __init__(self, cfg, *, max_concurrent_decodes: int, max_prefill_length: int,
-               max_target_length: int, steps_per_call: int = 8, mesh: Mesh | None = None,
-               param_sharding=None):
+               max_target_length: int, steps_per_call: int = 8, kv_blocks: int = 0,
+               kv_block_size: int = 16, mesh: Mesh | None = None, param_sharding=None):
     if max_concurrent_decodes < 1:
       raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
     if steps_per_call < 1:
@@ -85,38 +99,57 @@ class Engine:
     if not 1 <= max_prefill_length < max_target_length:
       raise ValueError(f"need 1 <= max_prefill_length ({max_prefill_length}) < "
                        f"max_target_length ({max_target_length})")
+    if kv_block_size < 1:
+      raise ValueError(f"kv_block_size must be >= 1, got {kv_block_size}")
+    max_blocks = -(-max_target_length // kv_block_size)
+    if kv_blocks and kv_blocks < max_blocks:
+      raise ValueError(f"kv_blocks ({kv_blocks}) must hold one sequence of max_target_length "
+                       f"({max_target_length} tokens: {max_blocks} blocks of {kv_block_size}), "
+                       "or be 0 (every slot at full length)")
     self.cfg = cfg
     self._num_slots = max_concurrent_decodes
     self._max_prefill_length = max_prefill_length
     self._max_target_length = max_target_length
     self.steps_per_call = steps_per_call
+    self.block_size, self.max_blocks = kv_block_size, max_blocks
+    self.num_blocks = kv_blocks or max_concurrent_decodes * max_blocks
     self.prefill_buckets = prefill_buckets(max_target_length)
     # The buckets a prompt of at most max_prefill_length tokens can take.
     self.prompt_buckets = tuple(b for b in self.prefill_buckets if b < max_prefill_length) + (
         next(b for b in self.prefill_buckets if b >= max_prefill_length),)
+    self.decode_buckets = paged.step_buckets(max_concurrent_decodes, max_blocks)
     if mesh is None:
       mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self._mesh = mesh
     replicated = NamedSharding(mesh, PartitionSpec())
     self._param_sharding = replicated if param_sharding is None else param_sharding
+    init = functools.partial(ds.init_decode_state, cfg=cfg, num_slots=max_concurrent_decodes,
+                             num_blocks=self.num_blocks, block_size=kv_block_size,
+                             max_blocks=max_blocks)
+    # The KV pools split over kv heads; the rest of the state is replicated.
+    pools = lambda shapes: tuple(sharding.kv_pool_sharding(x.shape, mesh) for x in shapes)
+    abstract = jax.eval_shape(init).cache
+    state_sharding = ds.DecodeState(
+        cache=paged.PagedCache(k=pools(abstract.k), v=pools(abstract.v), tables_SM=replicated),
+        tokens_S=replicated, positions_S=replicated, sampling_S=replicated, end_S=replicated)
+    T = max_target_length
     self._split_fn = jax.jit(models.split_layers)
     self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg), out_shardings=replicated)
-    # Donating the decode state lets XLA update the KV cache in place.
-    self._insert_fn = jax.jit(ds.insert, donate_argnums=(1,), out_shardings=replicated)
-    self._insert_samples_fn = jax.jit(ds.insert_samples, donate_argnums=(1,),
-                                      out_shardings=replicated)
+    # Donating the decode state lets XLA update the KV pools in place.
+    self._insert_fn = jax.jit(functools.partial(ds.insert, max_len=T), donate_argnums=(1,),
+                              out_shardings=state_sharding)
+    self._insert_samples_fn = jax.jit(functools.partial(ds.insert_samples, max_len=T),
+                                      donate_argnums=(1,), out_shardings=state_sharding)
     self._draw_fn = jax.jit(ds.draw, out_shardings=replicated)
-    self._extend_fn = jax.jit(functools.partial(ds.extend, cfg=cfg), donate_argnums=(1,),
-                              out_shardings=replicated)
-    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg), donate_argnums=(1,),
-                                out_shardings=replicated)
+    self._extend_fn = jax.jit(functools.partial(ds.extend, cfg=cfg, max_len=T),
+                              donate_argnums=(1,), out_shardings=(state_sharding, replicated))
+    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg,
+                                                  blocks=self.decode_buckets[-1]),
+                                donate_argnums=(1,), out_shardings=(state_sharding, replicated))
     self._generate_chunk_fn = jax.jit(
-        functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call), donate_argnums=(1,),
-        out_shardings=replicated)
-    self._init_fn = jax.jit(functools.partial(ds.init_decode_state, cfg=cfg,
-                                              num_slots=max_concurrent_decodes,
-                                              max_len=max_target_length),
-                            out_shardings=replicated)
+        functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call),
+        static_argnames="blocks", donate_argnums=(1,), out_shardings=(state_sharding, replicated))
+    self._init_fn = jax.jit(init, out_shardings=state_sharding)
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -137,6 +170,22 @@ class Engine:
   @property
   def mesh(self) -> Mesh:
     return self._mesh
+
+  @property
+  def num_pools(self) -> int:
+    """Block pools: this engine has one, which every slot draws from."""
+    return 1
+
+  def pool_of(self, slot: int) -> int:
+    """The block pool slot `slot` draws from; `insert`'s blocks are that pool's."""
+    return 0
+
+  @property
+  def kv_cache_bytes(self) -> int:
+    """Bytes of the KV pools: 2 (k and v) x L x N x Z x K x E in the model's dtype."""
+    c = self.cfg
+    return (2 * c.n_layers * self.num_blocks * self.block_size * c.n_kv_heads * c.head_dim
+            * jnp.dtype(c.dtype).itemsize)
 
   def load_params(self, params):
     """A copy of `params` on this engine's devices and sharding, in the serving layout.
@@ -200,18 +249,28 @@ class Engine:
                                 true_length=padded[i][1], sampling=samplings[i])[0], 0)
     return refs
 
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-    """Puts the (first) prompt of `prefix` into `slot`; the old `decode_state` is
+  def _row(self, blocks) -> np.ndarray:
+    row = np.full(self.max_blocks, self.num_blocks, np.int32)
+    row[:len(blocks)] = blocks
+    return row
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
+             blocks: Sequence[int]) -> DecodeState:
+    """Puts the (first) prompt of `prefix` into `slot`, which holds `blocks` (enough for
+    the prompt; positions after it are written by decoding); the old `decode_state` is
     donated (unusable after)."""
-    return self._insert_fn(prefix, decode_state, np.int32(slot))
+    return self._insert_fn(prefix, decode_state, np.int32(slot), self._row(blocks))
 
   def insert_samples(self, prefix: Prefix, decode_state: DecodeState, rows: Sequence[int],
-                     slots: Sequence[int], samplings: Sequence[SlotSampling]
+                     slots: Sequence[int], samplings: Sequence[SlotSampling],
+                     blocks: Sequence[Sequence[int]], shared: Sequence[int]
                      ) -> tuple[DecodeState, ResultTokens]:
     """Puts new samples of the prompts of `prefix` into slots: sample i, of prompt
-    `rows[i]`, goes to `slots[i]` and draws its first token with `samplings[i]` (the
-    draw `prefill` would make with it). Returns the new state (the old one is
-    donated) and the first tokens, row i for sample i.
+    `rows[i]`, goes to `slots[i]`, which holds `blocks[i]`, and draws its first token
+    with `samplings[i]` (the draw `prefill` would make with it). The first `shared[i]`
+    of its blocks are the prompt's full blocks, written by an earlier insert (they are
+    not written again). Returns the new state (the old one is donated) and the first
+    tokens, row i for sample i.
 
     Two device calls whatever the number of samples; the arrays are padded to S rows
     so that neither recompiles for another count.
@@ -219,20 +278,22 @@ class Engine:
     n, S = len(slots), self._num_slots
     if not 1 <= n <= S:
       raise ValueError(f"insert_samples takes 1 to {S} slots, got {n}")
-    rows_S, slots_S = np.zeros(S, np.int32), np.zeros(S, np.int32)
-    rows_S[:n], slots_S[:n] = rows, slots
+    rows_S, slots_S, shared_S = (np.zeros(S, np.int32) for _ in range(3))
+    rows_S[:n], slots_S[:n], shared_S[:n] = rows, slots, shared
+    tables_SM = np.stack([self._row(b) for b in blocks] + [self._row([])] * (S - n))
     sampling_S = _stack([*samplings, *[samplings[0]] * (S - n)])
     first = self._draw_fn(prefix.logits_BV, prefix.lengths_B, rows_S, sampling_S)
     state = self._insert_samples_fn(prefix, decode_state, rows_S, slots_S, first.tokens_S,
-                                    sampling_S, np.int32(n))
+                                    sampling_S, tables_SM, shared_S, np.int32(n))
     return state, first
 
   def extend(self, params, decode_state: DecodeState, slot: int, tokens, start: int,
-             sampling: SlotSampling) -> tuple[DecodeState, ResultTokens]:
+             sampling: SlotSampling, blocks: Sequence[int]) -> tuple[DecodeState, ResultTokens]:
     """Continues the sample held in `slot`, whose cache holds positions before
     `start`: writes the K/V of `tokens` (the slot's last token, not yet fed, then the
     new ones) at positions `start ..` and draws the next token with `sampling`.
-    Returns the new state (the old one is donated) and that token (S = 1).
+    `blocks` are the slot's blocks, which must hold those positions. Returns the new
+    state (the old one is donated) and that token (S = 1).
 
     `tokens` are padded to a prefill bucket, so this compiles once per bucket.
     """
@@ -241,22 +302,30 @@ class Engine:
       raise ValueError(f"extending to {start + count} tokens leaves no room in the cache "
                        f"of {self.max_target_length}")
     return self._extend_fn(params, decode_state, padded, np.int32(count), np.int32(slot),
-                           np.int32(start), sampling)
+                           np.int32(start), sampling, self._row(blocks))
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-    """One decode step over all slots; the old `decode_state` is donated."""
+    """One decode step over all slots and their whole tables; the old `decode_state`
+    is donated."""
     return self._generate_fn(params, decode_state)
 
-  def generate_chunk(self, params,
-                     decode_state: DecodeState) -> tuple[DecodeState, ChunkTokens]:
+  def generate_chunk(self, params, decode_state: DecodeState,
+                     tables_SM: np.ndarray) -> tuple[DecodeState, ChunkTokens]:
     """Up to `steps_per_call` decode steps of the live slots in one device call; the old
-    `decode_state` is donated."""
-    return self._generate_chunk_fn(params, decode_state)
+    `decode_state` is donated.
+
+    `tables_SM` [S, M] lists the blocks of the slots to decode (N: no block), each
+    enough for the positions the chunk writes; other slots' rows are empty, and they do
+    not decode. Attention's static size is the smallest of `decode_buckets` that holds
+    the tables (`paged.step_blocks`).
+    """
+    return self._generate_chunk_fn(params, decode_state, tables_SM,
+                                   blocks=paged.step_blocks(tables_SM, self.num_blocks))
 
   def warmup(self, params) -> None:
     """Compiles every call the pool makes: prefill and insert for every bucket,
     prefill_many, insert_samples and extend for every bucket a prompt can take (one
-    and `PREFILL_ROWS` prompts), generate and generate_chunk.
+    and `PREFILL_ROWS` prompts), generate, and generate_chunk for every attention size.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -265,19 +334,25 @@ class Engine:
     params = self.load_params(params)
     state = self.init_decode_state()
     sampling = SlotSampling.create(sampling_lib.SamplingParams(), seed=0, index=0)
+    every = list(range(self.max_blocks))
     for bucket in self.prefill_buckets:
       prefix, _ = self.prefill(params=params, padded_tokens=np.zeros(bucket, np.int32),
                                true_length=1, sampling=sampling)
-      state = self.insert(prefix, state, 0)
+      state = self.insert(prefix, state, 0, every)
       if bucket in self.prompt_buckets:
         ((rows, _), *_) = self.prefill_many(
             params=params, prompts=[np.zeros(bucket, np.int32)] * PREFILL_ROWS,
             samplings=[sampling] * PREFILL_ROWS)
         for p in (prefix, rows):
-          state, _ = self.insert_samples(p, state, [0], [0], [sampling])
+          state, _ = self.insert_samples(p, state, [0], [0], [sampling], [every], [0])
         state, _ = self.extend(params, state, 0,
                                np.zeros(min(bucket, self.max_prefill_length), np.int32), 0,
-                               sampling)
+                               sampling, every)
     state, result = self.generate(params, state)
-    state, chunk = self.generate_chunk(params, state)
+    for blocks in self.decode_buckets:
+      # `blocks` blocks, row by row: that bucket by either count of `paged.step_blocks`.
+      held_SM = np.arange(self._num_slots * self.max_blocks).reshape(-1, self.max_blocks)
+      tables_SM = np.where(held_SM < blocks, held_SM % self.num_blocks,
+                           self.num_blocks).astype(np.int32)
+      state, chunk = self.generate_chunk(params, state, tables_SM)
     jax.block_until_ready((result, chunk))

@@ -53,7 +53,6 @@ _root_logger.setLevel(_root_level)
 for _handler in set(_root_logger.handlers) - set(_root_handlers):
   _root_logger.removeHandler(_handler)
 
-from async_rl import models  # noqa: E402
 from async_rl.generation import engine as engine_lib  # noqa: E402
 from async_rl.generation.sampling import SamplingParams, SlotSampling  # noqa: E402
 
@@ -110,7 +109,7 @@ class JetStreamDecodeState:
 @jax.jit
 def _emit_pending(state: engine_lib.DecodeState, emitted_S):
   """JetStream's packed [S, 3] (token, valid, length) of the pending tokens."""
-  valid_S = state.positions_S < models.cache_len(state.cache)
+  valid_S = state.positions_S < state.cache.tables_SM.shape[1] * state.cache.block_size
   emitted_S = emitted_S + 1
   data_S3 = jnp.stack([state.tokens_S, valid_S.astype(jnp.int32), emitted_S], axis=1)
   return data_S3, emitted_S
@@ -123,6 +122,10 @@ def _reset_slot(emitted_S, slot):
 
 class JetStreamEngine(engine_api.Engine):
   """A `jetstream.engine.engine_api.Engine` over our `Engine`.
+
+  JetStream's orchestrator knows nothing of KV blocks, so slot s holds blocks s M to
+  (s + 1) M - 1 of the engine's pool, a whole sequence's worth: the engine's KV budget
+  must be its default, every slot at full length.
 
   Args:
     engine: our engine; its `max_prefill_length` must be one of `PREFILL_LENGTHS`.
@@ -140,6 +143,9 @@ class JetStreamEngine(engine_api.Engine):
     if engine.max_prefill_length not in PREFILL_LENGTHS:
       raise ValueError(f"max_prefill_length must be one of JetStream's prefill lengths "
                        f"{PREFILL_LENGTHS}, got {engine.max_prefill_length}")
+    if engine.num_blocks < engine.max_concurrent_decodes * engine.max_blocks:
+      raise ValueError(f"the engine's kv_blocks ({engine.num_blocks}) must hold every slot at "
+                       f"full length ({engine.max_concurrent_decodes} x {engine.max_blocks})")
     self.engine = engine
     self._params = params
     self._sampling = sampling
@@ -165,8 +171,10 @@ class JetStreamEngine(engine_api.Engine):
 
   def insert(self, prefix: engine_lib.Prefix, decode_state: JetStreamDecodeState,
              slot: int) -> JetStreamDecodeState:
-    return JetStreamDecodeState(self.engine.insert(prefix, decode_state.state, slot),
-                                _reset_slot(decode_state.emitted_S, np.int32(slot)))
+    M = self.engine.max_blocks
+    return JetStreamDecodeState(
+        self.engine.insert(prefix, decode_state.state, slot, range(slot * M, (slot + 1) * M)),
+        _reset_slot(decode_state.emitted_S, np.int32(slot)))
 
   def generate(self, params, decode_state: JetStreamDecodeState):
     """Emits each slot's pending token, then runs one decode step (see module doc)."""

@@ -3,16 +3,20 @@
 Memory is the pool, a budget in blocks, rather than slots x the longest possible
 sample, and a decode step reads only the blocks its slots hold. The device side is pure
 functions over `PagedCache`; the host side is `BlockAllocator`, which hands blocks out
-and counts their holders, so that the samples of a group share their prompt's blocks.
+and counts their holders, and `SlotBlocks`, which keeps each slot's blocks and tables,
+so that the samples of a group share their prompt's blocks.
 
 Shapes: S slots, L layers, K kv heads, H query heads, E head dim, N blocks in the pool,
-C tokens per block, M block-table columns (the most blocks one slot may hold), n the
-columns one decode step reads (static), T = n C the positions it reads, B prompts,
-P their padded length, J = ceil(P / C) blocks of a padded prompt.
+Z tokens per block, M block-table columns (the most blocks one slot may hold), B
+prompts, P their padded length, J = ceil(P / Z) blocks of a padded prompt. A decode
+step's attention has a static size (`step_blocks`): on GPU the table columns the
+Pallas kernel reads for every slot, which skips the blocks past a slot's length;
+elsewhere the blocks of all slots laid end to end (`ragged_attention`), so that its
+work follows the tokens in flight.
 
-Slot s's token at position p lives in block `tables_SM[s, p // C]`, at offset `p % C`.
+Slot s's token at position p lives in block `tables_SM[s, p // Z]`, at offset `p % Z`.
 A table entry N (one past the pool) means no block: a write there is dropped, a read
-is clamped into the pool and masked by length. Each layer's pool is [K, N, C, E], the
+is clamped into the pool and masked by length. Each layer's pool is [K, N, Z, E], the
 layout `jax.experimental.pallas.ops.gpu.paged_attention` reads.
 """
 
@@ -33,7 +37,7 @@ _K_SPLITS, _PAGES_PER_STEP, _MIN_KEYS_PER_STEP = 16, 8, 16
 class PagedCache:
   """The KV blocks of every layer and the block tables of the slots.
 
-  `k` and `v` hold L arrays [K, N, C, E] (one buffer per layer, as `models.init_cache`,
+  `k` and `v` hold L arrays [K, N, Z, E] (one buffer per layer, as `models.init_cache`,
   so that a donated layer's scatter updates it in place); `tables_SM` (int32) lists
   slot s's blocks in position order, N where it holds none.
   """
@@ -59,17 +63,17 @@ def init_cache(cfg, *, num_slots: int, num_blocks: int, block_size: int,
                     tables_SM=jnp.full((num_slots, max_blocks), num_blocks, jnp.int32))
 
 
-def write_token(pages_KNCE, new_SKE, tables_SM, positions_S):
+def write_token(pages_KNZE, new_SKE, tables_SM, positions_S):
   """Writes slot s's key (or value) `new_SKE[s]` at `positions_S[s]` into its block.
 
   A slot whose position is past its table (an idle slot) or whose column there holds
   no block writes nowhere.
   """
-  N, C = pages_KNCE.shape[1], pages_KNCE.shape[2]
-  block_S = jnp.take_along_axis(tables_SM, (positions_S // C)[:, None], axis=1, mode="fill",
+  N, Z = pages_KNZE.shape[1], pages_KNZE.shape[2]
+  block_S = jnp.take_along_axis(tables_SM, (positions_S // Z)[:, None], axis=1, mode="fill",
                                 fill_value=N)[:, 0]
-  new_KSE = jnp.swapaxes(new_SKE, 0, 1).astype(pages_KNCE.dtype)
-  return pages_KNCE.at[:, block_S, positions_S % C].set(new_KSE, mode="drop")
+  new_KSE = jnp.swapaxes(new_SKE, 0, 1).astype(pages_KNZE.dtype)
+  return pages_KNZE.at[:, block_S, positions_S % Z].set(new_KSE, mode="drop")
 
 
 def insert(cache: PagedCache, prompt, row, slot, table_M, shared) -> PagedCache:
@@ -77,50 +81,73 @@ def insert(cache: PagedCache, prompt, row, slot, table_M, shared) -> PagedCache:
 
   `prompt` is the cache `models.prefill` returns (k and v, L arrays [B, K, P, E]). The
   first `shared` blocks are skipped: they are the prompt's full blocks, which another
-  sample of the group holds too and has written already (`BlockAllocator.allocate_group`).
-  The rest of the last block past the prompt's length gets the prefill's padding; the
-  decode step overwrites a position before attention reads it.
+  sample of the group holds too and has written already (`SlotBlocks.assign`). The
+  blocks past the prompt's length get the prefill's padding; the decode step
+  overwrites a position before attention reads it.
   """
-  N, C = cache.num_blocks, cache.block_size
+  N, Z = cache.num_blocks, cache.block_size
   P = prompt["k"][0].shape[2]
-  J, M = -(-P // C), table_M.shape[0]
+  J, M = -(-P // Z), table_M.shape[0]
   blocks_J = jnp.pad(table_M[:J], (0, max(J - M, 0)), constant_values=N)
   blocks_J = jnp.where(jnp.arange(J) < shared, N, blocks_J)
 
-  def put(pages_KNCE, prompt_BKPE):
+  def put(pages_KNZE, prompt_BKPE):
     K, E = prompt_BKPE.shape[1], prompt_BKPE.shape[3]
     row_KPE = jax.lax.dynamic_index_in_dim(prompt_BKPE, row, axis=0, keepdims=False)
-    row_KJCE = jnp.pad(row_KPE, ((0, 0), (0, J * C - P), (0, 0))).reshape(K, J, C, E)
-    return pages_KNCE.at[:, blocks_J].set(row_KJCE.astype(pages_KNCE.dtype), mode="drop")
+    row_KJZE = jnp.pad(row_KPE, ((0, 0), (0, J * Z - P), (0, 0))).reshape(K, J, Z, E)
+    return pages_KNZE.at[:, blocks_J].set(row_KJZE.astype(pages_KNZE.dtype), mode="drop")
 
   return cache.replace(k=tuple(map(put, cache.k, prompt["k"])),
                        v=tuple(map(put, cache.v, prompt["v"])),
                        tables_SM=cache.tables_SM.at[slot].set(table_M))
 
 
-def gather_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, *, blocks):
-  """Plain XLA: gathers the first `blocks` columns' blocks per slot into [S, K, T, E] and
-  attends to the first `lengths_S[s]` positions; the work follows `blocks`, not M."""
+def ragged_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
+  """Plain XLA over the blocks that hold the slots' positions, all slots' laid end to
+  end: the work follows the tokens in flight, not the longest slot.
+
+  Slot s reads the first min(ceil(lengths_S[s] / Z), its table's blocks) of its blocks;
+  `blocks` (static) must hold them all together (the rest is padding, masked). Each
+  block's scores are taken against its slot's queries, and the softmax over a slot's
+  blocks is reduced with one-hot matmuls over the list, which on a CPU cost less than
+  scatters.
+  """
   S, H, E = q_SHE.shape
-  K, N, C, _ = k_KNCE.shape
-  T = blocks * C
-  tables_Sn = jnp.minimum(tables_SM[:, :blocks], N - 1)
-  # Both index arrays in one gather, so its result comes out slot-major with no copy
+  K, N, Z, _ = k_KNZE.shape
+  M = tables_SM.shape[1]
+  counts_S = jnp.minimum(-(-lengths_S // Z), jnp.sum(tables_SM < N, axis=1))
+  ends_S = jnp.cumsum(counts_S)
+  # Entry p of the list is column col_P[p] of slot slot_P[p]'s table.
+  p_P = jnp.arange(blocks)
+  slot_P = jnp.minimum(jnp.searchsorted(ends_S, p_P, side="right"), S - 1)
+  col_P = jnp.clip(p_P - (ends_S - counts_S)[slot_P], 0, M - 1)
+  valid_P = p_P < ends_S[-1]
+  block_P = jnp.minimum(tables_SM[slot_P, col_P], N - 1)
+  # Both index arrays in one gather, so its result comes out block-major with no copy
   # of the pool.
-  heads_1K1 = jnp.arange(K)[None, :, None]
-  gather = lambda pages: pages[heads_1K1, tables_Sn[:, None, :]].reshape(S, K, T, E)
-  k_SKTE, v_SKTE = gather(k_KNCE), gather(v_KNCE)
-  # As `models.decode`'s attention, so that a paged cache decodes to the same numbers.
-  q_SKQE = q_SHE.reshape(S, K, H // K, E)
-  scores = jnp.einsum("skqe,skte->skqt", q_SKQE, k_SKTE,
+  heads_1K = jnp.arange(K)[None, :]
+  k_PKZE, v_PKZE = k_KNZE[heads_1K, block_P[:, None]], v_KNZE[heads_1K, block_P[:, None]]
+  q_PKQE = q_SHE.reshape(S, K, H // K, E)[slot_P]
+  scores = jnp.einsum("pkqe,pkze->pkqz", q_PKQE, k_PKZE,
                       preferred_element_type=jnp.float32) * (E ** -0.5)
-  mask_ST = jnp.arange(T)[None, :] < lengths_S[:, None]
-  scores = jnp.where(mask_ST[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_SKTE.dtype)
-  return jnp.einsum("skqt,skte->skqe", probs, v_SKTE).reshape(S, H, E)
+  mask_PZ = ((col_P[:, None] * Z + jnp.arange(Z)[None, :] < lengths_S[slot_P][:, None])
+             & valid_P[:, None])
+  scores = jnp.where(mask_PZ[:, None, None], scores, _NEG_INF)
+  own_SP = (slot_P[None, :] == jnp.arange(S)[:, None]) & valid_P[None, :]
+  max_SKQ = jnp.max(jnp.where(own_SP[:, :, None, None], jnp.max(scores, -1)[None], _NEG_INF),
+                    axis=1)
+  probs = jnp.exp(scores - max_SKQ[slot_P][..., None])
+  own_SP = own_SP.astype(jnp.float32)
+  sum_SKQ = jnp.einsum("sp,pkq->skq", own_SP, jnp.sum(probs, -1))
+  out_PKQE = jnp.einsum("pkqz,pkze->pkqe", probs.astype(v_PKZE.dtype), v_PKZE,
+                        preferred_element_type=jnp.float32)
+  out_SKQE = jnp.einsum("sp,pkqe->skqe", own_SP, out_PKQE)
+  # A slot with no block (idle) gets zeros, not 0 / 0.
+  out_SKQE = out_SKQE / jnp.where(sum_SKQ > 0, sum_SKQ, 1)[..., None]
+  return out_SKQE.reshape(S, H, E).astype(q_SHE.dtype)
 
 
-def pallas_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, *, blocks,
+def pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks,
                      interpret: bool = False):
   """The Pallas (Triton) paged decode kernel over the first `blocks` columns; `interpret`
   runs it on any backend.
@@ -135,28 +162,48 @@ def pallas_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, *, blocks,
   # Imported here: the Pallas GPU modules add half a second to every CPU process.
   from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
   E = q_SHE.shape[-1]
-  N, C = k_KNCE.shape[1], k_KNCE.shape[2]
-  per_step = max(-(-_MIN_KEYS_PER_STEP // C), min(_PAGES_PER_STEP, blocks))
+  N, Z = k_KNZE.shape[1], k_KNZE.shape[2]
+  per_step = max(-(-_MIN_KEYS_PER_STEP // Z), min(_PAGES_PER_STEP, blocks))
   splits = max(1, min(_K_SPLITS, blocks // per_step))
   n = -(-blocks // (per_step * splits)) * per_step * splits
   tables_Sn = jnp.minimum(tables_SM[:, :blocks], N - 1)
   tables_Sn = jnp.pad(tables_Sn, ((0, 0), (0, n - tables_Sn.shape[1])), constant_values=N - 1)
-  lengths_S = jnp.minimum(lengths_S, blocks * C).astype(jnp.int32)
+  lengths_S = jnp.minimum(lengths_S, blocks * Z).astype(jnp.int32)
   q_SHE = (q_SHE * E ** -0.5).astype(q_SHE.dtype)
-  return pallas_paged.paged_attention(q_SHE, k_KNCE, v_KNCE, tables_Sn, lengths_S,
+  return pallas_paged.paged_attention(q_SHE, k_KNZE, v_KNZE, tables_Sn, lengths_S,
                                       pages_per_compute_block=per_step, k_splits=splits,
                                       interpret=interpret)
 
 
-def attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, *, blocks):
-  """Decode attention over the blocks of the first `blocks` table columns, each slot
-  to its first `lengths_S[s]` positions: the Pallas kernel on GPU, XLA elsewhere.
+def attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
+  """Decode attention of each slot to its first `lengths_S[s]` positions, in the blocks
+  its table lists: the Pallas kernel on GPU (`blocks`: the table columns it reads),
+  `ragged_attention` elsewhere (`blocks`: the blocks all slots read together).
+  `step_blocks` gives `blocks` for a set of tables.
 
   Returns [S, H, E] in the queries' dtype.
   """
   if jax.default_backend() == "gpu":
-    return pallas_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, blocks=blocks)
-  return gather_attention(q_SHE, k_KNCE, v_KNCE, tables_SM, lengths_S, blocks=blocks)
+    return pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=blocks)
+  return ragged_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=blocks)
+
+
+def step_blocks(tables_SM: np.ndarray, num_blocks: int) -> int:
+  """`attention`'s static `blocks` for the block tables `tables_SM` (host, [S, M]) of a
+  pool of `num_blocks`: on GPU the bucket of the columns of the fullest row, elsewhere
+  the bucket of the blocks of all rows together (a block that several rows share, a
+  prompt's, counts once per row)."""
+  held_S = np.sum(tables_SM < num_blocks, axis=1)
+  if jax.default_backend() == "gpu":
+    return bucket(int(held_S.max()), tables_SM.shape[1])
+  return bucket(int(held_S.sum()), tables_SM.size)
+
+
+def step_buckets(num_slots: int, max_blocks: int) -> tuple[int, ...]:
+  """Every value `step_blocks` can take for S slots and M columns; the last covers
+  every table."""
+  limit = max_blocks if jax.default_backend() == "gpu" else num_slots * max_blocks
+  return tuple(b for b in (1 << i for i in range(limit.bit_length())) if b < limit) + (limit,)
 
 
 def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *,
@@ -164,17 +211,18 @@ def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *,
   """`models.decode` on a paged cache: one token per slot, written at `positions_S`,
   attending to positions <= it; returns (logits [S, V] float32, updated cache).
 
-  Attention reads the first `blocks` columns of the tables (`bucket`), which must hold
-  every live slot's blocks; slots past their table (idle) write nowhere. `attend` is
-  `attention` or one of its implementations.
+  Attention reads each slot's blocks up to its position, within `blocks` (static, as
+  `attention` takes it: `step_blocks`), which must hold every live slot's; slots past
+  their table (idle) write nowhere. `attend` is `attention` or one of its
+  implementations.
   """
   lengths_S = positions_S + 1
 
   def attend_layer(q_S1HE, k_S1KE, v_S1KE, pages):
-    k_KNCE = write_token(pages[0], k_S1KE[:, 0], cache.tables_SM, positions_S)
-    v_KNCE = write_token(pages[1], v_S1KE[:, 0], cache.tables_SM, positions_S)
-    out_SHE = attend(q_S1HE[:, 0], k_KNCE, v_KNCE, cache.tables_SM, lengths_S, blocks=blocks)
-    return out_SHE[:, None], (k_KNCE, v_KNCE)
+    k_KNZE = write_token(pages[0], k_S1KE[:, 0], cache.tables_SM, positions_S)
+    v_KNZE = write_token(pages[1], v_S1KE[:, 0], cache.tables_SM, positions_S)
+    out_SHE = attend(q_S1HE[:, 0], k_KNZE, v_KNZE, cache.tables_SM, lengths_S, blocks=blocks)
+    return out_SHE[:, None], (k_KNZE, v_KNZE)
 
   logits_SV, pages = models.decode_layers(params, cfg, tuple(zip(cache.k, cache.v)),
                                           tokens_S, positions_S, attend_layer)
@@ -200,7 +248,9 @@ class BlockAllocator:
   a holder to allocated blocks and `free` drops one, returning a block to the free list
   when its last holder lets go. Asking for more blocks than are free raises
   `OutOfBlocks` and changes nothing, so that the caller can preempt and retry; freeing or
-  sharing a free block raises `ValueError`.
+  sharing a free block raises `ValueError`. Each hand-out of a block gets a new serial
+  number, so that a record of blocks and their serials (`serials`, `still_held`) tells
+  whether they are still the ones it names, not freed and handed out to someone else.
   """
 
   def __init__(self, num_blocks: int, block_size: int):
@@ -208,6 +258,8 @@ class BlockAllocator:
       raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
     self.num_blocks, self.block_size = num_blocks, block_size
     self._refs = [0] * num_blocks
+    self._serials = [0] * num_blocks
+    self._handed_out = 0
     # A stack: the most recently freed block is handed out first.
     self._free = list(range(num_blocks - 1, -1, -1))
 
@@ -231,6 +283,8 @@ class BlockAllocator:
     blocks = [self._free.pop() for _ in range(n)]
     for b in blocks:
       self._refs[b] = 1
+      self._handed_out += 1
+      self._serials[b] = self._handed_out
     return blocks
 
   def share(self, blocks) -> None:
@@ -256,30 +310,14 @@ class BlockAllocator:
       if not self._refs[b]:
         self._free.append(b)
 
-  def group_blocks(self, length: int, samples: int) -> int:
-    """The blocks `allocate_group` takes for `samples` samples of a `length`-token prompt."""
-    full, partial = divmod(length, self.block_size)
-    return full + samples * (partial > 0)
+  def serials(self, blocks) -> tuple[int, ...]:
+    """The serial numbers of the hand-outs that gave out `blocks` (all allocated)."""
+    return tuple(self._serials[b] for b in map(self._check, blocks))
 
-  def allocate_group(self, length: int, samples: int) -> list[list[int]]:
-    """The prompt blocks of each of `samples` samples of one `length`-token prompt.
-
-    The prompt's full blocks are shared by all samples (held `samples` times); the last,
-    partial block, which decoding goes on to fill, is each sample's own (written from
-    the prefill per sample, so no block that two samples hold is ever written). The full
-    blocks are the first `length // block_size` of each list (`insert`'s `shared`).
-    """
-    if samples < 1:
-      raise ValueError(f"a group needs >= 1 samples, got {samples}")
-    need = self.group_blocks(length, samples)
-    if need > len(self._free):
-      raise OutOfBlocks(f"a group of {samples} samples of a {length}-token prompt needs "
-                        f"{need} blocks, {len(self._free)} of {self.num_blocks} free")
-    full = self.allocate(length // self.block_size)
-    for _ in range(samples - 1):
-      self.share(full)
-    own = length % self.block_size > 0
-    return [full + self.allocate(int(own)) for _ in range(samples)]
+  def still_held(self, blocks, serials) -> bool:
+    """Whether each of `blocks` is still allocated by the hand-out `serials` names."""
+    return all(self._refs[b] and self._serials[b] == n
+               for b, n in zip(map(self._check, blocks), serials, strict=True))
 
   def table(self, blocks, max_blocks: int) -> np.ndarray:
     """A slot's table row: `blocks`, then N (no block) up to `max_blocks` columns."""
@@ -293,3 +331,101 @@ class BlockAllocator:
     if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
       raise ValueError(f"{block!r} is not a block of a pool of {self.num_blocks}")
     return int(block)
+
+
+class SlotBlocks:
+  """The blocks each of an engine's S slots holds, and the block tables they make.
+
+  An engine has one pool of N blocks, or one per slot group (`cpu.SlotGroupEngine`):
+  slot s draws from pool `pools_S[s]`'s `BlockAllocator`, and its table lists blocks of
+  that pool. Tables have M columns, enough for the longest sequence.
+
+  The samples of one prompt share the prompt's full blocks (`assign` with a `prompt`
+  record, which the caller keeps per prompt): the first slot of a pool to start the
+  prompt allocates them and records them, and later slots of that pool share them for as
+  long as any holder is left; the last, partial block, which decoding goes on to fill, is
+  each slot's own. No block that two slots hold is ever written after the first writes it.
+  """
+
+  def __init__(self, pools_S, *, num_blocks: int, block_size: int, max_blocks: int):
+    self.pools_S = list(pools_S)
+    self.allocators = [BlockAllocator(num_blocks, block_size)
+                       for _ in range(max(self.pools_S) + 1)]
+    self.block_size, self.max_blocks = block_size, max_blocks
+    self.blocks = [[] for _ in self.pools_S]
+
+  @property
+  def num_blocks(self) -> int:
+    """Blocks in all pools together."""
+    return sum(a.num_blocks for a in self.allocators)
+
+  @property
+  def num_free(self) -> int:
+    return sum(a.num_free for a in self.allocators)
+
+  def allocator(self, slot: int) -> BlockAllocator:
+    return self.allocators[self.pools_S[slot]]
+
+  def blocks_for(self, tokens: int) -> int:
+    return -(-tokens // self.block_size)
+
+  def assign(self, slot: int, tokens: int, prompt: tuple[dict, int] | None = None,
+             keep_free: int = 0) -> int | None:
+    """Gives `slot`, which holds no block, the blocks of its first `tokens` positions.
+
+    With `prompt` = (record, length), the prompt's `length // Z` full blocks are shared
+    with the slots of this pool that `record` lists, or allocated and listed there.
+    Returns how many leading blocks were shared (written already), or None, changing
+    nothing, when the pool would have fewer than `keep_free` blocks left.
+    """
+    if self.blocks[slot]:
+      raise ValueError(f"slot {slot} already holds blocks {self.blocks[slot]}")
+    allocator, pool = self.allocator(slot), self.pools_S[slot]
+    total = self.blocks_for(tokens)
+    if total > self.max_blocks:
+      raise ValueError(f"{tokens} positions do not fit a table of {self.max_blocks} blocks")
+    record, full = prompt if prompt is not None else ({}, 0)
+    full = min(full // self.block_size, total)
+    listed = record.get(pool)
+    shared = listed is not None and allocator.still_held(*listed)
+    if total - full * shared + keep_free > allocator.num_free:
+      return None
+    if shared:
+      head = list(listed[0])
+      allocator.share(head)
+    else:
+      head = allocator.allocate(full)
+      if full:
+        record[pool] = (head, allocator.serials(head))
+    self.blocks[slot] = head + allocator.allocate(total - full)
+    return full if shared else 0
+
+  def grow(self, slot: int, tokens: int) -> bool:
+    """Gives `slot` the blocks it lacks for its first `tokens` positions; False, changing
+    nothing, when its pool has too few free blocks."""
+    if self.blocks_for(tokens) > self.max_blocks:
+      raise ValueError(f"{tokens} positions do not fit a table of {self.max_blocks} blocks")
+    need = self.blocks_for(tokens) - len(self.blocks[slot])
+    if need > self.allocator(slot).num_free:
+      return False
+    if need > 0:
+      self.blocks[slot] += self.allocator(slot).allocate(need)
+    return True
+
+  def release(self, slot: int) -> None:
+    """Drops `slot`'s hold on its blocks."""
+    self.allocator(slot).free(self.blocks[slot])
+    self.blocks[slot] = []
+
+  def row(self, slot: int) -> np.ndarray:
+    """Slot `slot`'s table row [M]."""
+    return self.allocator(slot).table(self.blocks[slot], self.max_blocks)
+
+  def table(self, slots) -> np.ndarray:
+    """The block tables [S, M] (int32) of `slots`; every other slot's row is empty."""
+    # Every pool has N blocks, so N means "no block" in every row.
+    tables_SM = np.full((len(self.blocks), self.max_blocks), self.allocators[0].num_blocks,
+                        np.int32)
+    for s in slots:
+      tables_SM[s, :len(self.blocks[s])] = self.blocks[s]
+    return tables_SM

@@ -9,6 +9,10 @@ samples, aborts, pauses and weight updates apply between two chunks. Free slots 
 refilled from a FIFO queue of samples before each chunk, so short samples never wait
 for long ones (see `host_batch` for when a chunk's tokens are read).
 
+KV memory is the engine's budget of blocks (`Engine`, `kv_blocks`), shared by the
+samples in flight; a sample that needs a block when none is free is preempted and
+resumed later with the same tokens, log-probs and versions (`scheduler`).
+
 Weight updates (DESIGN.md, "Interruptible generation"), applied between two chunks:
   * "retract": every in-flight sequence is re-prefilled (prompt + tokens so far)
     under the new params, so its KV cache is recomputed, then it continues.
@@ -22,7 +26,8 @@ Held slots (`Request.hold_slot`, `extend`, `release`): a multi-turn episode's sa
 that ends its turn on a stop id keeps its slot and KV cache, and `extend` continues it
 there with the environment's tokens, computing only those. A held slot counts as
 occupied; when queued samples find no free slot, the oldest held slots are evicted
-and their `extend` resolves to None, so the caller re-submits the whole episode. A
+and their `extend` resolves to None, so the caller re-submits the whole episode (held
+slots are evicted for KV blocks too, before any running sample is preempted). A
 held cache is continued only under the params that computed all of it: after any
 weight update (or a "keep" swap mid-turn), `extend` re-prefills the whole episode in
 the slot instead, so that a turn starts from the cache a fresh request would have.
@@ -223,7 +228,11 @@ class GeneratorPool:
     `wasted_fraction` the share spent idle after a sample finished mid-chunk.
     `held_slots` are slots kept for episodes between turns; `extended_in_slot` and
     `extended_reprefilled` count `extend`s continued on their cache and re-prefilled
-    after a weight update, `evictions` held slots freed for queued samples.
+    after a weight update, `evictions` held slots freed for queued samples or KV blocks.
+    `kv_blocks_used` and `kv_blocks_free` count the engine's KV blocks now,
+    `peak_kv_blocks_used` and `peak_active_slots` the most a chunk was dispatched with;
+    `preemptions` counts samples taken out of their slot for lack of blocks,
+    `resumed_samples` those resumed, `preempted_samples` those waiting now.
     """
     with self._cv:
       s, b, box = self._scheduler.stats, self._scheduler.batch, self._inbox
@@ -235,6 +244,13 @@ class GeneratorPool:
           "extended_in_slot": s.extended_in_slot,
           "extended_reprefilled": s.extended_reprefilled,
           "evictions": s.evictions,
+          "kv_blocks_used": b.blocks.num_blocks - b.blocks.num_free,
+          "kv_blocks_free": b.blocks.num_free,
+          "peak_kv_blocks_used": b.peak_blocks_used,
+          "peak_active_slots": b.peak_active,
+          "preemptions": s.preemptions,
+          "resumed_samples": s.resumed,
+          "preempted_samples": len(b.preempted),
           "slot_occupancy": b.step_tokens / max(b.steps * len(b.slots), 1),
           "queue_length": len(box.queue),
           "decode_steps": b.steps,

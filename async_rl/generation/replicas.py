@@ -20,7 +20,9 @@ from async_rl.generation.request import Request, SlotHandle
 # Counters that add up over replicas; the others are reported per replica only.
 _SUMMED = ("active_slots", "held_slots", "extended_in_slot", "extended_reprefilled",
            "evictions", "queue_length", "decode_steps", "decode_calls", "wasted_slot_steps",
-           "generated_tokens", "weight_updates", "swap_transfer_s_total", "swap_pause_s_total")
+           "generated_tokens", "weight_updates", "swap_transfer_s_total", "swap_pause_s_total",
+           "kv_blocks_used", "kv_blocks_free", "preemptions", "resumed_samples",
+           "preempted_samples")
 
 
 class ReplicatedPool:

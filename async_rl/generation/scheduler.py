@@ -3,8 +3,20 @@
 `GeneratorPool`'s public methods only post work (queued samples, extensions, releases,
 aborts, pauses, weight updates) to an `Inbox` under its condition variable; the
 `Scheduler`, run on the pool's one decode thread, owns the engine's params, version and
-decode state and the host's view of the slots, applies that work between two decode
-chunks and runs the chunks.
+decode state and the host's view of the slots and their KV blocks, applies that work
+between two decode chunks and runs the chunks.
+
+KV blocks, as vLLM schedules them. Before each chunk every running sample gets the
+blocks the chunk writes, oldest admission first. When a pool runs out, a held slot of
+it is evicted, or else its most recently admitted sample is preempted: its blocks are
+freed, its tokens, log-probs and versions kept, and it waits at the head of the line.
+Then waiting samples start while a free slot's pool has their blocks, and those its
+running samples need for one more chunk besides (so that a sample just started is not
+preempted at once), preempted ones first (re-prefilled: prompt and tokens so far), then
+queued ones in order; none is passed over, and running samples are never preempted for
+them. Since a pool holds one sequence of the longest length, the oldest sample always
+runs and a waiting one always starts once the samples ahead of it are done: nothing
+deadlocks and nothing is lost.
 """
 
 import dataclasses
@@ -16,7 +28,9 @@ from concurrent.futures import Future
 
 from async_rl.generation import slots
 from async_rl.generation.host_batch import HostBatch, Job
+from async_rl.generation.paged import SlotBlocks
 from async_rl.generation.request import SlotHandle, empty_sample
+from async_rl.generation.sampling import SlotSampling
 from async_rl.timeline import Timeline
 
 # An idle pool admits a burst of submissions together: it starts once none came for
@@ -46,6 +60,8 @@ class Stats:
   extended_in_slot: int = 0
   extended_reprefilled: int = 0
   evictions: int = 0
+  preemptions: int = 0
+  resumed: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,13 +98,15 @@ class Scheduler:
     self.engine, self.params, self.version = engine, params, version
     self.inbox, self.timeline = inbox, timeline
     self._state = engine.init_decode_state()
-    self.batch = HostBatch(engine.max_concurrent_decodes, engine.max_target_length,
-                           self._complete)
+    S = engine.max_concurrent_decodes
+    blocks = SlotBlocks([engine.pool_of(s) for s in range(S)], num_blocks=engine.num_blocks,
+                        block_size=engine.block_size, max_blocks=engine.max_blocks)
+    self.batch = HostBatch(S, engine.max_target_length, self._complete, blocks)
     self.stats = Stats()
 
   def _update_ready(self) -> bool:
     updates = self.inbox.updates
-    return bool(updates) and (updates[0].mode != "drain" or not self.batch.num_active())
+    return bool(updates) and (updates[0].mode != "drain" or not self.batch.in_flight())
 
   def _has_work(self) -> bool:
     box = self.inbox
@@ -97,7 +115,7 @@ class Scheduler:
     if self._update_ready():
       return True
     return not box.paused and (bool(box.queue) or bool(box.extends)
-                               or self.batch.num_active() > 0)
+                               or self.batch.in_flight() > 0)
 
   def run(self):
     try:
@@ -133,7 +151,7 @@ class Scheduler:
     for handle in releases:
       self.batch.drop_held(handle)
     if update is not None:
-      if update.mode != "drain" or not self.batch.num_active():
+      if update.mode != "drain" or not self.batch.in_flight():
         self._apply(update)
         return True
       update.blocked_since = update.blocked_since or time.perf_counter()
@@ -143,15 +161,19 @@ class Scheduler:
     if update is None:
       if queued and not self.batch.num_active():
         self._settle()
-      if queued:
-        # Reading the pending chunk first frees the slots it finished, so queued
-        # samples take them in the next chunk. With nothing queued a freed slot would
+      if queued or self.batch.preempted:
+        # Reading the pending chunk first frees the slots it finished, so waiting
+        # samples take them in the next chunk. With nothing waiting a freed slot would
         # stay empty anyway, so the next chunk is dispatched before the pending one
         # is read (`add_chunk`), and the host's bookkeeping overlaps the device.
         self.batch.flush()
-      self._admit()
+      self._start_extensions()
+    # A blocked drain starts no new sample, but preempted ones are in flight.
+    self._grow()
+    self._admit(new=update is None)
     if self.batch.num_active():
-      self._state, result = self.engine.generate_chunk(self.params, self._state)
+      self._state, result = self.engine.generate_chunk(self.params, self._state,
+                                                       self.batch.tables())
       self.batch.add_chunk(result, self.version)
     self.stats.decode_s += time.perf_counter() - start
     self.timeline.record("generator", "decode", wall_start, time.time(), merge=True)
@@ -171,40 +193,106 @@ class Scheduler:
           return
         box.cv.wait(wait)
 
-  def _admit(self):
-    box = self.inbox
-    self._start_extensions()
-    free = self.batch.free_slots()
-    with box.cv:
-      short = len(box.queue) - len(free)
-    if short > 0 and self.batch.held:
-      self.stats.evictions += self.batch.evict(short)
-      free = self.batch.free_slots()
-    with box.cv:
-      taken = [box.queue.popleft() for _ in range(min(len(free), len(box.queue)))]
-    if taken:
+  def _grow(self):
+    """Gives every running sample the blocks of the next chunk, oldest first; where a
+    pool runs short, evicts its oldest held slot or preempts its newest sample."""
+    batch, steps = self.batch, self.engine.steps_per_call
+    if batch.grow(steps) is None:
+      return
+    # Exact positions first: finished samples free their blocks, and a preempted
+    # sample keeps every token the device drew.
+    batch.flush()
+    while (pool := batch.grow(steps)) is not None:
+      held = [h.handle for slot, h in batch.held.items() if batch.blocks.pools_S[slot] == pool]
+      if held:
+        batch.drop_held(held[0])
+        self.stats.evictions += 1
+      else:
+        batch.preempt(batch.newest(pool)).preempted = True
+        self.stats.preemptions += 1
+
+  def _admit(self, new: bool):
+    """Starts waiting samples, in order, while a free slot's pool has their blocks:
+    preempted samples, then (if `new`) queued ones. Held slots are evicted, oldest
+    first, when no slot is free, or when no sample runs to free blocks."""
+    box, batch, steps = self.inbox, self.batch, self.engine.steps_per_call
+    resumed, started = [], []
+    while True:
+      with box.cv:
+        if batch.preempted:
+          waiting = batch.preempted[0]
+        elif new and box.queue:
+          waiting = box.queue[0]
+        else:
+          break
+      if isinstance(waiting, tuple):
+        job, index = waiting
+        if job.prompt_blocks_version != self.version:
+          job.prompt_blocks, job.prompt_blocks_version = {}, self.version
+        tokens = min(len(job.prompt_P) + steps, batch.end_of(job) - 1)
+        placed = batch.place(tokens, (job.prompt_blocks, len(job.prompt_P)), steps)
+      else:
+        placed = batch.place(min(waiting.length + steps, waiting.end - 1), steps=steps)
+      if placed is None:
+        if batch.held and (not batch.free_slots() or not batch.num_active()):
+          batch.evict_oldest()
+          self.stats.evictions += 1
+          continue
+        break
+      slot, shared = placed
+      if isinstance(waiting, tuple):
+        with box.cv:
+          box.queue.popleft()
+        sampling = SlotSampling.create(job.request.sampling, job.seed, index)
+        started.append((slot, batch.start(slot, job, index, sampling, self.version), shared))
+      else:
+        batch.resume(slot, waiting, self.version)
+        self.stats.resumed += waiting.preempted
+        waiting.preempted = False
+        resumed.append((slot, waiting))
+    if resumed:
+      self._state = slots.resume_samples(self.engine, self.params, self.version, self._state,
+                                         batch, resumed)
+    if started:
       self._state = slots.start_samples(self.engine, self.params, self.version, self._state,
-                                        self.batch, taken, free)
+                                        batch, started)
 
   def _start_extensions(self):
-    box = self.inbox
+    box, batch = self.inbox, self.batch
     with box.cv:
       jobs, box.extends = list(box.extends), deque()
     for job in jobs:
-      held = self.batch.take_held(job.handle)
+      held = batch.take_held(job.handle)
       if held is None:
         self._resolve(job, None)
-      elif not slots.continues(job, held):
+        continue
+      slot = held.handle.slot
+      if not slots.continues(job, held):
+        batch.blocks.release(slot)
         self._resolve(job, error=ValueError(
             f"request {job.request.request_id!r}: the prompt does not continue the "
             f"{held.tokens_T.size} tokens its slot holds"))
+        continue
+      tokens = min(len(job.prompt_P) + self.engine.steps_per_call, batch.end_of(job) - 1)
+      if slots.continues_in_slot(held, self.version):
+        fits = batch.blocks.grow(slot, tokens)
       else:
-        self._state, in_slot = slots.continue_held(self.engine, self.params, self.version,
-                                                   self._state, self.batch, job, held)
-        if in_slot:
-          self.stats.extended_in_slot += 1
-        else:
-          self.stats.extended_reprefilled += 1
+        batch.blocks.release(slot)
+        fits = batch.blocks.assign(slot, tokens) is not None
+      if not fits:
+        # Too few free blocks to continue here: the whole episode waits its turn as a
+        # new request, to be prefilled again.
+        batch.blocks.release(slot)
+        with box.cv:
+          box.queue.appendleft((job, 0))
+        self.stats.extended_reprefilled += 1
+        continue
+      self._state, in_slot = slots.continue_held(self.engine, self.params, self.version,
+                                                 self._state, batch, job, held)
+      if in_slot:
+        self.stats.extended_in_slot += 1
+      else:
+        self.stats.extended_reprefilled += 1
 
   def _resolve(self, job: Job, result=None, error: Exception | None = None):
     job.done, job.prefix = True, None
@@ -235,8 +323,12 @@ class Scheduler:
     wall_start = time.time()
     self.params, self.version = update.params, update.version
     if update.mode == "retract":
-      self._state = slots.restart_all(self.engine, self.params, self.version, self._state,
-                                      self.batch)
+      # Every running sample is prefilled again (prompt and tokens so far) under the new
+      # params, as a preempted one is resumed; the swap's pause covers the prefills.
+      for slot, _ in self.batch.occupied():
+        self.batch.preempt(slot)
+      self._admit(new=False)
+      self.batch.flush()
     pause_s = time.perf_counter() - blocked_since
     self.timeline.record("generator", "swap", wall_start, time.time())
     with self.inbox.cv:
@@ -253,7 +345,8 @@ class Scheduler:
     self.batch.flush()
     for job in list(box.jobs.values()):
       self._abort_job(job)
-    self.batch.held.clear()
+    while self.batch.evict_oldest():
+      pass
     with box.cv:
       box.queue.clear()
       box.extends.clear()

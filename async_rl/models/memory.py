@@ -6,9 +6,10 @@ Counts what lives for a whole run, in bytes, for the model as a whole (not per d
   optimizer     AdamW's two moments; optax keeps them in the params' dtype.
   gradients     one gradient tree in float32 (`train_step` accumulates micro-batches
                 in float32 before the update).
-  kv_cache      one engine's cache: 2 (k and v) * L * S * T * K * E in `model.dtype`,
-                S = `generation.num_slots`, T = `generation.max_prompt_len +
-                generation.max_new_tokens`.
+  kv_cache      one engine's paged KV cache: 2 (k and v) * L * N * Z * K * E in
+                `model.dtype`, N = `generation.kv_blocks` blocks of Z =
+                `generation.kv_block_size` tokens (with kv_blocks 0, every one of the
+                `generation.num_slots` slots at `generation.max_length`).
 
 `trainer` = params + optimizer + gradients, sharded over the mesh by
 `sharding.PARAM_RULES`; `generator` = params + kv_cache, one full copy per engine
@@ -33,13 +34,12 @@ def estimate_memory(cfg) -> dict[str, int]:
   m, g = cfg.model, cfg.generation
   n = m.num_params()
   param_bytes = jnp.dtype(m.param_dtype).itemsize
-  T = g.max_prompt_len + g.max_new_tokens
   out = dict(
       params=n * param_bytes,
       optimizer=2 * n * param_bytes,
       gradients=n * 4,
-      kv_cache=2 * m.n_layers * g.num_slots * T * m.n_kv_heads * m.head_dim
-      * jnp.dtype(m.dtype).itemsize,
+      kv_cache=2 * m.n_layers * g.kv_cache_blocks * g.kv_block_size * m.n_kv_heads
+      * m.head_dim * jnp.dtype(m.dtype).itemsize,
   )
   out["trainer"] = out["params"] + out["optimizer"] + out["gradients"]
   out["generator"] = out["params"] + out["kv_cache"]

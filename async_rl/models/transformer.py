@@ -12,7 +12,9 @@ Two entry points share one layer body:
     grows with the row length, not with the square of the micro-batch.
   * `prefill` / `decode`: a KV cache for generation, one slot per row and one buffer
     per layer; the layers are unrolled, and `split_layers` gives the params a layout
-    (one dict per layer) they need not slice.
+    (one dict per layer) they need not slice. `decode` keeps a dense cache of the
+    longest length per slot; the generator's engine decodes through `decode_layers` on
+    a paged one (`generation.paged`) and inserts `prefill`'s cache into its blocks.
 """
 
 import math

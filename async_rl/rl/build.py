@@ -282,7 +282,9 @@ def make_engine(cfg: ExperimentConfig, devices=None):
   its params split over heads and MLP width (the `tensor` axis of its own mesh). Its
   prefill takes whole episodes so far, not only prompts: a multi-turn workflow's next
   turn holds everything before it. On one CPU device its slots split into groups
-  decoded at once (`cpu.SlotGroupEngine`)."""
+  decoded at once (`cpu.SlotGroupEngine`), each with its share of the KV cache's
+  `generation.kv_blocks`, so no more groups than shares that hold a sequence of
+  `generation.max_length`."""
   g = cfg.generation
   devices = list(devices or jax.local_devices()[:1])
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
@@ -292,9 +294,12 @@ def make_engine(cfg: ExperimentConfig, devices=None):
                               jax.random.key(0))
     param_sharding = sharding.param_shardings(abstract, mesh)
   groups = decode_groups(cfg, devices[0].platform) if len(devices) == 1 else 1
+  if g.kv_blocks:
+    groups = cpu.engine.num_groups(g.num_slots, min(groups, g.kv_blocks // g.sequence_blocks))
   engine = Engine(cfg.model, max_concurrent_decodes=g.num_slots // groups,
                   max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
-                  steps_per_call=g.steps_per_call, mesh=mesh, param_sharding=param_sharding)
+                  steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks // groups,
+                  kv_block_size=g.kv_block_size, mesh=mesh, param_sharding=param_sharding)
   return engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
 
 

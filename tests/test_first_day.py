@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from async_rl import config
 from async_rl.config import from_dict
 from async_rl.rl import build
 from async_rl.rl.errors import ConfigError
@@ -123,3 +124,46 @@ def test_a_bad_flag_is_one_line_and_status_2(tmp_path, arg, message):
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
   assert not any(tmp_path.iterdir()), "nothing written"
+
+
+def test_every_key_has_a_type_a_default_and_help():
+  keys = config.describe()
+  assert sorted(k.name for k in keys) == config.keys()
+  missing = [k.name for k in keys if not k.help]
+  assert not missing, f"add an `Attributes:` entry to the section's docstring: {missing}"
+  by_name = {k.name: k for k in keys}
+  assert by_name["staleness.max_staleness"].type == "int | None"
+  assert by_name["rollout.reward_weights"].type == "tuple[float, ...]"
+  # An "a, b: ..." entry describes both fields.
+  assert by_name["placement.trainer_gpus"].help == by_name["placement.rollout_gpus"].help
+
+
+def test_the_key_reference_in_docs_is_the_generated_one():
+  generated = config.key_reference() + "\n"
+  assert (ROOT / "docs" / "config.md").read_text() == generated, (
+      "docs/config.md is stale: python -m async_rl.config > docs/config.md")
+
+
+def test_print_config_lists_every_key_as_the_binary_would_run_it():
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.train", "--config=configs/micro.py", "--print_config",
+       "--config.optimizer.learning_rate=0.5", "--config.staleness.max_staleness=None"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]  # no --workdir needed to look
+  lines = out.stdout.splitlines()
+  names = [line.split(":")[0] for line in lines if not line.startswith(" ")]
+  assert names == [k.name for k in config.describe()]
+  assert "optimizer.learning_rate: float = 0.5  (default 0.0001)" in lines
+  assert "staleness.max_staleness: int | None = None  (default 4)" in lines
+  assert "seed: int = 0" in lines  # a default value shows no default beside it
+  assert "    the peak learning rate." in lines
+
+
+def test_print_config_of_a_bad_value_is_one_line_and_status_2():
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.train", "--config=configs/micro.py", "--print_config",
+       "--config.generation.num_slots=0"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and "generation.num_slots" in lines[0], out.stderr

@@ -480,6 +480,10 @@ class RolloutConfig:
     reward_timeout_s: hard limit on one reward call (all its functions).
     reward_workers: reward worker processes.
     reward_memory_mb: address-space limit of each reward worker process (0: none).
+    max_reward_error_rate: the run stops, naming the reward function and its first
+      error, once more than this share of its last `reward_error_window` calls failed
+      (raised, timed out, crashed, returned a non-number); 1: never.
+    reward_error_window: the recent reward calls that rate is taken over.
     dynamic_filter: drop groups whose rewards are all equal (no learning signal).
     allow_weak_sandbox: lets code rewards run without bubblewrap (rewards/sandbox.py).
   """
@@ -489,6 +493,8 @@ class RolloutConfig:
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   reward_memory_mb: int = 8192
+  max_reward_error_rate: float = 0.5
+  reward_error_window: int = 64
   dynamic_filter: bool = False
   allow_weak_sandbox: bool = False
 
@@ -509,6 +515,10 @@ class RolloutConfig:
       if len(names) != len(self.reward_weights):
         fail("rollout.reward_weights", self.reward_weights,
              f"must give one weight per function of rollout.reward_fn ({len(names)})")
+    if not 0 <= self.max_reward_error_rate <= 1:
+      fail("rollout.max_reward_error_rate", self.max_reward_error_rate, "must be in [0, 1]")
+    if self.reward_error_window < 1:
+      fail("rollout.reward_error_window", self.reward_error_window, "must be >= 1")
     if self.reward_memory_mb < 0:
       fail("rollout.reward_memory_mb", self.reward_memory_mb, "must be >= 0 (0: no limit)")
 
@@ -532,11 +542,15 @@ class RunConfig:
     max_worker_restarts: rollout-worker restarts allowed over the whole run (Ray).
     allow_config_change: resume even if the config differs outside
       `RESUMABLE_FIELDS`.
+    max_untrainable_groups: the run stops, saying why, once this many groups in a row
+      finished without one that can be trained (rejected as too long, failed, filtered
+      or stale); 0: never.
   """
   warn_after_s: float = 60.0
   stall_timeout_s: float = 600.0
   max_worker_restarts: int = 10
   allow_config_change: bool = False
+  max_untrainable_groups: int = 256
 
   def __post_init__(self):
     _check_finite("run", self)
@@ -547,6 +561,8 @@ class RunConfig:
            f"must exceed run.warn_after_s={self.warn_after_s}")
     if self.max_worker_restarts < 0:
       fail("run.max_worker_restarts", self.max_worker_restarts, "must be >= 0")
+    if self.max_untrainable_groups < 0:
+      fail("run.max_untrainable_groups", self.max_untrainable_groups, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -394,7 +394,8 @@ def reward_service(cfg: ExperimentConfig, num_workers: int) -> RewardService:
   """A reward service of `num_workers` worker processes, as `rollout` configures them."""
   r = cfg.rollout
   return RewardService(num_workers=num_workers, timeout_s=r.reward_timeout_s,
-                       memory_mb=r.reward_memory_mb, allow_weak_sandbox=r.allow_weak_sandbox)
+                       memory_mb=r.reward_memory_mb, allow_weak_sandbox=r.allow_weak_sandbox,
+                       error_window=r.reward_error_window)
 
 
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
@@ -446,7 +447,8 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
                    num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
                    checkpoint_every=cfg.checkpoint.every_steps,
-                   max_consecutive_skips=cfg.train.max_consecutive_skips, restored=restored,
+                   max_consecutive_skips=cfg.train.max_consecutive_skips,
+                   max_untrainable_groups=cfg.run.max_untrainable_groups, restored=restored,
                    publish_on_host=publish_on_host, publish_dtype=dtype, leader=leader,
                    stop=stop, echo=echo, progress=progress)
 
@@ -522,5 +524,6 @@ def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
       update_mode=cfg.generation.update_mode,
       dynamic_filter=cfg.rollout.dynamic_filter, worker=index, seed=cfg.seed,
       workflow=task.workflow, vocab_size=cfg.model.vocab_size,
-      max_prompt_len=cfg.task.max_prompt_len)
+      max_prompt_len=cfg.task.max_prompt_len,
+      max_reward_error_rate=cfg.rollout.max_reward_error_rate)
   return RolloutWorker(index, controller, pool, rewards)

@@ -31,7 +31,8 @@ from async_rl.param_server.buffer import length_summary
 from async_rl.rl import multihost
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
-from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError, StopRequested
+from async_rl.rl.errors import (NonFiniteError, NoTrainableGroupError, RolloutWorkerError,
+                                StallError, StopRequested)
 from async_rl.rl.evaluate import Evaluator
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
@@ -63,6 +64,8 @@ class TrainLoop:
     eval_every: evaluate every this many steps (0: only before and after).
     checkpoint_every: checkpoint every this many steps.
     max_consecutive_skips: non-finite steps in a row that stop the run.
+    max_untrainable_groups: groups finished in a row with none admitted that stop the
+      run (`NoTrainableGroupError`); 0: never.
     restored: the counts the run resumes with.
     publish_on_host: publish host (numpy) copies of the params, for a server in
       another process; by default they stay device arrays (`Trainer.device_params`).
@@ -79,7 +82,7 @@ class TrainLoop:
   def __init__(self, trainer: Trainer, server, evaluator: Evaluator, checkpointer: Checkpointer,
                log: MetricsLog, deadlines: Deadlines, *, num_steps: int, eval_every: int,
                checkpoint_every: int, max_consecutive_skips: int,
-               restored: Restored = Restored(), publish_on_host: bool = False,
+               max_untrainable_groups: int = 0, restored: Restored = Restored(), publish_on_host: bool = False,
                publish_dtype: Optional[str] = None,
                leader: Optional[multihost.Leader] = None,
                stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
@@ -89,6 +92,7 @@ class TrainLoop:
     self.num_steps = num_steps
     self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
     self.max_consecutive_skips = max_consecutive_skips
+    self.max_untrainable_groups = max_untrainable_groups
     self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
     self.damaged_checkpoints = restored.damaged_checkpoints
     self.publish_on_host = publish_on_host or leader is not None
@@ -150,8 +154,10 @@ class TrainLoop:
     Raises:
       StallError: a wait passed `run.stall_timeout_s`.
       RolloutWorkerError: a rollout worker's controller failed.
+      NoTrainableGroupError: `max_untrainable_groups` groups in a row could not be
+        trained.
       NonFiniteError: too many non-finite steps in a row.
-      In the first two cases the current version is checkpointed first.
+      In the first three cases the current version is checkpointed first.
     """
     start_version = self.trainer.version
     summary: dict[str, Any] = {"start_version": start_version,
@@ -166,7 +172,8 @@ class TrainLoop:
       summary["eval_before"] = self._eval_and_log()
     bar = tqdm(total=self.num_steps, initial=start_version, desc="train", unit="step",
                disable=not self.progress, dynamic_ncols=True)
-    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0,
+    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0, "reward_calls": 0,
+            "reward_failures": 0,
             "staleness_hist": np.asarray(self.server.metrics()["staleness_hist"], np.int64)}
 
     def waits():
@@ -175,7 +182,7 @@ class TrainLoop:
     try:
       with self.deadlines.watching(waits):
         self._steps(rollouts, bar, last)
-    except (StallError, RolloutWorkerError) as e:
+    except (StallError, RolloutWorkerError, NoTrainableGroupError) as e:
       raise type(e)(f"{e}\n{self._checkpoint_before_stopping()}") from e
     finally:
       bar.close()
@@ -229,10 +236,12 @@ class TrainLoop:
     that finished (admitted, dropped or rejected), and the rollout workers' own waits
     name the part that holds a group up: past the stall timeout (and `warn_after_s`
     more, for them to speak first) the batch wait is the stall only if no other wait
-    is past the soft deadline.
+    is past the soft deadline. Groups that finish but cannot be trained are progress
+    of another kind: `max_untrainable_groups` of them in a row stop the run.
     """
     t0 = time.perf_counter()
     finished, since = None, time.monotonic()
+    admitted = untrainable_before = None
     what = "a training batch (no group finished)"
     with self.deadlines.waiting(what, may_stall=False) as progress:
       while not self.stop.is_set():
@@ -244,7 +253,7 @@ class TrainLoop:
           raise self.deadlines.stall(what, waited)
         for r in rollouts:
           if (error := r.error()) is not None:
-            raise RolloutWorkerError(f"rollout worker failed:\n{error}")
+            raise RolloutWorkerError(f"rollout worker failed: {error}")
         groups = self.server.get_batch(timeout=_BATCH_POLL_S)
         if groups is not None:
           return groups, time.perf_counter() - t0
@@ -252,6 +261,13 @@ class TrainLoop:
         if m["admitted"] + m["rejected"] != finished:
           finished, since = m["admitted"] + m["rejected"], time.monotonic()
           progress()
+        untrainable = m["rejected"] + m["dropped"]
+        if m["admitted"] != admitted:
+          admitted, untrainable_before = m["admitted"], untrainable
+        elif 0 < self.max_untrainable_groups <= untrainable - untrainable_before:
+          raise NoTrainableGroupError(_untrainable_cause(
+              untrainable - untrainable_before, self.max_untrainable_groups, m,
+              [r.metrics() for r in rollouts]))
     return None, time.perf_counter() - t0
 
   def _train(self, groups, waited, rollouts, last):
@@ -276,12 +292,16 @@ class TrainLoop:
     rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
+    reward_calls = sum(w["rewards"]["calls"] for w in workers)
+    reward_failures = sum(w["rewards"]["errors"] + w["rewards"]["timeouts"] for w in workers)
     metrics.update(
         reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
         skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
+        reward_error_rate=((reward_failures - last["reward_failures"])
+                           / max(reward_calls - last["reward_calls"], 1)),
         prompts=[str(g.prompt_id) for g in groups],
         longest_unreported_wait_s=self.deadlines.longest_unreported_s,
         worker_restarts=sum(w.get("restarts", 0) for w in workers),
@@ -291,7 +311,8 @@ class TrainLoop:
     if metrics["worker_restarts"] > last["restarts"]:
       self.echo(f"WARNING: a rollout worker died and was restarted (worker_restarts="
                 f"{metrics['worker_restarts']}, lost_groups={server['lost_groups']})")
-    last.update(t=now, gen_tokens=gen_tokens, restarts=metrics["worker_restarts"])
+    last.update(t=now, gen_tokens=gen_tokens, restarts=metrics["worker_restarts"],
+                reward_calls=reward_calls, reward_failures=reward_failures)
     self.log.write(self.trainer.version, metrics)
     self.history.append(metrics)
     self.timeline.record("trainer", "log", logging_since, time.time())
@@ -394,4 +415,17 @@ def _line(version, m) -> str:
           f"stale={m['staleness_mean']:.2f}/{m['staleness_max']} "
           f"gen={m['gen_tokens_per_s']:.0f}tok/s train={m['train_tokens_per_s']:.0f}tok/s "
           f"wait={m['time_wait_s']:.2f}s train={m['time_train_s']:.2f}s "
-          f"publish={m['time_publish_s']:.2f}s loss={m['loss']:.4f}")
+          f"publish={m['time_publish_s']:.2f}s loss={m['loss']:.4f} "
+          f"reward_err={m['reward_error_rate']:.2f}")
+
+
+def _untrainable_cause(n, limit, server, workers) -> str:
+  """Why `n` groups in a row could not be trained, from the counts so far."""
+  counts = {k: sum(w["rollout"][k] for w in workers) for k in ("too_long", "failed", "filtered")}
+  reasons = [f"{counts['too_long']} had prompts longer than task.max_prompt_len",
+             f"{counts['failed']} failed to generate or score",
+             f"{counts['filtered']} were filtered as all rewards equal "
+             f"(rollout.dynamic_filter)",
+             f"{server['dropped']} were dropped as staler than staleness.max_staleness"]
+  return (f"{n} groups in a row finished and none could be trained (run."
+          f"max_untrainable_groups={limit}); of all groups so far, {'; '.join(reasons)}")

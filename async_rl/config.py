@@ -623,8 +623,8 @@ class LogConfig:
       fail("log.samples_every", self.samples_every, "must be >= 0 (0: never)")
     if self.num_samples < 1:
       fail("log.num_samples", self.num_samples, "must be >= 1")
-    if self.sample_chars < 16:
-      fail("log.sample_chars", self.sample_chars, "must be >= 16")
+    if self.sample_chars < 64:
+      fail("log.sample_chars", self.sample_chars, "must be >= 64")
     if self.wandb_project == "":
       fail("log.wandb_project", self.wandb_project, "must be a project name or None")
 

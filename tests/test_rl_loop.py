@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from async_rl import cpu, sharding
-from async_rl.config import MeshConfig
+from async_rl.config import LogConfig, MeshConfig
 from async_rl.generation import Engine
-from async_rl.rl import build
+from async_rl.rl import build, trainer_loop
 from async_rl.rl.errors import ConfigError
 from async_rl.rl.evaluate import Evaluator
 from async_rl.trajectory import Group, Trajectory
@@ -233,6 +233,27 @@ def test_the_log_holds_the_warm_start_learning_rates_and_samples_and_a_log_file_
   assert len(step_lines) == 2 and all(l.count(" train=") == 1 for l in step_lines)
   assert all(re.search(r" update=\d+\.\d\ds publish=", l) for l in step_lines)
   assert sum(bool(re.match(stamp + r"(sft step \d/2|eval v=\d:) ", l)) for l in lines) == 4
+
+
+def test_samples_are_the_first_completions_of_the_batch_their_middles_cut_to_length():
+  def traj(prompt, completion, reward):
+    return Trajectory.from_completion(np.array(prompt), np.array(completion),
+                                      np.zeros(len(completion)), np.zeros(len(completion),
+                                                                          np.int32),
+                                      "length", reward=reward)
+
+  groups = [Group("g0", [traj([1, 2], [3] * 300, 1.0), traj([1, 2], [4], 0.5)]),
+            Group("g1", [traj([5], [6], 2.0), traj([5], [7], 0.0)])]
+  decode = lambda ids: "".join(chr(ord("a") + i) for i in ids)
+  samples = trainer_loop._samples(groups, decode, LogConfig(num_samples=3, sample_chars=64),
+                                  correct_threshold=1.0)
+  assert [(s["prompt_id"], s["prompt"], s["reward"], s["correct"]) for s in samples] == [
+      ("g0", "bc", 1.0, True), ("g0", "bc", 0.5, False), ("g1", "f", 2.0, True)]
+  assert [s["completion"] for s in samples[1:]] == ["e", "g"]
+  long = samples[0]["completion"]
+  head, cut, tail = re.fullmatch(r"(d*) \[\.\.\.(\d+) characters\.\.\.\] (d*)", long).groups()
+  assert len(long) <= 64 and len(head) + int(cut) + len(tail) == 300
+  assert abs(len(head) - len(tail)) <= 1
 
 
 def test_weights_and_biases_asked_for_without_wandb_stops_the_run_before_it_is_built(

@@ -19,7 +19,6 @@ saying `stopped` and which checkpoint holds the params.
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -79,9 +78,9 @@ class TrainLoop:
       `progress.echo`, so that no line glues onto the bar.
     progress: the bar of training steps (drawn on a terminal only); None: none.
     learning_rate: the optimizer's learning rate by applied update, for the log.
+    decode: token ids to text, for the sample completions the log shows.
     correct_threshold: a trained sample whose reward is at least this counts as correct
       (`accuracy`), as in the held-out evaluation.
-    decode: token ids to text, for the sample completions the log shows.
     log_cfg: what the log shows besides metrics (sample completions).
   """
 
@@ -93,10 +92,8 @@ class TrainLoop:
                leader: Optional[multihost.Leader] = None,
                stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
                progress: Optional[Progress] = None,
-               learning_rate: Callable[[int], float] = lambda update: math.nan,
-               correct_threshold: float = 1.0,
-               decode: Callable[[Sequence[int]], str] = lambda ids: " ".join(map(str, ids)),
-               log_cfg: LogConfig = LogConfig()):
+               learning_rate: Callable[[int], float], decode: Callable[[Sequence[int]], str],
+               correct_threshold: float = 1.0, log_cfg: LogConfig = LogConfig()):
     self.trainer, self.server, self.evaluator = trainer, server, evaluator
     self.checkpointer, self.log, self.deadlines = checkpointer, log, deadlines
     self.num_steps = num_steps
@@ -430,10 +427,13 @@ def _samples(groups: Sequence[Group], decode, log_cfg: LogConfig,
 
 
 def _clip(text: str, limit: int) -> str:
-  """`text`, its middle cut out (and the cut counted) when longer than `limit`: a
-  prompt's question is at its end, a completion's answer too."""
+  """`text`, or when longer than `limit` its beginning and end around a count of the
+  characters cut: a prompt's question is at its end, a completion's answer too."""
   if len(text) <= limit:
     return text
-  cut = f" [...{len(text) - limit} characters...] "
-  keep = max(limit - len(cut), 2)
-  return text[:keep // 2] + cut + text[len(text) - (keep - keep // 2):]
+  keep = limit - len(_cut(len(text)))  # the count of those cut has no more digits
+  return text[:keep // 2] + _cut(len(text) - keep) + text[len(text) - (keep - keep // 2):]
+
+
+def _cut(n: int) -> str:
+  return f" [...{n} characters...] "

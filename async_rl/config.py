@@ -47,7 +47,7 @@ REWARD_STYLES = ("auto", "single", "trl", "verl")
 DATA_TOKENIZERS = ("hf", "bytes")
 # What a resumed run may change without `run.allow_config_change`: dotted field names,
 # or section names for all their fields.
-RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "placement", "cpu")
+RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "log", "placement", "cpu")
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
@@ -616,6 +616,36 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+  """What a run logs besides its metrics: sample completions, and Weights & Biases.
+
+  Attributes:
+    samples_every: every this many training steps, the first `num_samples` completions
+      of the batch just trained, with their prompts and rewards, go to
+      `WORKDIR/samples.jsonl` and TensorBoard's text tab; 0: never.
+    num_samples: completions per such entry (a group's together, in batch order).
+    sample_chars: a prompt or completion longer than this many characters keeps its
+      beginning and its end, the middle cut out.
+    wandb_project: a Weights & Biases project to log the metrics to as well (needs the
+      `wandb` package); None: none.
+  """
+  samples_every: int = 10
+  num_samples: int = 4
+  sample_chars: int = 2000
+  wandb_project: Optional[str] = None
+
+  def __post_init__(self):
+    if self.samples_every < 0:
+      fail("log.samples_every", self.samples_every, "must be >= 0 (0: never)")
+    if self.num_samples < 1:
+      fail("log.num_samples", self.num_samples, "must be >= 1")
+    if self.sample_chars < 64:
+      fail("log.sample_chars", self.sample_chars, "must be >= 64")
+    if self.wandb_project == "":
+      fail("log.wandb_project", self.wandb_project, "must be a project name or None")
+
+
+@dataclasses.dataclass(frozen=True)
 class SFTConfig:
   """Supervised warm start on the task's reference solutions before RL.
 
@@ -623,7 +653,8 @@ class SFTConfig:
     steps: warm-start steps; 0: none.
     batch_size: examples per warm-start step.
     learning_rate: the warm start's learning rate.
-    log_every: a progress line every this many steps.
+    log_every: a line, and a `metrics.jsonl` entry (the mean loss since the last
+      one, the learning rate), every this many steps.
   """
   steps: int = 0
   batch_size: int = 64
@@ -983,6 +1014,7 @@ class ExperimentConfig:
   run: RunConfig = RunConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
+  log: LogConfig = LogConfig()
   sft: SFTConfig = SFTConfig()
   cpu: CPUConfig = CPUConfig()
   placement: PlacementConfig = PlacementConfig()

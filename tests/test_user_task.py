@@ -108,4 +108,4 @@ def test_the_readme_example_runs_as_written():
   out = subprocess.run(["bash", "-c", COMMAND], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600, check=False)
   assert out.returncode == 0, out.stderr[-4000:]
-  assert re.search(r"^eval v=2: accuracy=\d", out.stdout, re.M), out.stdout[-2000:]
+  assert re.search(r"^[\d-]+ [\d:]+ eval v=2: accuracy=\d", out.stdout, re.M), out.stdout[-2000:]

@@ -215,3 +215,19 @@ def test_the_step_line_shows_the_reward_error_rate(tmp_path):
   build.run(small_config(**{"num_steps": 1}), str(tmp_path), echo=lines.append, progress=False)
   step = next(line for line in lines if " v=1 reward=" in line)
   assert step.endswith("reward_err=0.00")
+
+
+def test_a_warm_start_without_reference_completions_is_refused_up_front():
+  cfg = build.resolve(small_config(**{"sft.steps": 10}))
+  with pytest.raises(ConfigError, match=r"sft.steps > 0 needs a task with reference "
+                                        r"completions \(sft_examples\); _LongPrompts has none"):
+    build.preflight(cfg, _LongPrompts(4))
+  from async_rl.tasks import CharTokenizer, Example, ListTask  # noqa: PLC0415
+  tokenizer = CharTokenizer()
+  rows = [Example(id=i, tokens=(tokenizer.bos_id, *tokenizer.encode(f"{i}+1=")),
+                  reference=str(i + 1)) for i in range(5)]  # answers to score, none to imitate
+  no_targets = ListTask(train=rows[:4], heldout_examples=rows[4:], tokenizer=tokenizer,
+                        reward_fn="arithmetic")
+  with pytest.raises(ConfigError, match=r"sft.steps > 0 needs reference completions: .*"
+                                        r"none of the 4 has one"):
+    build.preflight(cfg, no_targets)

@@ -188,7 +188,20 @@ def preflight(cfg: ExperimentConfig, task):
     raise ConfigError(f"model.vocab_size must hold the task's tokenizer "
                       f"({task.tokenizer.vocab_size} ids), got {cfg.model.vocab_size}")
   _check_prompts(cfg, task)
+  if cfg.sft.steps and cfg.hf_model_dir is None:
+    _check_warm_start(task)
   return task
+
+
+def _check_warm_start(task) -> None:
+  """A warm start needs reference completions to imitate; found before any compile."""
+  if not hasattr(task, "sft_examples"):
+    raise ConfigError(f"sft.steps > 0 needs a task with reference completions "
+                      f"(sft_examples); {type(task).__name__} has none: set sft.steps=0")
+  try:
+    next(iter(task.sft_examples()))
+  except (ValueError, StopIteration) as e:
+    raise ConfigError(f"sft.steps > 0 needs reference completions: {e or 'none found'}") from e
 
 
 def _check_objective(cfg):

@@ -57,17 +57,21 @@ def test_config_errors_are_one_line_and_a_variant_loads_by_name():
   assert printed[0].stdout == printed[1].stdout != printed[2].stdout
 
 
+def _untracked(directory, names):
+  """What `.gitignore` leaves out of the repository (and .git itself)."""
+  everywhere = {".git", "__pycache__", ".pytest_cache", ".hypothesis"}
+  at_root = Path(directory) == ROOT
+  return [n for n in names if n in everywhere or n.endswith(".egg-info") or (
+      at_root and (n == "build" or n.startswith(("bazel-", "workdir"))))]
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
-  """A virtualenv holding async_rl built from a copy of this tree, nothing downloaded
-  (its dependencies are the system's, through --system-site-packages)."""
+  """A virtualenv holding async_rl built from a copy of this tree (links included),
+  nothing downloaded: its dependencies are the system's, through --system-site-packages."""
   base = tmp_path_factory.mktemp("install")
   src = base / "src"
-  src.mkdir()
-  for name in ("pyproject.toml", "README.md"):
-    shutil.copy(ROOT / name, src / name)
-  shutil.copytree(ROOT / "async_rl", src / "async_rl",
-                  ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copytree(ROOT, src, symlinks=True, ignore=_untracked)
   subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
                   str(base / "venv")], check=True, timeout=120)
   python = base / "venv" / "bin" / "python"
@@ -88,7 +92,10 @@ def _outside(tmp_path):
 def test_installed_console_scripts_run_outside_the_repository(venv, tmp_path):
   cwd, env = _outside(tmp_path)
   out = _run([str(venv / "python"), "-c", "import async_rl; print(async_rl.__file__)"], cwd, env)
-  assert Path(out.stdout.strip()).is_relative_to(venv.parent), out.stdout + out.stderr
+  installed = Path(out.stdout.strip()).parent
+  assert installed.is_relative_to(venv.parent), out.stdout + out.stderr
+  # The clone's launch/ and configs/ links are not packages of their own.
+  assert {"launch", "configs"}.isdisjoint(os.listdir(installed.parent))
 
   for script, docstring, flag in (
       ("async-rl-train", "Asynchronous RL training binary.", "--coordinator_address"),

@@ -41,6 +41,7 @@ from absl import app, flags
 from async_rl import models
 from async_rl.config import model_preset
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, paged
+from benchmarks.train_step import matmul_peak
 
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "1024", "4096", "16384"],
                              "Cache lengths T (positions per slot).")
@@ -57,18 +58,6 @@ _TAIL_SEQUENCES = flags.DEFINE_integer("tail_sequences", 4,
                                        "The long tail's KV budget, in sequences of the cap.")
 
 _PROMPT, _NEW = 16, 32
-
-
-def _matmul_gflops(size=1024, reps=10):
-  """Best float32 GFLOP/s of a jitted [size, size] @ [size, size]."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  f = jax.jit(jnp.matmul)
-  times = []
-  for _ in range(reps + 1):  # The first call compiles.
-    start = time.perf_counter()
-    jax.block_until_ready(f(a, a))
-    times.append(time.perf_counter() - start)
-  return 2 * size ** 3 / min(times[1:]) / 1e9
 
 
 def _nbytes(cache) -> int:
@@ -214,7 +203,7 @@ def main(argv):
   # Every step writes the token after the live ones and attends to all of them.
   positions_S = jnp.full(S, _LIVE.value, jnp.int32)
   out = {"device": jax.devices()[0].platform, "slots": S, "live_tokens": _LIVE.value,
-         "block_size": _BLOCK.value, "matmul_gflops": _matmul_gflops()}
+         "block_size": _BLOCK.value, "matmul_gflops": matmul_peak() / 1e9}
   lengths = [int(t) for t in _LENGTHS.value]
   print(f"step: {S} slots of {_LIVE.value} live tokens")
   print(f"{'T':>6} {'path':6} {'ms/step':>8} {'KV MiB':>8}")
@@ -229,7 +218,7 @@ def main(argv):
         out[f"{name}_{lengths[-1]}_ms_per_step"] / out[f"{name}_{lengths[0]}_ms_per_step"])
   _pool_scaling(params, cfg, lengths, out)
   _long_tail(params, cfg, out)
-  out["matmul_gflops_after"] = _matmul_gflops()
+  out["matmul_gflops_after"] = matmul_peak() / 1e9
   rounded = lambda v: round(v, 4) if isinstance(v, float) else v
   print(json.dumps({k: ({kk: rounded(vv) for kk, vv in v.items()} if isinstance(v, dict)
                         else rounded(v)) for k, v in out.items()}))

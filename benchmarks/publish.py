@@ -22,7 +22,8 @@ does each step, with the real parameter server as an actor: the trainer's host c
 `placement.publish_dtype` does), `publish` to the server actor, and a rollout-worker
 actor's `fetch` and `Engine.load_params`. Seconds and bytes per publish for the small
 preset, and the bytes of the 1.5B and 7B shapes with the seconds the measured rate
-gives them. Prints a table, then one JSON object as the last line.
+gives them. A float32 1024^3 matmul measured first tells how loaded the machine was.
+Prints a table, then one JSON object as the last line.
 """
 
 import os
@@ -41,6 +42,7 @@ from jax.sharding import Mesh  # noqa: E402
 from async_rl import sharding, train_step  # noqa: E402
 from async_rl.config import MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine  # noqa: E402
+from benchmarks.train_step import matmul_peak  # noqa: E402
 
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed publishes per variant.")
 _CROSS = flags.DEFINE_bool("cross_process", True, "Also time the publish through Ray actors.")
@@ -126,12 +128,14 @@ def main(argv):
   del argv
   cfg = model_preset("small", vocab_size=256, max_seq_len=256)
   devices = jax.devices()
+  peak = matmul_peak() / 1e9
   results = {
       "same_device": _placement(cfg, devices[:1], devices[:1], _REPEATS.value),
       "trainer_6_generator_2": _placement(cfg, devices[:6], devices[6:], _REPEATS.value),
   }
   mb = cfg.num_params() * 4 / 2**20
-  print(f"small preset, {mb:.0f} MiB of float32 params; median of {_REPEATS.value}")
+  print(f"small preset, {mb:.0f} MiB of float32 params; median of {_REPEATS.value}; "
+        f"matmul peak {peak:.0f} GFLOP/s")
   print(f"{'placement':<24}{'via host ms':>12}{'device ms':>11}{'host/device':>13}")
   for name, r in results.items():
     r["ratio"] = r["host_s"] / r["device_s"]
@@ -152,7 +156,8 @@ def main(argv):
         shapes[f"{name}/{dtype}"] = {"bytes": nbytes, "seconds_at_measured_rate": seconds}
         print(f"{name:<16}{dtype:<10}{nbytes / 1e9:>8.2f}{seconds:>13.2f}")
     cross["shapes"] = shapes
-  print(json.dumps({"params_mib": mb, **results, "cross_process": cross}))
+  print(json.dumps({"params_mib": mb, "matmul_gflops": peak, **results,
+                    "cross_process": cross}))
 
 
 if __name__ == "__main__":

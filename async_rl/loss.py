@@ -196,9 +196,9 @@ def token_kl(logp, ref_logp, mask, *, estimator):
 
   With d = log π - log π_ref of the sampled token: k1 = d, k2 = d² / 2,
   k3 = exp(-d) - 1 + d (`off_policy.divergence`'s kl_k1..3 of d). For tokens drawn
-  from π, k1 and k3 are unbiased (k1 of either sign, k3 >= 0 and of lower variance)
-  and k2 is biased but of low variance. Masked tokens may hold any values: d is 0
-  there (before the exp), where every estimator is 0. Float32 or wider.
+  from π, k1 and k3 are unbiased (k1 of either sign, k3 >= 0 and usually of lower
+  variance) and k2 is biased but of low variance. Masked tokens may hold any values:
+  d is 0 there (before the exp), where every estimator is 0. Float32 or wider.
   """
   valid = jnp.asarray(mask) != 0
   dtype = jnp.promote_types(jnp.result_type(logp), jnp.float32)

@@ -100,6 +100,8 @@ class PackedBatch:
     advantages: float32 the trajectory's advantage, 0 off the mask.
     versions: int32 version of each loss-mask token, -1 elsewhere; only packed
       (`with_versions`) for the log-linear proximal estimate, None otherwise.
+    ref_logp: float32 reference-policy log-prob, 0 off the mask; set by the trainer
+      (not packed) when the KL penalty is in the loss, None otherwise.
   """
   tokens: np.ndarray
   positions: np.ndarray
@@ -108,6 +110,7 @@ class PackedBatch:
   behav_logp: np.ndarray
   advantages: np.ndarray
   versions: Optional[np.ndarray] = None
+  ref_logp: Optional[np.ndarray] = None
 
 
 def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[SequenceOf[int]], *,

@@ -37,6 +37,9 @@ IMPORTANCE_LEVELS = ("token", "sequence")
 REJECTION_LEVELS = ("token", "sequence")
 REJECTION_ACTIONS = ("mask", "clamp")
 REJECTION_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
+# Schulman's estimators of KL(π || π_ref) on sampled tokens, and where the penalty goes.
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_PLACEMENTS = ("loss", "reward")
 ADVANTAGE_LEVELS = ("group", "batch", None)
 UPDATE_MODES = ("retract", "keep", "drain")
 ON_STALE = ("drop", "mask_tokens", "admit")
@@ -239,6 +242,16 @@ class PPOConfig:
     rejection_upper: upper bound of the metric; None: none.
     rejection_lower: lower bound of the metric; None: none. With neither bound, the
       weight is not corrected.
+    kl_beta: coefficient of the KL penalty to the reference policy (the params the run
+      started from, frozen); 0: no penalty, no reference kept, no reference forward.
+    kl_estimator: the per-token estimator of the KL (`KL_ESTIMATORS`), with d =
+      log π - log π_ref: "k1" d, "k2" d² / 2, "k3" exp(-d) - 1 + d.
+    kl_in: where the penalty goes (`KL_PLACEMENTS`): "loss" adds kl_beta times the
+      token mean of the estimate under π_θ to the loss (it has a gradient); "reward"
+      subtracts kl_beta times the sum of the estimate under π_behav over each sample's
+      tokens from its reward, before the advantages are normalised (no gradient).
+    entropy_coef: coefficient of the entropy bonus: the loss less entropy_coef times
+      the token mean of the policy's entropy; 0: none.
   """
   loss: str = "decoupled_ppo"
   prox_logp: str = "recompute"
@@ -252,6 +265,10 @@ class PPOConfig:
   rejection_metric: str = "ratio"
   rejection_upper: Optional[float] = None
   rejection_lower: Optional[float] = None
+  kl_beta: float = 0.0
+  kl_estimator: str = "k3"
+  kl_in: str = "loss"
+  entropy_coef: float = 0.0
 
   def __post_init__(self):
     _check_finite("ppo", self)

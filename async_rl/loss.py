@@ -1,4 +1,6 @@
-"""The decoupled PPO policy loss (AReaL), with its off-policy corrections and GSPO.
+"""The decoupled PPO policy loss (AReaL), with its off-policy corrections and GSPO, and
+the regularisers any registered loss may take: a KL penalty to a frozen reference
+policy and an entropy bonus.
 
 `check_hparams` is the one place where the PPO hyper-parameters (the fields of
 `config.PPOConfig`) are validated; the config delegates to it.
@@ -11,14 +13,16 @@ import jax
 import jax.numpy as jnp
 
 from async_rl import named, off_policy
-from async_rl.config import IMPORTANCE_LEVELS, PROX_LOGP
+from async_rl.config import IMPORTANCE_LEVELS, KL_ESTIMATORS, KL_PLACEMENTS, PROX_LOGP
 
 _LOSS_HPARAMS = ("eps_clip", "eps_clip_higher", "c_clip", "importance_level",
                  "rejection_level", "rejection_action", "rejection_metric", "rejection_upper",
                  "rejection_lower")
+# The regularisers `make_loss` adds to whichever policy loss it binds.
+_REG_HPARAMS = ("kl_beta", "kl_estimator", "kl_in", "entropy_coef")
 # Fields of the PPO section that shape the train step rather than the loss.
 _STEP_HPARAMS = ("prox_logp", "num_minibatches")
-_HPARAMS = ("loss",) + _STEP_HPARAMS + _LOSS_HPARAMS
+_HPARAMS = ("loss",) + _STEP_HPARAMS + _LOSS_HPARAMS + _REG_HPARAMS
 
 
 def check_hparams(*, prefix="", **hparams):
@@ -26,8 +30,10 @@ def check_hparams(*, prefix="", **hparams):
 
   Takes any subset of `config.PPOConfig`'s fields as keywords: `loss`, `prox_logp`
   (see `config.PROX_LOGP`), `eps_clip` > 0, `eps_clip_higher` >= 0 or None,
-  `c_clip` > 1 or None, `importance_level` (see `IMPORTANCE_LEVELS`), and the
-  `rejection_*` fields (see `off_policy.check_correction`).
+  `c_clip` > 1 or None, `importance_level` (see `IMPORTANCE_LEVELS`), the
+  `rejection_*` fields (see `off_policy.check_correction`), `kl_beta` >= 0,
+  `kl_estimator` (see `KL_ESTIMATORS`), `kl_in` (see `KL_PLACEMENTS`) and
+  `entropy_coef` >= 0.
   """
   unknown = sorted(set(hparams) - set(_HPARAMS))
   if unknown:
@@ -51,6 +57,12 @@ def check_hparams(*, prefix="", **hparams):
   if "importance_level" in h and h["importance_level"] not in IMPORTANCE_LEVELS:
     raise ValueError(f"{prefix}importance_level must be one of {IMPORTANCE_LEVELS}, "
                      f"got {h['importance_level']!r}")
+  for name in ("kl_beta", "entropy_coef"):
+    if name in h and not h[name] >= 0:
+      raise ValueError(f"{prefix}{name} must be >= 0, got {h[name]!r}")
+  for name, allowed in (("kl_estimator", KL_ESTIMATORS), ("kl_in", KL_PLACEMENTS)):
+    if name in h and h[name] not in allowed:
+      raise ValueError(f"{prefix}{name} must be one of {allowed}, got {h[name]!r}")
   correction = {k[len("rejection_"):]: v for k, v in h.items() if k.startswith("rejection_")}
   off_policy.check_correction(prefix=prefix + "rejection_", **correction)
 
@@ -179,18 +191,73 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, segment_id
 LOSSES = {"decoupled_ppo": decoupled_ppo_loss}
 
 
-def make_loss(name, **hparams):
-  """Returns the loss registered as `name` with its hyper-parameters bound.
+def token_kl(logp, ref_logp, mask, *, estimator):
+  """Schulman's estimate of KL(π || π_ref) at each token, 0 off the mask.
+
+  With d = log π - log π_ref of the sampled token: k1 = d, k2 = d² / 2,
+  k3 = exp(-d) - 1 + d (`off_policy.divergence`'s kl_k1..3 of d). For tokens drawn
+  from π, k1 and k3 are unbiased (k1 of either sign, k3 >= 0 and usually of lower
+  variance) and k2 is biased but of low variance. Masked tokens may hold any values:
+  d is 0 there (before the exp), where every estimator is 0. Float32 or wider.
+  """
+  valid = jnp.asarray(mask) != 0
+  dtype = jnp.promote_types(jnp.result_type(logp), jnp.float32)
+  d = jnp.where(valid, jnp.asarray(logp, dtype) - jnp.asarray(ref_logp, dtype), 0.0)
+  return off_policy.divergence(d, f"kl_{estimator}")
+
+
+def regulariser(logp, ref_logp, entropy, mask, *, kl_beta=0.0, kl_estimator="k3",
+                entropy_coef=0.0, num_tokens=None):
+  """`kl_beta * KL - entropy_coef * H`: the KL penalty and the entropy bonus, as the
+  policy loss averages, over the tokens in `mask` divided by `num_tokens` (default:
+  their count).
+
+  KL is the token mean of `token_kl(logp, ref_logp)`, its gradient through `logp`
+  only (`ref_logp` is a constant). Under sampling from π_θ, k2's gradient is that of
+  KL(π_θ || π_ref), k3's that of KL(π_ref || π_θ), and k1's is zero in expectation. H
+  is the token mean of `entropy`, the policy's entropy at each token (differentiated).
+  A coefficient of 0 leaves its term out (and `ref_logp` or `entropy` may be None).
+
+  Returns:
+    `(penalty, metrics)`: `metrics["kl"]` (the token mean of the estimate, divided
+    like the loss, so that micro-batches add up) when `kl_beta` > 0.
+  """
+  valid = jnp.asarray(mask) != 0
+  dtype = jnp.promote_types(jnp.result_type(logp), jnp.float32)
+  count = valid.sum(dtype=dtype)
+  denom = jnp.maximum(count if num_tokens is None else jnp.asarray(num_tokens, dtype), 1.0)
+  penalty, metrics = jnp.zeros((), dtype), {}
+  if kl_beta:
+    if ref_logp is None:
+      raise ValueError("the KL penalty in the loss (kl_beta > 0, kl_in='loss') needs the "
+                       "reference log-probs, got ref_logp=None")
+    metrics["kl"] = token_kl(logp, ref_logp, mask, estimator=kl_estimator).sum() / denom
+    penalty = penalty + kl_beta * metrics["kl"]
+  if entropy_coef:
+    entropy_mean = jnp.where(valid, jnp.asarray(entropy, dtype), 0.0).sum() / denom
+    penalty = penalty - entropy_coef * entropy_mean
+  return penalty, metrics
+
+
+def make_loss(name, *, kl_beta=0.0, kl_estimator="k3", kl_in="loss", entropy_coef=0.0,
+              **hparams):
+  """Returns the loss registered as `name` with its hyper-parameters bound, plus the
+  regularisers.
 
   Args:
     name: a key of `LOSSES`, or "module:attr" naming a function with
       `decoupled_ppo_loss`'s arguments.
+    kl_beta, kl_estimator, kl_in, entropy_coef: `regulariser`'s terms, added to the
+      policy loss (the KL term only with `kl_in="loss"`: in the reward it is the
+      trainer's). With both coefficients 0 the loss is the policy loss alone.
     **hparams: `eps_clip` (required) and the other keyword arguments of
       `decoupled_ppo_loss` before `num_tokens`.
 
   Returns:
     `fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids, num_tokens=None,
-    entropy=None) -> (loss, metrics)`.
+    entropy=None, ref_logp=None) -> (loss, metrics)`: `ref_logp`, the reference
+    policy's log-probs, is needed when the KL term is in the loss; `entropy` when
+    `entropy_coef` > 0.
 
   Raises:
     ValueError: unknown name, unknown or missing hyper-parameter, invalid value.
@@ -199,16 +266,23 @@ def make_loss(name, **hparams):
   unknown = sorted(set(hparams) - set(_LOSS_HPARAMS))
   if unknown:
     raise ValueError(f"unknown hyper-parameters {unknown} for loss {name!r}; "
-                     f"known: {list(_LOSS_HPARAMS)}")
+                     f"known: {list(_LOSS_HPARAMS + _REG_HPARAMS)}")
   if "eps_clip" not in hparams:
     raise ValueError(f"loss {name!r} requires eps_clip")
-  check_hparams(**hparams)
+  reg = dict(kl_beta=kl_beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef)
+  check_hparams(kl_in=kl_in, **reg, **hparams)
+  if kl_in != "loss":
+    reg["kl_beta"] = 0.0
   loss_fn = named.lookup(LOSSES, name, "loss", "loss function")
 
   def fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids, num_tokens=None,
-         entropy=None):
-    return loss_fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids,
-                   num_tokens=num_tokens, entropy=entropy, **hparams)
+         entropy=None, ref_logp=None):
+    loss, metrics = loss_fn(logp, prox_logp, behav_logp, advantages, mask, segment_ids,
+                            num_tokens=num_tokens, entropy=entropy, **hparams)
+    if not (reg["kl_beta"] or reg["entropy_coef"]):
+      return loss, metrics
+    penalty, more = regulariser(logp, ref_logp, entropy, mask, num_tokens=num_tokens, **reg)
+    return loss + penalty, {**metrics, **more}
 
   return fn
 

@@ -37,11 +37,17 @@ _NEVER_GIVE_UP = np.iinfo(np.int32).max
 
 @flax.struct.dataclass
 class TrainState:
-  """Params and optimizer state; `step` counts training steps (skipped ones too)."""
+  """Params and optimizer state; `step` counts training steps (skipped ones too).
+
+  `ref_params`, when the objective has a KL penalty, are the reference policy: the
+  params the run started from, frozen (no step changes them), sharded as `params` and
+  checkpointed with them; None otherwise.
+  """
   step: jax.Array
   params: Any
   opt_state: Any
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  ref_params: Any = None
 
 
 def learning_rate(cfg: OptimizerConfig) -> optax.Schedule:
@@ -63,21 +69,25 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
-                       params=None) -> tuple[TrainState, TrainState]:
+                       params=None, *, reference: bool = False
+                       ) -> tuple[TrainState, TrainState]:
   """A sharded TrainState built in place, and its shardings: shapes first, then jit with
   out_shardings.
 
   `tx` is wrapped in `optax.apply_if_finite`, so a non-finite gradient leaves the
   params and the optimizer's moments as they were (its schedule counts only applied
   updates). With `params` given (e.g. a warm start), they are resharded and used
-  instead of a random init.
+  instead of a random init. With `reference`, the state also keeps a copy of these
+  initial params as `ref_params`, the frozen reference policy.
   """
   tx = optax.apply_if_finite(tx, max_consecutive_errors=_NEVER_GIVE_UP)
 
   def init(key, params):
     params = init_params(model_cfg, key) if params is None else params
+    # A copy, not the same arrays: the step donates `params` and keeps `ref_params`.
+    ref_params = jax.tree.map(jnp.copy, params) if reference else None
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(params), tx=tx)
+                      opt_state=tx.init(params), tx=tx, ref_params=ref_params)
 
   abstract = jax.eval_shape(init, key, params)
   shardings = train_state_shardings(abstract, mesh)
@@ -89,7 +99,8 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
   return abstract_state.replace(
       step=NamedSharding(mesh, P()), params=params_sh,
       opt_state=sharding.state_shardings(abstract_state.opt_state, abstract_state.params,
-                                         mesh))
+                                         mesh),
+      ref_params=None if abstract_state.ref_params is None else params_sh)
 
 
 def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta_version, *,
@@ -100,8 +111,11 @@ def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta
     prox_logp = off_policy.loglinear_prox_logp(logp, mb.behav_logp, mb.versions,
                                                prox_version=prox_version,
                                                theta_version=theta_version)
+  # Only a batch with reference log-probs passes them, so losses without a KL term
+  # (the SFT loss) keep their signature.
+  ref = {} if mb.ref_logp is None else {"ref_logp": mb.ref_logp}
   return loss_fn(logp, prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
-                 mb.segment_ids, num_tokens=num_tokens, entropy=ent)
+                 mb.segment_ids, num_tokens=num_tokens, entropy=ent, **ref)
 
 
 def _combine(acc, new):
@@ -200,7 +214,8 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
   Args:
     state: the train state; `state.step` (the version v) advances by one.
     batch: M micro-batches, M a multiple of `num_minibatches` (see
-      `batching.pad_micro_batches`).
+      `batching.pad_micro_batches`); with `ref_logp` (`recompute_logp` under
+      `state.ref_params`) when the loss has a KL term.
     prox_logp: the proximal log-probs [M, R, T] (`recompute_logp` under the params
       at the start of the step, or `batch.behav_logp` for naive PPO), or None for
       the log-linear estimate from `batch.versions` (`off_policy.loglinear_prox_logp`,

@@ -10,7 +10,8 @@ scales 1, passed as the run's initial params (no warm start). Per RL step 16 pro
 of 16 token ids uniform in [3, 255], drawn fresh from a seeded stream; 4 samples per
 prompt at temperature 1 with no top-k / top-p and no stop id, so every sample has
 exactly 64 new tokens; reward the fraction of even completion ids; group-normalised
-advantages, eps 0.2, Adam 1e-4, no KL term, one optimizer step per RL step. All 64
+advantages, eps 0.2, Adam 1e-4, no KL term (but in the _kl variant), one optimizer
+step per RL step. All 64
 samples of a step decode together (64 generator slots). Everything else is the
 library's default (1024 tokens per micro-batch, so [8, 11, 80] batches; 8 decode
 steps per host round trip), and the run is `rl.build.run`, as a user's would be;
@@ -18,11 +19,13 @@ held-out evaluation (one prompt) runs only before the first and after the last s
 On the CPU, the synchronous variants give the generator and the trainer every core
 (they take turns), the overlapping ones half each (`config.CPUConfig`).
 
-Variants (`--variants`): η = `staleness.max_staleness`, the weight-update mode and
-`ppo.prox_logp`:
+Variants (`--variants`): η = `staleness.max_staleness`, the weight-update mode,
+`ppo.prox_logp` and `ppo.kl_beta`:
 
   sync_naive          η = 0, drain, behav       the synchronous baseline, naive PPO
   sync_decoupled      η = 0, drain, recompute   decoupled PPO (proximal recompute)
+  sync_decoupled_kl   η = 0, drain, recompute,  and a KL penalty to the initial params in
+                      kl_beta 0.04              the loss (k3): a reference forward per step
   overlap_naive       η = 1, drain, behav       one-step overlap of generation and training
   overlap_decoupled   η = 1, drain, recompute
   overlap_loglinear   η = 1, drain, loglinear   AReaL's proximal estimate, no recompute
@@ -32,8 +35,8 @@ the trainer's "train" spans (`async_rl.timeline`). The first `WARMUP` steps (whi
 compile) are left out and the figures are medians over the remaining steps (so
 `--steps` >= WARMUP + 8 for 8 timed steps). Per step: "gen s" is the
 time the generator was busy (decoding, prefilling, swapping weights) within the
-step, "train s" the trainer's train span (packing, the transfer, the recompute where
-decoupled, the update), "wait s" how long the trainer waited for its batch, and
+step, "train s" the trainer's train span (packing, the transfer, the reference
+forward with a KL penalty, the recompute where decoupled, the update), "wait s" how long the trainer waited for its batch, and
 "decode steps" the generator's device decode steps (a sample's first token comes from
 its prefill, so 63 would decode one step's samples if they all started together).
 
@@ -44,6 +47,7 @@ One RL step needs, over the 64 sequences of positions p = 0 .. 79 (16 prompt + 6
 new tokens):
 
   floor FLOPs = F_fwd (generation) + [F_fwd (proximal recompute, decoupled only)]
+                + [F_fwd (reference forward, KL penalty only)]
                 + 3 F_fwd (train forward and backward),
   F_fwd = sum over the 64 x 80 tokens of 2 N + 4 L H E (p + 1),
 
@@ -92,12 +96,13 @@ MODEL = ModelConfig(
 INIT_STD = 0.02
 FIRST_ID = 3  # Prompt ids are uniform in [FIRST_ID, vocab).
 
-VARIANTS = {  # name: (max_staleness, update_mode, ppo.prox_logp)
-    "sync_naive": (0, "drain", "behav"),
-    "sync_decoupled": (0, "drain", "recompute"),
-    "overlap_naive": (1, "drain", "behav"),
-    "overlap_decoupled": (1, "drain", "recompute"),
-    "overlap_loglinear": (1, "drain", "loglinear"),
+VARIANTS = {  # name: (max_staleness, update_mode, ppo.prox_logp, ppo.kl_beta)
+    "sync_naive": (0, "drain", "behav", 0.0),
+    "sync_decoupled": (0, "drain", "recompute", 0.0),
+    "sync_decoupled_kl": (0, "drain", "recompute", 0.04),
+    "overlap_naive": (1, "drain", "behav", 0.0),
+    "overlap_decoupled": (1, "drain", "recompute", 0.0),
+    "overlap_loglinear": (1, "drain", "loglinear", 0.0),
 }
 QUICK_VARIANTS = ("sync_naive",)
 HEADLINE = "sync_naive"
@@ -194,14 +199,14 @@ def init_params(cfg: ModelConfig, seed: int):
 
 
 def experiment(name: str, steps: int, seed: int) -> ExperimentConfig:
-  eta, mode, prox = VARIANTS[name]
+  eta, mode, prox, kl_beta = VARIANTS[name]
   threads = cpu.cores() if eta == 0 else 0  # Taking turns, each side may use every core.
   cfg = ExperimentConfig(
       seed=seed, batch_groups=PROMPTS,
       task=TaskConfig(name="benchmarks.grpo_step:make_task", options={"seed": seed}),
       cpu=CPUConfig(decode_threads=threads, grad_threads=threads), model=MODEL,
       optimizer=OptimizerConfig(learning_rate=1e-4),
-      ppo=PPOConfig(prox_logp=prox, num_minibatches=1, eps_clip=0.2),
+      ppo=PPOConfig(prox_logp=prox, num_minibatches=1, eps_clip=0.2, kl_beta=kl_beta),
       generation=GenerationConfig(max_prompt_len=PROMPT_LEN, max_new_tokens=NEW_TOKENS,
                                   group_size=GROUP, temperature=1.0, top_k=0, top_p=1.0,
                                   num_slots=SEQUENCES, update_mode=mode),
@@ -209,11 +214,11 @@ def experiment(name: str, steps: int, seed: int) -> ExperimentConfig:
   return measured_config(cfg, steps)
 
 
-def step_flops(cfg: ModelConfig, prox_logp: str) -> tuple[float, float]:
+def step_flops(cfg: ModelConfig, ppo: PPOConfig) -> tuple[float, float]:
   """The floor FLOPs of one RL step's generation and of its training (module docstring)."""
   positions = np.tile(np.arange(PROMPT_LEN + NEW_TOKENS), SEQUENCES)
   forward = flops.train_flops(cfg, positions) / 3
-  return forward, forward * (4 if prox_logp == "recompute" else 3)
+  return forward, forward * (3 + (ppo.prox_logp == "recompute") + (ppo.kl_beta > 0))
 
 
 def step_figures(summary: dict) -> dict[str, np.ndarray]:
@@ -246,7 +251,7 @@ def run_variant(name: str, steps: int, seed: int) -> dict:
   return {
       **{k: float(np.median(v)) for k, v in per_step.items()},
       "timed_steps": len(per_step["step_s"]),
-      **dict(zip(("gen_flops", "train_flops"), step_flops(cfg.model, cfg.ppo.prox_logp))),
+      **dict(zip(("gen_flops", "train_flops"), step_flops(cfg.model, cfg.ppo))),
       "staleness_max": max(m["staleness_max"] for m in history),
       "skipped_steps": history[-1]["skipped_steps"],
       "trained_tokens": sorted({m["trained_tokens"] for m in history}),
@@ -307,8 +312,8 @@ def _print_table(results, peak, peaks):
   for name, r in results.items():
     print(f"{name:20}" + "".join(format(r[k], fmt).rjust(12) for k, _, fmt in cols))
   print(f"\nmedians over {next(iter(results.values()))['timed_steps']} steps; floor: model "
-        f"FLOPs of generation, recompute (decoupled) and train at the best matmul rate; gen "
-        f"and train ratios: each part's seconds over its own floor\n")
+        f"FLOPs of generation, recompute (decoupled), reference forward (KL) and train at the "
+        f"best matmul rate; gen and train ratios: each part's seconds over its own floor\n")
 
 
 if __name__ == "__main__":

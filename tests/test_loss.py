@@ -1,6 +1,9 @@
 """PPO loss: hand-computed tokens, off-policy corrections and GSPO in the loss, masking
-hygiene, packed == unpacked, micro-batch additivity, hyper-parameter checks."""
+hygiene, packed == unpacked, micro-batch additivity, hyper-parameter checks; the KL
+penalty's estimators and the entropy bonus against their definitions, values and
+gradients."""
 
+import functools
 import math
 
 import jax
@@ -8,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from async_rl import loss as loss_lib
+from async_rl import loss as loss_lib, policy
+from async_rl.config import KL_ESTIMATORS, PPOConfig
 
 RTOL = 1e-6
 ATOL = 1e-7
@@ -29,11 +33,11 @@ def _tokens(ratio, weight, adv, mask=None, segment_ids=None):
       jnp.asarray(segment_ids, jnp.int32)[None],)
 
 
-def _run(args, name="decoupled_ppo", num_tokens=None, entropy=None, **hparams):
+def _run(args, name="decoupled_ppo", num_tokens=None, entropy=None, ref_logp=None, **hparams):
   """(loss, metrics, d loss / d logp), jitted: op-by-op grad is slow on CPU."""
   fn = loss_lib.make_loss(name, **hparams)
   (loss, metrics), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(
-      *args, num_tokens, entropy)
+      *args, num_tokens, entropy, ref_logp)
   return loss, metrics, grad
 
 
@@ -330,6 +334,10 @@ def test_make_loss_rejects_unknown_names():
     ({"rejection_metric": "kl_k1", "rejection_lower": 0.1, "rejection_upper": 0.0},
      "ppo.rejection_lower"),
     ({"cap": 1.0}, r"ppo\.cap"),
+    ({"kl_beta": -0.1}, r"ppo\.kl_beta must be >= 0"),
+    ({"kl_estimator": "kl_k3"}, r"ppo\.kl_estimator must be one of"),
+    ({"kl_in": "advantage"}, r"ppo\.kl_in must be one of"),
+    ({"entropy_coef": -0.01}, r"ppo\.entropy_coef must be >= 0"),
 ])
 def test_check_hparams_names_the_config_field(hparams, word):
   with pytest.raises(ValueError, match=word):
@@ -341,9 +349,121 @@ def test_check_hparams_accepts_every_ppo_option():
     loss_lib.check_hparams(loss="decoupled_ppo", prox_logp=prox, eps_clip=0.2,
                            eps_clip_higher=0.28, c_clip=3.0, importance_level="sequence",
                            rejection_level="sequence", rejection_action="clamp",
-                           rejection_metric="ratio", rejection_upper=2.0, rejection_lower=0.5)
+                           rejection_metric="ratio", rejection_upper=2.0, rejection_lower=0.5,
+                           kl_beta=0.04, kl_estimator="k2", kl_in="reward", entropy_coef=0.01)
 
 
 def test_loss_function_validates_directly():
   with pytest.raises(ValueError, match="c_clip"):
     loss_lib.decoupled_ppo_loss(*_random_batch(5), eps_clip=0.2, c_clip=0.5)
+
+
+# The KL penalty and the entropy bonus. Four sampled tokens, the last masked.
+LOGP = [-1.0, -2.0, -0.5, -3.0]  # log π_θ
+REF_LOGP = [-1.5, -1.0, -0.5, -2.0]  # log π_ref
+KL_MASK = [1.0, 1.0, 1.0, 0.0]
+
+
+def _kl_by_hand(estimator):
+  """Schulman's estimators from their definitions, p = π_θ and r = π_ref of each token."""
+  p, r = np.exp(LOGP), np.exp(REF_LOGP)
+  return {"k1": np.log(p / r), "k2": 0.5 * np.log(p / r) ** 2,
+          "k3": r / p - 1 - np.log(r / p)}[estimator]
+
+
+def _kl_grad_by_hand(estimator):
+  """d estimator / d log p, with r held fixed."""
+  p, r = np.exp(LOGP), np.exp(REF_LOGP)
+  return {"k1": np.ones(4), "k2": np.log(p / r), "k3": 1 - r / p}[estimator]
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_token_kl_is_each_estimator_by_its_definition(estimator):
+  got = loss_lib.token_kl(jnp.asarray([LOGP]), jnp.asarray([REF_LOGP]), jnp.asarray([KL_MASK]),
+                          estimator=estimator)
+  _close(got[0], np.where(KL_MASK, _kl_by_hand(estimator), 0.0))
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_in_the_loss_adds_beta_times_the_token_mean_and_its_gradient(estimator):
+  args = _tokens(ratio=np.exp(np.asarray(LOGP) + 1.0), weight=[1, 1, 1, 1], adv=[1, -1, 0.5, 2],
+                 mask=KL_MASK)
+  np.testing.assert_allclose(args[0][0], LOGP, rtol=1e-6)
+  beta, n = 0.3, 5  # n: the update's tokens, more than this call's three
+  policy_loss, policy_metrics, policy_grad = _run(args, num_tokens=n, eps_clip=0.2)
+  loss, metrics, grad = _run(args, num_tokens=n, ref_logp=jnp.asarray([REF_LOGP]),
+                             eps_clip=0.2, kl_beta=beta, kl_estimator=estimator)
+  kl = np.where(KL_MASK, _kl_by_hand(estimator), 0.0).sum() / n
+  _close(metrics["kl"], kl)
+  _close(loss, policy_loss + beta * kl)
+  _close(grad[0], policy_grad[0] + beta * np.where(KL_MASK, _kl_grad_by_hand(estimator), 0) / n)
+  assert metrics.keys() == policy_metrics.keys() | {"kl"}
+
+
+def test_kl_in_the_reward_leaves_the_loss_as_it_is():
+  args = _tokens(ratio=[1.5, 0.5, 1.0, 1.1], weight=[1, 1, 1, 1], adv=[1, -1, 0.5, 2])
+  want = _run(args, eps_clip=0.2)
+  got = _run(args, ref_logp=jnp.asarray([REF_LOGP]), eps_clip=0.2, kl_beta=0.3, kl_in="reward")
+  assert float(got[0]) == float(want[0]) and got[1].keys() == want[1].keys()
+  np.testing.assert_array_equal(got[2], want[2])
+
+
+def test_kl_in_the_loss_without_reference_log_probs_says_so():
+  fn = loss_lib.make_loss("decoupled_ppo", eps_clip=0.2, kl_beta=0.1)
+  with pytest.raises(ValueError, match="ref_logp"):
+    fn(*_random_batch(0))
+
+
+def test_entropy_bonus_subtracts_coef_times_the_mean_entropy_with_its_gradient():
+  # The bonus's gradient reaches the logits through the policy's entropy:
+  # dH/dz_j = -p_j (log p_j + H).
+  logits_BTV = np.asarray([[[0.5, -1.0, 2.0], [0.0, 0.0, 0.0], [1.0, 3.0, -2.0]]], np.float32)
+  args = _tokens(ratio=[1.2, 0.7, 1.0], weight=[1, 1, 1], adv=[1, -1, 0.5], mask=[1, 1, 0])
+  coef, n = 0.1, 4
+
+  def loss_of_logits(fn, logits_BTV):
+    return fn(*args, n, policy.entropy(logits_BTV, 1.0))[0]
+
+  plain = loss_lib.make_loss("decoupled_ppo", eps_clip=0.2)
+  bonus = loss_lib.make_loss("decoupled_ppo", eps_clip=0.2, entropy_coef=coef)
+  want_policy = loss_of_logits(plain, logits_BTV)
+  loss, grad = jax.jit(jax.value_and_grad(functools.partial(loss_of_logits, bonus)))(logits_BTV)
+  z = logits_BTV[0].astype(np.float64)
+  p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+  H = -(p * np.log(p)).sum(-1)
+  mask = np.asarray([1.0, 1.0, 0.0])
+  _close(loss, want_policy - coef * (mask * H).sum() / n)
+  _close(grad[0], coef / n * mask[:, None] * p * (np.log(p) + H[:, None]), rtol=1e-5)
+
+
+def test_garbage_in_masked_reference_and_entropy_does_not_leak():
+  clean = _tokens(ratio=[1.5, 0.9], weight=[1.2, 0.8], adv=[1, -1])
+  dirty = [jnp.concatenate([c, jnp.zeros((1, 2), c.dtype)], axis=1) for c in clean[:4]]
+  dirty += [jnp.asarray([[1, 1, 0, 0]], jnp.float32), jnp.ones((1, 4), jnp.int32)]
+  ref = jnp.asarray([[-1.2, -0.3, jnp.nan, -jnp.inf]], jnp.float32)
+  entropy = jnp.asarray([[0.2, 0.4, jnp.nan, jnp.inf]], jnp.float32)
+  hparams = dict(eps_clip=0.2, kl_beta=0.5, kl_estimator="k3", entropy_coef=0.1)
+  want, want_metrics, want_grad = _run(clean, entropy=entropy[:, :2], ref_logp=ref[:, :2],
+                                       **hparams)
+  got, got_metrics, got_grad = _run(dirty, entropy=entropy, ref_logp=ref, **hparams)
+  assert np.isfinite(float(got))
+  _close(got, want)
+  _close(got_grad[:, :2], want_grad)
+  np.testing.assert_array_equal(got_grad[:, 2:], np.zeros((1, 2), np.float32))
+  _close(got_metrics["kl"], want_metrics["kl"])
+
+
+def test_the_defaults_and_zero_coefficients_are_exactly_the_policy_loss():
+  batch = _random_batch(7)
+  rng = np.random.default_rng(7)
+  entropy = jnp.asarray(rng.random(batch[0].shape), jnp.float32)
+  ref = batch[0] + jnp.asarray(rng.normal(0, 0.3, batch[0].shape), jnp.float32)
+  policy_only = jax.jit(functools.partial(loss_lib.decoupled_ppo_loss, eps_clip=0.2))
+  want, want_metrics = policy_only(*batch, num_tokens=30, entropy=entropy)
+  for fn in (loss_lib.from_config(PPOConfig()),
+             loss_lib.make_loss("decoupled_ppo", eps_clip=0.2, kl_beta=0.0, kl_estimator="k1",
+                                entropy_coef=0.0)):
+    got, got_metrics = jax.jit(fn)(*batch, 30, entropy, ref)
+    assert float(got) == float(want)
+    assert got_metrics.keys() == want_metrics.keys()
+    assert all(float(got_metrics[k]) == float(want_metrics[k]) for k in want_metrics)

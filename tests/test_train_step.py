@@ -1,5 +1,5 @@
 """Train step: micro-batched == full batch, non-finite skip (the version protocol), no
-recompilation."""
+recompilation; the KL and entropy terms through the step, the reference policy kept."""
 
 import dataclasses
 import functools
@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from async_rl import batching, loss, off_policy, sharding, train_step
+from async_rl import batching, loss, models, off_policy, sharding, train_step
 from async_rl.cpu import train_step as cpu_train_step
 from async_rl.config import MeshConfig, ModelConfig, OptimizerConfig
 from async_rl.trajectory import Trajectory
@@ -18,6 +18,9 @@ from async_rl.trajectory import Trajectory
 CFG = ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   head_dim=8, d_ff=64)
 LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, rejection_upper=5.0)
+KL_BETA, ENTROPY_COEF = 0.5, 0.05
+REG_LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, rejection_upper=5.0,
+                          kl_beta=KL_BETA, kl_estimator="k2", entropy_coef=ENTROPY_COEF)
 
 
 def _seqs(n, seed=0):
@@ -45,10 +48,17 @@ def _prox(batch, params):
   return np.asarray(prox) + 0.05 * batch.loss_mask
 
 
-def _update(mesh, batch, tx):
+def _with_ref(batch):
+  """`batch` with reference log-probs under another init, so that the KL is not 0."""
+  ref_params = models.init_params(CFG, jax.random.key(1))
+  return batch.replace(ref_logp=np.asarray(train_step.recompute_logp(ref_params, batch,
+                                                                     model_cfg=CFG)))
+
+
+def _update(mesh, batch, tx, loss_fn=LOSS):
   state = _state(mesh, tx)
   step = train_step.jit_train_step(mesh, train_step.train_state_shardings(
-      jax.eval_shape(lambda: state), mesh), model_cfg=CFG, loss_fn=LOSS)
+      jax.eval_shape(lambda: state), mesh), model_cfg=CFG, loss_fn=loss_fn)
   before = jax.tree.map(np.asarray, state.params)
   new, metrics = step(state, batch, _prox(batch, state.params))
   return jax.tree.map(lambda a, b: np.asarray(a) - b, new.params, before), metrics, step
@@ -261,3 +271,51 @@ def test_threaded_recompute_equals_recompute_logp(threads):
                              rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="do not split"):
     threaded(params, jax.tree.map(lambda x: x[:-1], batch))
+
+
+def test_kl_and_entropy_terms_reach_the_update_and_micro_batch_like_the_loss():
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  seqs, adv = _seqs(12)
+  whole = _with_ref(batching.pack(seqs, adv, [list(range(12))], rows_per_mb=1, row_len=256))
+  split = _with_ref(batching.pack(seqs, adv, batching.ffd_allocate([len(s) for s in seqs], 24),
+                                  rows_per_mb=2, row_len=24))
+  tx = optax.sgd(1.0)
+  delta_plain, m_plain, _ = _update(mesh, whole, tx)
+  delta_whole, m_whole, _ = _update(mesh, whole, tx, REG_LOSS)
+  delta_split, m_split, _ = _update(mesh, split, tx, REG_LOSS)
+  for a, b in zip(jax.tree.leaves(delta_whole), jax.tree.leaves(delta_split)):
+    assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a)
+  for k in ("loss", "kl", "entropy", "num_tokens"):
+    np.testing.assert_allclose(m_split[k], m_whole[k], rtol=1e-5, atol=1e-7)
+  assert float(m_whole["kl"]) > 0.01
+  np.testing.assert_allclose(
+      m_whole["loss"],
+      m_plain["loss"] + KL_BETA * m_whole["kl"] - ENTROPY_COEF * m_whole["entropy"], rtol=1e-5)
+  moved = sum(np.linalg.norm(a - b) for a, b in zip(jax.tree.leaves(delta_whole),
+                                                      jax.tree.leaves(delta_plain)))
+  assert moved > 1e-3 * sum(np.linalg.norm(a) for a in jax.tree.leaves(delta_plain))
+
+
+def test_the_reference_is_a_frozen_copy_that_the_fused_and_threaded_steps_carry():
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = _with_ref(batching.pad_micro_batches(_versioned_batch(14, num_shards=1, budget=24), 2))
+  tx = train_step.make_optimizer(OptimizerConfig())
+  state, shardings = train_step.create_train_state(CFG, tx, mesh, jax.random.key(0),
+                                                   reference=True)
+  ref = jax.tree.map(np.asarray, state.ref_params)
+  for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(x, y)
+  fused = train_step.jit_train_step(mesh, shardings, model_cfg=CFG, loss_fn=REG_LOSS)
+  threaded = cpu_train_step.ThreadedTrainStep(mesh, shardings, threads=2, model_cfg=CFG,
+                                              loss_fn=REG_LOSS)
+  prox = _prox(batch, state.params)
+  copy = functools.partial(jax.tree.map, jnp.copy)  # Each step donates its state.
+  (want, want_m), (got, got_m) = fused(copy(state), batch, prox), threaded(state, batch, prox)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(got_m["kl"], want_m["kl"], rtol=1e-5)
+  for x, y, p in zip(jax.tree.leaves(ref), jax.tree.leaves(got.ref_params),
+                     jax.tree.leaves(got.params)):
+    np.testing.assert_array_equal(x, y)
+  assert any(not np.array_equal(x, p) for x, p in zip(jax.tree.leaves(ref),
+                                                      jax.tree.leaves(got.params)))

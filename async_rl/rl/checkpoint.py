@@ -1,8 +1,9 @@
 """Orbax checkpoints of a run: the train state plus the host-side bookkeeping.
 
-A checkpoint at step v holds the params, optimizer state and version (`state`), and
-a JSON item (`meta`) with the parameter server's counters, the prompt streams'
-positions and anything else the loop needs to resume exactly.
+A checkpoint at step v holds the params, optimizer state, version and, with a KL
+penalty, the reference policy's params (`state`), and a JSON item (`meta`) with the
+parameter server's counters, the prompt streams' positions and anything else the loop
+needs to resume exactly.
 
 Writes are atomic: Orbax writes a step into a temporary directory and renames it
 when every item is complete, so a process killed mid-save leaves the previous
@@ -154,4 +155,6 @@ def _check_step(step, state, meta):
 
 
 def _arrays(state) -> dict[str, Any]:
-  return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+  """The state's pytree fields that hold something (`ref_params` only with a KL penalty)."""
+  fields = (f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True))
+  return {name: getattr(state, name) for name in fields if getattr(state, name) is not None}

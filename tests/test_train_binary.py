@@ -87,7 +87,7 @@ def _compilation_cache(tmp_path_factory):
 
 
 # An async run (η 2) with reward calls that take a while, so that kills land among them.
-_ETA, _END = 2, 30
+_ETA, _END = 2, 20
 _KILLED = (f"--config.staleness.max_staleness={_ETA}", f"--config.num_steps={_END}",
            "--config.rollout.reward_fn=reward_fns_for_tests:sleeps")
 # Where a SIGKILL lands, told by what it leaves behind: a reward call's in-flight file
@@ -143,7 +143,8 @@ def test_an_async_run_killed_at_random_points_trains_each_prompt_once(tmp_path):
     if resumed:
       assert f"resumed from checkpoint {resumed} " in out._text, out._text[-3000:]
     logged += _steps(tmp_path)
-    check_prompt_accounting(tmp_path)
+    server = check_prompt_accounting(tmp_path)
+    assert len(server["buffer"]["staleness_hist"]) <= _ETA + 1, "a token staler than η trained"
   resumed = _checkpoints(tmp_path)[-1]
   out = _Output(_train(tmp_path, *_KILLED, env=env))
   text = out.wait()

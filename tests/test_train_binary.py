@@ -16,7 +16,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
 from async_rl.config import ModelConfig
 from async_rl.rl.checkpoint import restore_params
@@ -70,22 +69,6 @@ def test_smoke_run_prints_steps_and_writes_outputs(tmp_path):
   assert config["num_steps"] == 2 and config["model"]["d_model"] == 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-  """The runs of this module share JAX's persistent compilation cache, so that only the
-  first compiles: a run restarted after a kill loads its executables."""
-  env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  yield
-  for k, v in saved.items():
-    if v is None:
-      del os.environ[k]
-    else:
-      os.environ[k] = v
-
-
 # An async run (η 2) with reward calls that take a while, so that kills land among them.
 _ETA, _END = 2, 20
 _KILLED = (f"--config.staleness.max_staleness={_ETA}", f"--config.num_steps={_END}",
@@ -97,7 +80,8 @@ _KILL_POINTS = ("reward", "checkpoint save", "generation")
 
 
 def _at(workdir, marks):
-  saving = any(".orbax-checkpoint-tmp" in p.name for p in (Path(workdir) / "checkpoints").glob("*"))
+  saving = any(".orbax-checkpoint-tmp" in p.name
+               for p in (Path(workdir) / "checkpoints").glob("*"))
   return "reward" if any(marks.iterdir()) else "checkpoint save" if saving else "generation"
 
 
@@ -131,6 +115,7 @@ def test_an_async_run_killed_at_random_points_trains_each_prompt_once(tmp_path):
   points = rng.sample(_KILL_POINTS, len(_KILL_POINTS))
   landed, lineage, logged = [], [], []  # lineage: (run id, step it resumed from)
   while len(landed) < len(points):
+    assert len(lineage) < 2 * len(points), f"kills keep missing their point: {landed}"
     for p in marks.iterdir():
       p.unlink()
     resumed = (_checkpoints(tmp_path) or [0])[-1]

@@ -60,3 +60,21 @@ def prints(completion, reference):
 def zero(completion, reference):
   del completion, reference
   return 0.0
+
+
+IN_FLIGHT_DIR_ENV = "TEST_REWARD_IN_FLIGHT_DIR"
+
+
+def sleeps(completion, reference):
+  """Scores the completion's length after a 20 ms sleep, so that a run has reward calls
+  in flight; while a call runs, a file named by its worker's pid stands in the
+  directory $TEST_REWARD_IN_FLIGHT_DIR (when set), for a test to see it."""
+  del reference
+  marks = os.environ.get(IN_FLIGHT_DIR_ENV)
+  mark = os.path.join(marks, str(os.getpid())) if marks else None
+  if mark:
+    open(mark, "w").close()
+  time.sleep(0.02)
+  if mark:
+    os.remove(mark)
+  return float(len(completion))

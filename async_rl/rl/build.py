@@ -35,7 +35,7 @@ from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.param_server import ParameterServer
 from async_rl.rewards import Reward, RewardService
-from async_rl.rl import multihost
+from async_rl.rl import multihost, replay as replay_lib
 from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
@@ -452,6 +452,9 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
                                  record=lambda *line: warm_start_log.append((*line, time.time())))
   trainer = make_trainer(cfg, mesh, init_params)
   restored = TrainLoop.restore(checkpointer, trainer, server, echo)
+  record = replay_lib.recorder(os.path.join(workdir, replay_lib.SCHEDULE_DIR), restored.step,
+                               record_context(cfg, mesh), enabled=cfg.run.record_schedule,
+                               echo=bar.echo)
   leader = multihost.Leader() if jax.process_count() > 1 else None
   # Written once the restore succeeded, so a resume that fails leaves the run's own.
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -481,7 +484,102 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
                    stop=stop, echo=bar.echo, progress=bar,
                    learning_rate=train_step.learning_rate(cfg.optimizer),
                    correct_threshold=cfg.eval.correct_threshold, decode=task.tokenizer.decode,
-                   log_cfg=cfg.log)
+                   log_cfg=cfg.log, record=record)
+
+
+def record_context(cfg: ExperimentConfig, mesh) -> dict[str, Any]:
+  """What fixes the trainer's numerics beside the config: the gradient threads (the
+  order of its sums), its devices and the software (`rl.replay`)."""
+  return {"grad_threads": grad_threads(cfg, mesh), "trainer_devices": int(mesh.devices.size),
+          "platform": mesh.devices.flat[0].platform, "jax": jax.__version__}
+
+
+def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
+           stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
+           progress: bool = True) -> dict[str, Any]:
+  """Re-executes the run recorded in the workdir `recorded` (its `schedule/`) in
+  `workdir`, or goes on with the replay `workdir` holds: from the run's initial params,
+  the recorded batches in order, each step checked against the record and the train
+  state against every checkpoint the recorded run kept, bit for bit (`rl.replay`).
+  Nothing is generated or evaluated. Returns the replay's summary.
+
+  `cfg` must be the recorded run's config but for `config.RESUMABLE_FIELDS`, and the
+  trainer must get as many devices and gradient threads as the run's did.
+
+  Raises:
+    ConfigError: `cfg` differs from the recorded run's, or `recorded` holds no record.
+    WorkdirInUseError: another run holds `workdir` or `recorded`.
+    ReplayError: the record is unusable, or a step differs from it.
+  """
+  cfg = resolve(cfg)
+  check_replay(cfg, recorded)
+  task = _make_task(cfg)
+  if stop is not None and stop.is_set():
+    echo(f"stopped before the replay started; {workdir} is as it was")
+    return {"stopped": True}
+  schedule = os.path.join(recorded, replay_lib.SCHEDULE_DIR)
+  # The recorded run's workdir is held too: a resume of it would rewrite its record.
+  with workdir_lib.hold(workdir, echo) as me, workdir_lib.hold(recorded, echo):
+    echo(f"{me}: replaying {os.path.abspath(recorded)} in workdir {os.path.abspath(workdir)}")
+    check_resume(cfg, workdir)
+    steps = replay_lib.recorded_steps(schedule)
+    if not steps or steps != list(range(1, len(steps) + 1)):
+      raise ConfigError(f"--replay needs the batches of steps 1, 2, ... in {schedule} "
+                        f"(run.record_schedule), found those of steps {steps[:10]}")
+    bar = Progress(echo, enabled=progress)
+    mesh = sharding.make_mesh(cfg.mesh, split_devices(cfg.placement, jax.local_devices(),
+                                                      jax.devices()).trainer)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
+    init_params = None
+    if checkpointer.latest_step() is None:
+      init_params = initial_params(cfg, mesh, task, bar.echo)
+    trainer = make_trainer(cfg, mesh, init_params)
+    restored = TrainLoop.restore(checkpointer, trainer, None, echo)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config.to_dict(cfg), f, indent=2)
+    log = MetricsLog(workdir, me.run_id, resume_step=restored.step, hparams=config.to_dict(cfg))
+    reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
+    float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
+    replayer = replay_lib.Replay(
+        trainer, checkpointer, log, recorded=recorded,
+        read=functools.partial(replay_lib.read_batch, schedule),
+        steps=min(cfg.num_steps, steps[-1]),
+        reference=lambda step: reference.restore(step, abstract)[0],
+        reference_steps=replay_lib.checkpoint_steps(reference.directory),
+        logged=replay_lib.read_log(recorded), context=record_context(cfg, mesh),
+        recompute=functools.partial(replay_lib.recompute_behaviour_logp, trainer,
+                                    batching=cfg.batching, max_length=cfg.generation.max_length,
+                                    compiled=set()),
+        update_mode=cfg.generation.update_mode,
+        logp_atol=replay_lib.LOGP_ATOL if float32 else None,
+        checkpoint_every=cfg.checkpoint.every_steps, restored=restored, stop=stop,
+        echo=bar.echo, progress=bar)
+    try:
+      return replayer.run()
+    finally:
+      replayer.close()
+      reference.close()
+
+
+def check_replay(cfg: ExperimentConfig, recorded: str) -> None:
+  """A replay must run the recorded run's config but for `config.RESUMABLE_FIELDS`.
+
+  Raises:
+    ConfigError: `recorded` holds no run, or naming every field that differs.
+  """
+  path = os.path.join(recorded, "config.json")
+  if not os.path.isfile(path):
+    raise ConfigError(f"--replay needs the workdir of a recorded run; {recorded} holds no "
+                      f"config.json")
+  with open(path) as f:
+    old = json.load(f)
+  changed = [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
+             if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
+  if changed:
+    raise ConfigError(f"a replay runs the recorded run's config; this one differs from "
+                      f"{path} in {len(changed)} field(s): {'; '.join(changed)}")
 
 
 def check_resume(cfg: ExperimentConfig, workdir: str) -> None:

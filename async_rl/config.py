@@ -1245,10 +1245,10 @@ def parse_flags(argv):
     # Values are set before the required flags are validated, so --print_config
     # needs only --config.
     if not (flags.FLAGS.is_parsed() and flags.FLAGS["print_config"].value):
-      _exit_with(f"{e}".splitlines()[0])
+      _exit_with(_one_line(e))
     rest = [argv[0]]
   except flags.Error as e:
-    _exit_with(str(e).splitlines()[0])
+    _exit_with(_one_line(e))
   except (AttributeError, KeyError):
     overrides = [a.split("=", 1)[0][len("--config."):] for a in kept[1:]
                  if a.startswith("--config.")]
@@ -1275,6 +1275,15 @@ def parse_flags(argv):
       sys.stdout = None
     sys.exit(0)
   return rest
+
+
+def _one_line(error) -> str:
+  """A flag error's first line, with its cause's last line when a traceback follows (a
+  config file that fails to load: "Error whilst parsing config file: ValueError: ...")."""
+  lines = [line for line in str(error).splitlines() if line.strip()]
+  if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+    return f"{lines[0]} {lines[-1]}"
+  return lines[0]
 
 
 def _exit_with(message):

@@ -3,7 +3,6 @@ recorded run's at every checkpoint bit for bit, for each weight update mode, aft
 resume too; a changed record, config or thread count is refused, naming what differs."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -95,17 +94,12 @@ def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays(tmp_
   groups, _ = replay.read_batch(_schedule(old), 2)
   assert [g.prompt_id for g in groups] == _lines(old)[2]["prompts"]
 
-  # The binary's --replay; the config is the recorded run's, given as flags.
-  flags = [f"--config.{key}={value}" for key, value in
-           {**RECORDED, "generation.update_mode": "keep", "num_steps": 2}.items()]
-  path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-  out = subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/micro.py",
-                        f"--workdir={tmp_path / 'new'}", f"--replay={old}", *flags],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=path))
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  lines = []
+  summary = build.replay(cfg, str(tmp_path / "new"), str(old), progress=False,
+                         echo=lines.append)
+  assert summary["compared"] == [1, 2]
   for step in (1, 2):
-    assert f"the train state equals {old}'s checkpoint {step} bit for bit" in out.stdout
+    assert f"replay v={step}: the train state equals {old}'s checkpoint {step} bit for bit" in lines
 
 
 def _rewrite(schedule, step, change, *, digest):
@@ -131,8 +125,8 @@ def _drop_a_trained_token(arrays):
 
 
 @pytest.mark.parametrize("change, step, digest, log, error", [
-    (_drop_a_trained_token, 2, False, True,
-     "the record of step 2 .* does not match its digest"),
+    (_drop_a_trained_token, 1, False, True,
+     "the record of step 1 .* does not match its digest"),
     # Rewritten whole: the behaviour log-probs no longer fit the tokens...
     (_first_completion_token, 1, True, True,
      "step 1 of .*: a recorded behaviour log-prob differs"),
@@ -153,18 +147,32 @@ def test_a_changed_record_is_refused_naming_the_step(tmp_path, recorded, change,
                  echo=lambda _: None)
 
 
-def test_a_replay_needs_the_recorded_config_and_thread_count(tmp_path, recorded):
+def test_a_replay_needs_the_recorded_config_thread_count_and_schedule(tmp_path, recorded):
   old = recorded("drain")
+  replay_into = lambda cfg, recorded_dir, name: build.replay(
+      cfg, str(tmp_path / name), str(recorded_dir), progress=False, echo=lambda _: None)
   with pytest.raises(ConfigError, match=r"optimizer.learning_rate: 0.0001 -> 0.5"):
-    build.replay(_config("drain", **{"optimizer.learning_rate": 0.5}), str(tmp_path / "a"),
-                 str(old), progress=False, echo=lambda _: None)
+    replay_into(_config("drain", **{"optimizer.learning_rate": 0.5}), old, "a")
   with pytest.raises(replay.ReplayError, match="grad_threads=2, this replay has 1.*"
                                                "set cpu.grad_threads=2"):
-    build.replay(_config("drain", **{"cpu.grad_threads": 1}), str(tmp_path / "b"), str(old),
-                 progress=False, echo=lambda _: None)
+    replay_into(_config("drain", **{"cpu.grad_threads": 1}), old, "b")
   with pytest.raises(ConfigError, match="holds no config.json"):
-    build.replay(_config("drain"), str(tmp_path / "c"), str(tmp_path / "nothing"),
-                 progress=False, echo=lambda _: None)
+    replay_into(_config("drain"), tmp_path / "nothing", "c")
+  with pytest.raises(ConfigError, match="a workdir of its own"):
+    replay_into(_config("drain"), old, old)
+  unrecorded = _copy(old, tmp_path)
+  shutil.rmtree(unrecorded / replay.SCHEDULE_DIR)
+  with pytest.raises(ConfigError, match="holds no recorded schedule .*run.record_schedule=False"):
+    replay_into(_config("drain"), unrecorded, "d")
+
+
+def test_the_binary_says_why_it_cannot_replay(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "launch.train", "--config=micro",
+                        f"--workdir={tmp_path / 'new'}", f"--replay={tmp_path / 'nothing'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1
+  assert f"invalid config: --replay needs the workdir of a recorded run; {tmp_path / 'nothing'} " \
+         "holds no config.json" in out.stderr
 
 
 def _traj(versions, prompt_len=2):

@@ -507,11 +507,16 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
   trainer must get as many devices and gradient threads as the run's did.
 
   Raises:
-    ConfigError: `cfg` differs from the recorded run's, or `recorded` holds no record.
+    ConfigError: `cfg` differs from the recorded run's, `recorded` holds no record, or
+      `workdir` is `recorded`.
     WorkdirInUseError: another run holds `workdir` or `recorded`.
     ReplayError: the record is unusable, or a step differs from it.
   """
   cfg = resolve(cfg)
+  if jax.process_count() > 1:
+    raise ConfigError("a replay runs in one process; start it without jax.distributed")
+  if os.path.realpath(workdir) == os.path.realpath(recorded):
+    raise ConfigError(f"a replay needs a workdir of its own; {workdir} is the recorded run's")
   check_replay(cfg, recorded)
   task = _make_task(cfg)
   if stop is not None and stop.is_set():
@@ -523,9 +528,12 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
     echo(f"{me}: replaying {os.path.abspath(recorded)} in workdir {os.path.abspath(workdir)}")
     check_resume(cfg, workdir)
     steps = replay_lib.recorded_steps(schedule)
-    if not steps or steps != list(range(1, len(steps) + 1)):
-      raise ConfigError(f"--replay needs the batches of steps 1, 2, ... in {schedule} "
-                        f"(run.record_schedule), found those of steps {steps[:10]}")
+    if not steps:
+      raise ConfigError(f"{recorded} holds no recorded schedule ({schedule} has no batch): "
+                        f"its run had run.record_schedule=False, or trained no step")
+    if steps != list(range(1, len(steps) + 1)):
+      raise ConfigError(f"--replay needs the batches of steps 1, 2, ... in {schedule}, found "
+                        f"those of steps {steps[:10]}")
     bar = Progress(echo, enabled=progress)
     mesh = sharding.make_mesh(cfg.mesh, split_devices(cfg.placement, jax.local_devices(),
                                                       jax.devices()).trainer)

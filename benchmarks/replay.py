@@ -39,10 +39,8 @@ from async_rl.config import ModelConfig, from_dict
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl import build, replay
 from async_rl.trajectory import Group, Trajectory
+# Also defines --quick (fewer rounds and samples here) and --seed (of the batches and prompts).
 from benchmarks.train_step import matmul_peak
-
-_QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds and samples.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the batches, prompts and params.")
 
 ROOT = Path(__file__).parents[1]
 DECODE_MODEL = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -134,10 +132,11 @@ def bench_decode(groups, samples, rng):
 
 def main(argv):
   del argv
-  rounds, samples = (3, 4) if _QUICK.value else (8, 8)
-  rng = np.random.default_rng(_SEED.value)
+  quick = flags.FLAGS.quick
+  rounds, samples = (3, 4) if quick else (8, 8)
+  rng = np.random.default_rng(flags.FLAGS.seed)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} "
-        f"({jax.default_backend()}), {'quick' if _QUICK.value else 'full'} run")
+        f"({jax.default_backend()}), {'quick' if quick else 'full'} run")
   recording = {name: bench_recording(name, rounds, rng) for name in ("micro", "tiny")}
   decode = {groups: bench_decode(groups, samples, rng) for groups in (1, 2)}
   peak = max(r["peak"] for r in recording.values())
@@ -155,7 +154,7 @@ def main(argv):
   for groups, r in decode.items():
     print(f"{groups:<12}{r['samples']:>8}{r['tokens_differ']:>14}{r['logp_bits_differ']:>17}"
           f"{r['logp_max_abs_diff']:>11.2g}")
-  headline = {"quick": _QUICK.value, "matmul_peak_flops": peak}
+  headline = {"quick": quick, "matmul_peak_flops": peak}
   for name, r in recording.items():
     headline.update({f"{name}_record_ms": r["record_ms"], f"{name}_step_s": r["step_s"],
                      f"{name}_record_overhead": r["overhead"],

@@ -1,6 +1,7 @@
 """Recording an asynchronous run's schedule and replaying it: the train state equals the
 recorded run's at every checkpoint bit for bit, for each weight update mode, after a
-resume too; a changed record, config or thread count is refused, naming what differs."""
+resume too; a changed record, config or thread count, or a run recorded without its
+schedule, is refused, naming what differs or is missing."""
 
 import json
 import shutil

@@ -581,10 +581,7 @@ def check_replay(cfg: ExperimentConfig, recorded: str) -> None:
   if not os.path.isfile(path):
     raise ConfigError(f"--replay needs the workdir of a recorded run; {recorded} holds no "
                       f"config.json")
-  with open(path) as f:
-    old = json.load(f)
-  changed = [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
-             if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
+  changed = _fixed_fields_changed(path, cfg)
   if changed:
     raise ConfigError(f"a replay runs the recorded run's config; this one differs from "
                       f"{path} in {len(changed)} field(s): {'; '.join(changed)}")
@@ -600,14 +597,20 @@ def check_resume(cfg: ExperimentConfig, workdir: str) -> None:
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path) or cfg.run.allow_config_change:
     return
-  with open(path) as f:
-    old = json.load(f)
-  changed = [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
-             if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
+  changed = _fixed_fields_changed(path, cfg)
   if changed:
     raise ConfigError(f"{workdir} holds a run whose config differs in {len(changed)} "
                       f"field(s): {'; '.join(changed)}. Resume with the run's own config "
                       f"(or --config.run.allow_config_change=true), or use a new workdir")
+
+
+def _fixed_fields_changed(path: str, cfg: ExperimentConfig) -> list[str]:
+  """`key: old -> new` of each field outside `config.RESUMABLE_FIELDS` where `cfg`
+  differs from the config in the JSON file `path`."""
+  with open(path) as f:
+    old = json.load(f)
+  return [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
+          if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
 
 
 def _differences(old, new, prefix=""):

@@ -8,9 +8,9 @@ seed; the same programs; gradients summed in a fixed order, threads included). S
 record is what it was fed: for every training step, the batch's groups in order and
 each trajectory as trained: tokens, loss mask, behaviour log-probs, per-token versions
 (which say where each weight update hit the sample), prompt length, finish reason and
-reward. Step s's batch is `schedule/<s>.npz` in the workdir, written before the step
-trains (so a step that crashes is in the record) with a digest of its contents and the
-facts that fix the trainer's numerics (`context`). A resumed run first removes the
+reward. Step 7's batch is `schedule/00000007.npz` in the workdir, written before the
+step trains (so a step that crashes is in the record) with a digest of its contents
+and the facts that fix the trainer's numerics (`context`). A resumed run first removes the
 batches its restored checkpoint supersedes, as the metrics log removes their lines.
 
 `Replay` re-executes the trainer: from the run's initial params it trains the recorded

@@ -13,7 +13,10 @@ batch into a temporary directory (arrays, digest, file), against the step itself
 `Trainer.train` of a trainer the builder makes (`build.make_trainer`: packing,
 proximal recompute, update), calls and a float32 1024³ matmul peak taking turns.
 Overhead: median record time / median step time. Recording costs per token, a step
-per token and parameter, so the smallest model is the worst case.
+per token and parameter, so the smallest model is the worst case. Then a recording
+run of the micro config (`build.run`, its η and update mode): the median
+`time_record_s` of its step lines against the median time between two of them (the
+loop's whole step: waiting for groups, training, publishing, logging, checkpointing).
 
 Part 2, decode independence. One request of n samples (temperature 1, a fixed seed)
 is decoded alone and among other requests (other prompts and lengths, another pool
@@ -24,6 +27,7 @@ Log-probs that differ in their last bits are why a replay re-executes the traine
 on the recorded tokens rather than regenerating them (`rl.replay`).
 """
 
+import dataclasses
 import importlib.util
 import json
 import tempfile
@@ -100,6 +104,19 @@ def bench_recording(name, rounds, rng):
               bytes=size, peak=float(max(peaks)))
 
 
+def bench_run(name, steps):
+  """A recording run of `steps` steps: its record time per step against its step time."""
+  cfg = dataclasses.replace(_config(name), num_steps=steps)
+  with tempfile.TemporaryDirectory() as workdir:
+    build.run(cfg, workdir, progress=False, echo=lambda _: None)
+    rows = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+  lines = [line for line in map(json.loads, rows) if "loss" in line]
+  record_s = float(np.median([line["time_record_s"] for line in lines]))
+  step_s = float(np.median(np.diff([line["time"] for line in lines])))
+  return dict(steps=len(lines), record_ms=record_s * 1e3, step_s=step_s,
+              overhead=record_s / step_s)
+
+
 def _decode(engine, params, requests, seed):
   with GeneratorPool(engine, params, seed=seed) as pool:
     futures = [pool.submit(r) for r in requests]
@@ -138,6 +155,7 @@ def main(argv):
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}), {'quick' if quick else 'full'} run")
   recording = {name: bench_recording(name, rounds, rng) for name in ("micro", "tiny")}
+  run = bench_run("micro", 6 if quick else 12)
   decode = {groups: bench_decode(groups, samples, rng) for groups in (1, 2)}
   peak = max(r["peak"] for r in recording.values())
 
@@ -148,6 +166,8 @@ def main(argv):
     print(f"{name:<7}{r['params']:>9}{r['samples']:>8}{r['tokens']:>8}"
           f"{r['record_ms']:>10.2f}{r['bytes'] / 1024:>7.0f}{r['step_s']:>8.3f}"
           f"{r['overhead']:>9.2%}")
+  print(f"\nmicro run of {run['steps']} steps: record {run['record_ms']:.2f} ms per step, "
+        f"step {run['step_s']:.3f} s, overhead {run['overhead']:.2%}")
   print("\nthe same request of temperature-1 samples, decoded alone and among 11 others")
   print(f"{'slot groups':<12}{'samples':>8}{'tokens differ':>14}{'log-probs differ':>17}"
         f"{'max |diff|':>11}")
@@ -159,6 +179,8 @@ def main(argv):
     headline.update({f"{name}_record_ms": r["record_ms"], f"{name}_step_s": r["step_s"],
                      f"{name}_record_overhead": r["overhead"],
                      f"{name}_record_bytes": r["bytes"]})
+  headline.update(micro_run_record_ms=run["record_ms"], micro_run_step_s=run["step_s"],
+                  micro_run_record_overhead=run["overhead"])
   for groups, r in decode.items():
     headline.update({f"decode_{groups}_groups_tokens_differ": r["tokens_differ"],
                      f"decode_{groups}_groups_logp_bits_differ": r["logp_bits_differ"]})

@@ -67,7 +67,7 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
     groups, context = replay.read_batch(_schedule(old), step)
     # The record is the batch the run trained, in its order.
     assert [g.prompt_id for g in groups] == logged[step]["prompts"]
-    assert context["grad_threads"] == 2
+    assert context["grad_threads"] == 2 and logged[step]["time_record_s"] > 0
     versions = np.concatenate([t.versions_T[t.versions_T >= 0]
                                for g in groups for t in g.trajectories])
     staleness.append(step - 1 - versions.min())

@@ -292,7 +292,9 @@ class TrainLoop:
     with self.timeline.span("trainer", "train"), self.deadlines.waiting(
         f"training step {version + 1}", may_stall=False):
       self._announce("train", groups)
+      t0 = time.perf_counter()
       self.record(version + 1, groups)
+      record_s = time.perf_counter() - t0
       metrics = self.trainer.train(groups)
     t0 = time.perf_counter()
     with self.timeline.span("trainer", "publish"), self.deadlines.waiting(
@@ -316,7 +318,7 @@ class TrainLoop:
         lr=float(self.learning_rate(max(self.applied_updates - 1, 0))),
         reward_mean=float(rewards.mean()),
         accuracy=float((rewards >= self.correct_threshold).mean()),
-        time_wait_s=waited, time_publish_s=now - t0,
+        time_wait_s=waited, time_publish_s=now - t0, time_record_s=record_s,
         skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),

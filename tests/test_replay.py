@@ -82,8 +82,8 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
   assert replay.checkpoint_steps(tmp_path / "new" / "checkpoints")[-1] == 3
 
 
-def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays(tmp_path,
-                                                                             recorded):
+def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays_in_two_parts(
+    tmp_path, recorded):
   # A run that lost its checkpoints 2 and 3 (killed before they were safe) resumes from
   # checkpoint 1: the batches of steps 2 and 3 are superseded.
   old = _copy(recorded("keep"), tmp_path)
@@ -95,10 +95,14 @@ def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays(tmp_
   groups, _ = replay.read_batch(_schedule(old), 2)
   assert [g.prompt_id for g in groups] == _lines(old)[2]["prompts"]
 
+  # A replay stopped after step 1 goes on from its own checkpoint.
   lines = []
-  summary = build.replay(cfg, str(tmp_path / "new"), str(old), progress=False,
-                         echo=lines.append)
-  assert summary["compared"] == [1, 2]
+  for steps in (1, 2):
+    summary = build.replay(_config("keep", num_steps=steps), str(tmp_path / "new"), str(old),
+                           progress=False, echo=lines.append)
+    # The restored state is compared too.
+    assert summary["start_version"] == steps - 1 and summary["compared"] == [1, 2][:steps]
+  assert "resumed from checkpoint 1 in" in " ".join(lines)
   for step in (1, 2):
     assert f"replay v={step}: the train state equals {old}'s checkpoint {step} bit for bit" in lines
 

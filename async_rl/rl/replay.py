@@ -21,12 +21,13 @@ train state equals it bit for bit; it stops at the first difference, naming it.
 
 It does not regenerate the tokens. A sample's random stream is its own (seed, sample,
 position), but its decode numerics are not: on XLA:CPU a sample's behaviour log-probs
-change in their last bits with the slot group it is decoded in and the samples
-decoded beside it, and a draw whose Gumbel-perturbed logits nearly tie could then
-change. Instead, before each step it recomputes the behaviour log-probs the replayed
-params determine (`recomputable_T`) and checks them against the record within
-`LOGP_ATOL`, when the generator's numerics are float32 (else it reports the largest
-difference without a bound).
+change in their last bits with the samples decoded beside it (`benchmarks/replay.py`
+counts them), and a draw whose Gumbel-perturbed logits nearly tie could then change.
+Instead, before step s it recomputes, with the replayed params of version s - 1, the
+behaviour log-probs of the batch's tokens that version produced (`recomputable_T`;
+tokens of older versions are not recomputed) and checks them against the record
+within `LOGP_ATOL` when the generator's numerics are float32 (else it reports the
+largest difference without a bound).
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
 """What recording a run's schedule costs, and whether a sample decodes alike beside others.
 
-  python -m benchmarks.replay --quick   # about 3 minutes on a 2-core CPU
+  python -m benchmarks.replay --quick   # a few minutes on a 2-core CPU
   python -m benchmarks.replay
 
 Prints tables, then, as the last line, one JSON object with the headline figures.

@@ -562,12 +562,15 @@ class RunConfig:
     max_untrainable_groups: the run stops, saying why, once this many groups in a row
       finished without one that can be trained (rejected as too long, failed, filtered
       or stale); 0: never.
+    record_schedule: record every training batch as trained in the workdir's
+      `schedule/`, so that `--replay` can re-execute the run (`rl.replay`).
   """
   warn_after_s: float = 60.0
   stall_timeout_s: float = 600.0
   max_worker_restarts: int = 10
   allow_config_change: bool = False
   max_untrainable_groups: int = 256
+  record_schedule: bool = True
 
   def __post_init__(self):
     _check_finite("run", self)

@@ -156,8 +156,8 @@ _VARIED = ("--config.rollout.reward_fn=reward_fns_for_tests:length",)  # params 
 _SYNC = ("--config.staleness.max_staleness=0", "--config.num_steps=5", *_VARIED)
 # What a step computed, as opposed to how long it took or what ran beside it.
 _NOT_COMPARED = ("step", "run_id", "time", "pid", "worker_restarts", "time_pack_s", "time_train_s",
-                 "time_wait_s", "time_publish_s", "train_tokens_per_s", "gen_tokens_per_s",
-                 "longest_unreported_wait_s")
+                 "time_wait_s", "time_publish_s", "time_record_s", "train_tokens_per_s",
+                 "gen_tokens_per_s", "longest_unreported_wait_s")
 
 
 def _params(workdir):

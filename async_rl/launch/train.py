@@ -9,6 +9,10 @@ Across hosts (`jax.distributed`): the same command on every host, with
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I; process 0 runs the
 parameter server, the rollouts and the evaluation, every process trains.
 
+With --replay=OLD, the run recorded in the workdir OLD is trained again in --workdir
+from its recorded batches, and checked bit for bit against OLD's checkpoints
+(`async_rl.rl.replay`); the config must be OLD's.
+
 Starting again with the same --workdir resumes from its latest checkpoint. A workdir
 holds one run: a second run on it exits at once with status 1, naming the first.
 SIGTERM (or Ctrl-C) checkpoints the current version and exits with status 128 + the
@@ -31,6 +35,8 @@ from async_rl.rl.signals import StopOnSignals
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, launch.CONFIG_HELP, lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+_REPLAY = flags.DEFINE_string("replay", None, "Replay the run recorded in this workdir "
+                              "into --workdir, checking it bit for bit.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "Multi-host trainer: jax.distributed coordinator "
                                    "host:port (with --num_processes, --process_id).")
@@ -56,7 +62,10 @@ def main(argv):
                                process_id=_PROCESS_ID.value)
   from async_rl.rl import build  # noqa: PLC0415 (after jax.distributed, which must come first)
   try:
-    summary = build.run(cfg, _WORKDIR.value, stop=signals.stop)
+    if _REPLAY.value:
+      summary = build.replay(cfg, _WORKDIR.value, _REPLAY.value, stop=signals.stop)
+    else:
+      summary = build.run(cfg, _WORKDIR.value, stop=signals.stop)
   except ConfigError as e:
     raise app.UsageError(f"invalid config: {e}") from None
   except WorkdirInUseError as e:

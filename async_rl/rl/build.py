@@ -35,7 +35,7 @@ from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.param_server import ParameterServer
 from async_rl.rewards import Reward, RewardService
-from async_rl.rl import multihost
+from async_rl.rl import multihost, replay as replay_lib
 from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
@@ -453,6 +453,9 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
                                  record=lambda *line: warm_start_log.append((*line, time.time())))
   trainer = make_trainer(cfg, mesh, init_params)
   restored = TrainLoop.restore(checkpointer, trainer, server, echo)
+  record = replay_lib.recorder(os.path.join(workdir, replay_lib.SCHEDULE_DIR), restored.step,
+                               record_context(cfg, mesh), enabled=cfg.run.record_schedule,
+                               echo=bar.echo)
   leader = multihost.Leader() if jax.process_count() > 1 else None
   # Written once the restore succeeded, so a resume that fails leaves the run's own.
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -482,7 +485,107 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
                    stop=stop, echo=bar.echo, progress=bar,
                    learning_rate=train_step.learning_rate(cfg.optimizer),
                    correct_threshold=cfg.eval.correct_threshold, decode=task.tokenizer.decode,
-                   log_cfg=cfg.log)
+                   log_cfg=cfg.log, record=record)
+
+
+def record_context(cfg: ExperimentConfig, mesh) -> dict[str, Any]:
+  """What fixes the trainer's numerics beside the config: the gradient threads (the
+  order of its sums), its devices and the software (`rl.replay`)."""
+  return {"grad_threads": grad_threads(cfg, mesh), "trainer_devices": int(mesh.devices.size),
+          "platform": mesh.devices.flat[0].platform, "jax": jax.__version__}
+
+
+def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
+           stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
+           progress: bool = True) -> dict[str, Any]:
+  """Re-executes the run recorded in the workdir `recorded` (its `schedule/`) in
+  `workdir`, or goes on with the replay `workdir` holds: from the run's initial params,
+  the recorded batches in order, each step checked against the record and the train
+  state against every checkpoint the recorded run kept, bit for bit (`rl.replay`).
+  Nothing is generated or evaluated. Returns the replay's summary.
+
+  `cfg` must be the recorded run's config but for `config.RESUMABLE_FIELDS`, and the
+  trainer must get as many devices and gradient threads as the run's did.
+
+  Raises:
+    ConfigError: `cfg` differs from the recorded run's, `recorded` holds no record, or
+      `workdir` is `recorded`.
+    WorkdirInUseError: another run holds `workdir` or `recorded`.
+    ReplayError: the record is unusable, or a step differs from it.
+  """
+  cfg = resolve(cfg)
+  if jax.process_count() > 1:
+    raise ConfigError("a replay runs in one process; start it without jax.distributed")
+  if os.path.realpath(workdir) == os.path.realpath(recorded):
+    raise ConfigError(f"a replay needs a workdir of its own; {workdir} is the recorded run's")
+  check_replay(cfg, recorded)
+  task = _make_task(cfg)
+  if stop is not None and stop.is_set():
+    echo(f"stopped before the replay started; {workdir} is as it was")
+    return {"stopped": True}
+  schedule = os.path.join(recorded, replay_lib.SCHEDULE_DIR)
+  # The recorded run's workdir is held too: a resume of it would rewrite its record.
+  with workdir_lib.hold(workdir, echo) as me, workdir_lib.hold(recorded, echo):
+    echo(f"{me}: replaying {os.path.abspath(recorded)} in workdir {os.path.abspath(workdir)}")
+    check_resume(cfg, workdir)
+    steps = replay_lib.recorded_steps(schedule)
+    if not steps:
+      raise ConfigError(f"{recorded} holds no recorded schedule ({schedule} has no batch): "
+                        f"its run had run.record_schedule=False, or trained no step")
+    if steps != list(range(1, len(steps) + 1)):
+      raise ConfigError(f"--replay needs the batches of steps 1, 2, ... in {schedule}, found "
+                        f"those of steps {steps[:10]}")
+    bar = Progress(echo, enabled=progress)
+    mesh = sharding.make_mesh(cfg.mesh, split_devices(cfg.placement, jax.local_devices(),
+                                                      jax.devices()).trainer)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
+    init_params = None
+    if checkpointer.latest_step() is None:
+      init_params = initial_params(cfg, mesh, task, bar.echo)
+    trainer = make_trainer(cfg, mesh, init_params)
+    restored = TrainLoop.restore(checkpointer, trainer, None, echo)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config.to_dict(cfg), f, indent=2)
+    log = MetricsLog(workdir, me.run_id, resume_step=restored.step, hparams=config.to_dict(cfg))
+    reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
+    float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
+    replayer = replay_lib.Replay(
+        trainer, checkpointer, log, recorded=recorded,
+        read=functools.partial(replay_lib.read_batch, schedule),
+        steps=min(cfg.num_steps, steps[-1]),
+        reference=lambda step: reference.restore(step, abstract)[0],
+        reference_steps=replay_lib.checkpoint_steps(reference.directory),
+        logged=replay_lib.read_log(recorded), context=record_context(cfg, mesh),
+        recompute=functools.partial(replay_lib.recompute_behaviour_logp, trainer,
+                                    batching=cfg.batching, max_length=cfg.generation.max_length,
+                                    compiled=set()),
+        update_mode=cfg.generation.update_mode,
+        logp_atol=replay_lib.LOGP_ATOL if float32 else None,
+        checkpoint_every=cfg.checkpoint.every_steps, restored=restored, stop=stop,
+        echo=bar.echo, progress=bar)
+    try:
+      return replayer.run()
+    finally:
+      replayer.close()
+      reference.close()
+
+
+def check_replay(cfg: ExperimentConfig, recorded: str) -> None:
+  """A replay must run the recorded run's config but for `config.RESUMABLE_FIELDS`.
+
+  Raises:
+    ConfigError: `recorded` holds no run, or naming every field that differs.
+  """
+  path = os.path.join(recorded, "config.json")
+  if not os.path.isfile(path):
+    raise ConfigError(f"--replay needs the workdir of a recorded run; {recorded} holds no "
+                      f"config.json")
+  changed = _fixed_fields_changed(path, cfg)
+  if changed:
+    raise ConfigError(f"a replay runs the recorded run's config; this one differs from "
+                      f"{path} in {len(changed)} field(s): {'; '.join(changed)}")
 
 
 def check_resume(cfg: ExperimentConfig, workdir: str) -> None:
@@ -495,14 +598,20 @@ def check_resume(cfg: ExperimentConfig, workdir: str) -> None:
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path) or cfg.run.allow_config_change:
     return
-  with open(path) as f:
-    old = json.load(f)
-  changed = [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
-             if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
+  changed = _fixed_fields_changed(path, cfg)
   if changed:
     raise ConfigError(f"{workdir} holds a run whose config differs in {len(changed)} "
                       f"field(s): {'; '.join(changed)}. Resume with the run's own config "
                       f"(or --config.run.allow_config_change=true), or use a new workdir")
+
+
+def _fixed_fields_changed(path: str, cfg: ExperimentConfig) -> list[str]:
+  """`key: old -> new` of each field outside `config.RESUMABLE_FIELDS` where `cfg`
+  differs from the config in the JSON file `path`."""
+  with open(path) as f:
+    old = json.load(f)
+  return [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
+          if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
 
 
 def _differences(old, new, prefix=""):

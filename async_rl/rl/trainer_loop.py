@@ -85,6 +85,7 @@ class TrainLoop:
     correct_threshold: a trained sample whose reward is at least this counts as correct
       (`accuracy`), as in the held-out evaluation.
     log_cfg: what the log shows besides metrics (sample completions).
+    record: receives each step and its batch before the step trains (`rl.replay`).
   """
 
   def __init__(self, trainer: Trainer, server, evaluator: Evaluator, checkpointer: Checkpointer,
@@ -96,7 +97,8 @@ class TrainLoop:
                stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
                progress: Optional[Progress] = None,
                learning_rate: Callable[[int], float], decode: Callable[[Sequence[int]], str],
-               correct_threshold: float = 1.0, log_cfg: LogConfig = LogConfig()):
+               correct_threshold: float = 1.0, log_cfg: LogConfig = LogConfig(),
+               record: Callable[[int, Sequence[Group]], None] = lambda step, groups: None):
     self.trainer, self.server, self.evaluator = trainer, server, evaluator
     self.checkpointer, self.log, self.deadlines = checkpointer, log, deadlines
     self.num_steps = num_steps
@@ -111,7 +113,7 @@ class TrainLoop:
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress or Progress(echo, enabled=False)
     self.learning_rate, self.correct_threshold = learning_rate, correct_threshold
-    self.decode, self.log_cfg = decode, log_cfg
+    self.decode, self.log_cfg, self.record = decode, log_cfg, record
     self._checkpoint_stalled = False
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
@@ -290,6 +292,9 @@ class TrainLoop:
     with self.timeline.span("trainer", "train"), self.deadlines.waiting(
         f"training step {version + 1}", may_stall=False):
       self._announce("train", groups)
+      t0 = time.perf_counter()
+      self.record(version + 1, groups)
+      record_s = time.perf_counter() - t0
       metrics = self.trainer.train(groups)
     t0 = time.perf_counter()
     with self.timeline.span("trainer", "publish"), self.deadlines.waiting(
@@ -313,7 +318,7 @@ class TrainLoop:
         lr=float(self.learning_rate(max(self.applied_updates - 1, 0))),
         reward_mean=float(rewards.mean()),
         accuracy=float((rewards >= self.correct_threshold).mean()),
-        time_wait_s=waited, time_publish_s=now - t0,
+        time_wait_s=waited, time_publish_s=now - t0, time_record_s=record_s,
         skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),

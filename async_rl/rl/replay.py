@@ -1,0 +1,415 @@
+"""A run's schedule, recorded in its workdir, and the replay that re-executes it.
+
+What an asynchronous run trains is decided by timing: which groups finish first and
+form each batch, and where each weight update hits each sample. Given what it is fed,
+the trainer is deterministic (on one machine and software: the same initial params, a
+random init, the warm start and an HF checkpoint being functions of the config and its
+seed; the same programs; gradients summed in a fixed order, threads included). So the
+record is what it was fed: for every training step, the batch's groups in order and
+each trajectory as trained: tokens, loss mask, behaviour log-probs, per-token versions
+(which say where each weight update hit the sample), prompt length, finish reason and
+reward. Step 7's batch is `schedule/00000007.npz` in the workdir, written before the
+step trains (so a step that crashes is in the record) with a digest of its contents
+and the facts that fix the trainer's numerics (`context`). A resumed run first removes the
+batches its restored checkpoint supersedes, as the metrics log removes their lines.
+
+`Replay` re-executes the trainer: from the run's initial params it trains the recorded
+batches in order in a workdir of its own (checkpoints, metrics). After each step it
+checks the step against the recorded run's log line (prompts, trained tokens, loss,
+gradient norm), and at each step where the recorded run kept a checkpoint, that the
+train state equals it bit for bit; it stops at the first difference, naming it.
+
+It does not regenerate the tokens. A sample's random stream is its own (seed, sample,
+position), but its decode numerics are not: on XLA:CPU a sample's behaviour log-probs
+change in their last bits with the samples decoded beside it (`benchmarks/replay.py`
+counts them), and a draw whose Gumbel-perturbed logits nearly tie could then change.
+Instead, before step s it recomputes, with the replayed params of version s - 1, the
+behaviour log-probs of the batch's tokens that version produced (`recomputable_T`;
+tokens of older versions are not recomputed) and checks them against the record
+within `LOGP_ATOL` when the generator's numerics are float32 (else it reports the
+largest difference without a bound).
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from async_rl import batching as batching_lib, sharding, train_step
+from async_rl.config import BatchingConfig
+from async_rl.progress import Progress, stamped
+from async_rl.rl.checkpoint import Checkpointer
+from async_rl.rl.errors import RunError
+from async_rl.rl.metrics_log import MetricsLog
+from async_rl.rl.trainer import Trainer
+from async_rl.rl.trainer_loop import Restored
+from async_rl.trajectory import Group, Trajectory
+
+SCHEDULE_DIR = "schedule"
+# Decode and full-forward log-probs of one float32 model agree to about 1e-5 (the
+# generator's parity tests); a changed token or version moves them by far more.
+LOGP_ATOL = 1e-4
+# The per-step figures of the recorded run's log a replayed step must equal.
+LOGGED = ("prompts", "trained_tokens", "skipped", "loss", "grad_norm")
+# Context facts whose difference makes a replay differ, and the setting that fixes each.
+_CONTEXT_SETTINGS = {"grad_threads": "cpu.grad_threads",
+                     "trainer_devices": "placement.trainer_devices", "platform": None}
+_BATCH_FILE = re.compile(r"^(\d+)\.npz$")
+_PER_TOKEN = {"tokens": ("tokens_T", np.int32), "loss_mask": ("loss_mask_T", np.bool_),
+              "logp": ("logp_T", np.float32), "versions": ("versions_T", np.int32)}
+
+
+class ReplayError(RunError):
+  """A replay found its record unusable, or the re-executed run different from it; the
+  message names the step and what differs."""
+
+
+def _path(directory: str, step: int) -> str:
+  return os.path.join(directory, f"{step:08d}.npz")
+
+
+def recorded_steps(directory: str) -> list[int]:
+  """The steps whose batches `directory` holds, in order."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(m.group(1)) for name in os.listdir(directory)
+                if (m := _BATCH_FILE.match(name)))
+
+
+def recorder(directory: str, resume_step: Optional[int], context: dict[str, Any], *,
+             enabled: bool = True,
+             echo: Callable[[str], None] = print) -> Callable[[int, Sequence[Group]], None]:
+  """The hook that records each training batch in `directory` (`record(step, groups)`).
+
+  First removes the batches above `resume_step` (the step of the checkpoint the run
+  resumes from; None: a run that starts afresh, which keeps none): the run trains
+  those steps again. The hook records nothing when not `enabled`, or when the record
+  lacks a batch before `resume_step` (recording was off for it): a replay needs every
+  batch from the first.
+  """
+  through = resume_step or 0
+  for step in recorded_steps(directory):
+    if step > through:
+      os.remove(_path(directory, step))
+  if not enabled:
+    return _record_nothing
+  steps = recorded_steps(directory)
+  if steps != list(range(1, through + 1)):
+    echo(f"WARNING: {directory} holds the batches of {len(steps)} of the {through} steps "
+         f"before this one; the run does not record its schedule (a replay needs every "
+         f"batch from the first)")
+    return _record_nothing
+  os.makedirs(directory, exist_ok=True)
+  return functools.partial(write_batch, directory, context=context)
+
+
+def _record_nothing(step: int, groups: Sequence[Group]) -> None:
+  del step, groups
+
+
+def write_batch(directory: str, step: int, groups: Sequence[Group], *,
+                context: dict[str, Any]) -> None:
+  """Writes the batch of `step` (atomically: a temporary file renamed)."""
+  path = _path(directory, step)
+  with open(path + ".tmp", "wb") as f:
+    np.savez(f, **encode(groups, context))
+  os.replace(path + ".tmp", path)
+
+
+def read_batch(directory: str, step: int) -> tuple[list[Group], dict[str, Any]]:
+  """The batch of `step` and the context it was trained in.
+
+  Raises:
+    ReplayError: the file cannot be read, or its contents do not match its digest.
+  """
+  path = _path(directory, step)
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      arrays = {name: f[name] for name in f.files}
+    groups, context = decode(arrays)
+  except Exception as e:  # any damage: a truncated file, a missing field, a bad CRC
+    raise ReplayError(f"the record of step {step} ({path}) cannot be read: "
+                      f"{type(e).__name__}: {e}") from e
+  if str(arrays["digest"]) != _digest(arrays):
+    raise ReplayError(f"the record of step {step} ({path}) does not match its digest: it "
+                      f"was changed after the run wrote it")
+  return groups, context
+
+
+def encode(groups: Sequence[Group], context: dict[str, Any]) -> dict[str, np.ndarray]:
+  """A batch as flat arrays: per-token arrays laid end to end, per-trajectory and
+  per-group fields, the context as JSON, and a digest of them all."""
+  trajs = [t for g in groups for t in g.trajectories]
+  arrays = {name: np.concatenate([np.asarray(getattr(t, field), dtype) for t in trajs])
+            for name, (field, dtype) in _PER_TOKEN.items()}
+  arrays.update(
+      lengths=np.array([len(t) for t in trajs], np.int64),
+      prompt_lens=np.array([t.prompt_len for t in trajs], np.int64),
+      rewards=np.array([t.reward for t in trajs], np.float64),
+      finish_reasons=np.array([t.finish_reason for t in trajs], np.str_),
+      group_sizes=np.array([len(g.trajectories) for g in groups], np.int64),
+      prompt_ids=np.array([str(g.prompt_id) for g in groups], np.str_),
+      context=np.array(json.dumps(context, sort_keys=True)))
+  arrays["digest"] = np.array(_digest(arrays))
+  return arrays
+
+
+def decode(arrays: dict[str, np.ndarray]) -> tuple[list[Group], dict[str, Any]]:
+  """The groups and context `encode` wrote (the digest is not checked here)."""
+  ends = np.cumsum(arrays["lengths"])
+  per_token = {name: np.split(arrays[name], ends[:-1]) for name in _PER_TOKEN}
+  trajs = [Trajectory(**{field: per_token[name][i] for name, (field, _) in _PER_TOKEN.items()},
+                      prompt_len=int(arrays["prompt_lens"][i]),
+                      finish_reason=str(arrays["finish_reasons"][i]),
+                      reward=float(arrays["rewards"][i]))
+           for i in range(ends.size)]
+  bounds = np.concatenate([[0], np.cumsum(arrays["group_sizes"])])
+  groups = [Group(str(prompt_id), tuple(trajs[a:b]))
+            for prompt_id, a, b in zip(arrays["prompt_ids"], bounds[:-1], bounds[1:])]
+  return groups, json.loads(str(arrays["context"]))
+
+
+def _digest(arrays: dict[str, np.ndarray]) -> str:
+  h = hashlib.sha256()
+  for name in sorted(arrays):
+    if name != "digest":
+      a = np.ascontiguousarray(arrays[name])
+      h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+      h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def recomputable_T(traj: Trajectory, version: int, update_mode: str) -> np.ndarray:
+  """The policy tokens whose behaviour log-prob the params of `version` determine: those
+  it produced from a context (KV cache) it also computed. A weight update re-prefills
+  the samples in flight in "retract" (and a sample resumed after preemption in any
+  mode), and "drain" never mixes versions in a cache, so there every token of
+  `version` is one; "keep" keeps the cache computed so far, so only the tokens before
+  any token of another version are."""
+  policy_T = traj.versions_T >= 0
+  mine_T = traj.versions_T == version
+  if update_mode == "keep":
+    mine_T &= np.logical_and.accumulate(mine_T | ~policy_T)
+  return policy_T & mine_T
+
+
+def recompute_behaviour_logp(trainer: Trainer, trajs: Sequence[Trajectory], *,
+                             batching: BatchingConfig, max_length: int,
+                             compiled: set) -> tuple[np.ndarray, np.ndarray]:
+  """(recomputed, recorded) log-probs of `trajs`' loss-mask tokens, flat: the proximal
+  recompute of the trainer's current params on a batch packed as the trainer packs
+  (reusing the `compiled` shapes it has run, and adding its own)."""
+  buckets = batching.row_buckets or batching_lib.default_row_buckets(
+      batching.max_tokens_per_mb, longest=max_length)
+  parts = trainer.steps.micro_batch_multiple
+  batch = batching_lib.pack_dynamic(
+      trajs, np.zeros(len(trajs), np.float32), max_tokens_per_mb=batching.max_tokens_per_mb,
+      num_shards=sharding.num_batch_shards(trainer.mesh), row_buckets=buckets,
+      num_parts=parts, compiled=compiled, reuse_slack=batching.reuse_slack)
+  batch = batching_lib.pad_micro_batches(batch, parts)
+  compiled.add(batch.tokens.shape)
+  logp = trainer.steps.recompute(
+      trainer.state.params, jax.device_put(batch, train_step.batch_shardings(trainer.mesh)))
+  mask = batch.loss_mask > 0
+  return np.asarray(jax.device_get(logp))[mask], batch.behav_logp[mask]
+
+
+def first_difference(state, reference) -> Optional[str]:
+  """Where two train states differ bit for bit: the first differing leaf, how many of
+  its elements differ and by how much at most; None when they are equal."""
+  for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                               jax.tree_util.tree_flatten_with_path(reference)[0], strict=True):
+    a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+    name = jax.tree_util.keystr(path)
+    if a.shape != b.shape or a.dtype != b.dtype:
+      return f"{name}: {a.dtype}{list(a.shape)} against {b.dtype}{list(b.shape)}"
+    bits = lambda x: x.reshape(-1).view(np.dtype(f"u{x.dtype.itemsize}"))
+    differ = bits(a) != bits(b)
+    if differ.any():
+      largest = np.max(np.abs(a.reshape(-1)[differ].astype(np.float64)
+                              - b.reshape(-1)[differ].astype(np.float64)))
+      return (f"{name}: {np.count_nonzero(differ)} of {a.size} elements differ (by up "
+              f"to {largest:.3g})")
+  return None
+
+
+class Replay:
+  """Trains a recorded run's batches again and checks each step against the record.
+
+  Built by `rl.build.replay` with the trainer (at the recorded run's initial params,
+  or restored from the replay's own checkpoint), its checkpointer and log.
+
+  Args:
+    recorded: the recorded run's workdir (for messages).
+    read: step -> (groups, context) of the record (`read_batch`).
+    steps: the last step to replay.
+    reference: step -> the recorded run's train state at that step, for each step in
+      `reference_steps` (its checkpoints).
+    logged: {step: line} of the recorded run's metrics log.
+    context: this replay's numerics (as `recorder`'s), which each batch's must equal.
+    recompute: trajectories -> (recomputed, recorded) behaviour log-probs
+      (`recompute_behaviour_logp` of the trainer).
+    update_mode: the recorded run's weight update mode.
+    logp_atol: the bound on their difference; None: reported, not checked.
+    checkpoint_every: checkpoint every this many steps (and at the end).
+    restored: the counts the replay resumes with.
+    stop: set it (a signal) to checkpoint and return early.
+    echo: receives a line per step and per comparison.
+    progress: the bar of steps; None: none.
+  """
+
+  def __init__(self, trainer: Trainer, checkpointer: Checkpointer, log: MetricsLog, *,
+               recorded: str, read: Callable[[int], tuple[list[Group], dict]], steps: int,
+               reference: Callable[[int], Any], reference_steps: Sequence[int],
+               logged: dict[int, dict], context: dict[str, Any],
+               recompute: Callable[[Sequence[Trajectory]], tuple[np.ndarray, np.ndarray]],
+               update_mode: str, logp_atol: Optional[float], checkpoint_every: int,
+               restored: Restored = Restored(), stop: Optional[threading.Event] = None,
+               echo: Callable[[str], None] = print, progress: Optional[Progress] = None):
+    self.trainer, self.checkpointer, self.log = trainer, checkpointer, log
+    self.recorded, self.read, self.steps = recorded, read, steps
+    self.reference, self.reference_steps = reference, set(reference_steps)
+    self.logged, self.context, self.recompute = logged, context, recompute
+    self.update_mode, self.logp_atol = update_mode, logp_atol
+    self.checkpoint_every = checkpoint_every
+    self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
+    self.stop = stop or threading.Event()
+    self.echo, self.progress = echo, progress or Progress(echo, enabled=False)
+    self._warned_software = False
+
+  def run(self) -> dict[str, Any]:
+    """Replays to `steps` (or until `stop`); returns a summary: versions, the steps
+    whose train state was compared (all equal, or it raised), the behaviour log-probs
+    checked, `stopped` and the newest checkpoint.
+
+    Raises:
+      ReplayError: a batch cannot be read, was trained in another context, or a step
+        differs from the record; the message names the step and the first difference.
+    """
+    summary = {"start_version": self.trainer.version, "compared": [], "logp_tokens": 0,
+               "logp_max_abs_diff": 0.0}
+    if self.trainer.version in self.reference_steps:  # the initial params, or a resume's
+      self._compare(self.trainer.version)
+      summary["compared"].append(self.trainer.version)
+    self.progress.start(self.steps, self.trainer.version)
+    try:
+      while self.trainer.version < self.steps and not self.stop.is_set():
+        self._step(summary)
+        self.progress.update_to(self.trainer.version)
+    finally:
+      self.progress.close()
+    self._checkpoint(wait=True)
+    summary.update(end_version=self.trainer.version, stopped=self.stop.is_set(),
+                   checkpoint=self.checkpointer.latest_step(),
+                   checkpoint_dir=self.checkpointer.directory)
+    if self.stop.is_set():
+      self.echo(f"replay stopped at version {self.trainer.version}: checkpoint "
+                f"{summary['checkpoint']} in {self.checkpointer.directory} holds it; rerun "
+                f"the same command to go on")
+    return summary
+
+  def _step(self, summary):
+    step = self.trainer.version + 1
+    groups, context = self.read(step)
+    self._check_context(step, context)
+    checked = [dataclasses.replace(t, loss_mask_T=mask_T) for g in groups for t in g.trajectories
+               if (mask_T := recomputable_T(t, step - 1, self.update_mode)).any()]
+    got, want = self.recompute(checked) if checked else (np.zeros(0), np.zeros(0))
+    diff = float(np.max(np.abs(got - want), initial=0.0))
+    if self.logp_atol is not None and diff > self.logp_atol:
+      raise ReplayError(
+          f"step {step} of {self.recorded}: a recorded behaviour log-prob differs by {diff:.3g} "
+          f"(more than {self.logp_atol:g}) from the one version {step - 1}'s params give: "
+          f"the record's tokens or versions are not what that version generated")
+    metrics = self.trainer.train(groups)
+    self.skipped_steps += metrics["skipped"]
+    self.applied_updates += metrics["applied_updates"]
+    metrics["prompts"] = [str(g.prompt_id) for g in groups]
+    self._check_logged(step, metrics)
+    summary["logp_tokens"] += got.size
+    summary["logp_max_abs_diff"] = max(summary["logp_max_abs_diff"], diff)
+    metrics["replay"] = {"logp_tokens": int(got.size), "logp_max_abs_diff": diff}
+    self.log.write(step, metrics)
+    self.echo(stamped(f"replay v={step} loss={metrics['loss']:.4f} behaviour log-probs "
+                      f"checked={got.size} max|diff|={diff:.2g}"))
+    if step in self.reference_steps:
+      self._compare(step)
+      summary["compared"].append(step)
+    if step % self.checkpoint_every == 0:
+      self._checkpoint()
+
+  def _check_context(self, step, context):
+    for key, setting in _CONTEXT_SETTINGS.items():
+      if context.get(key) != self.context[key]:
+        fix = f"; set {setting}={context.get(key)}" if setting else ""
+        raise ReplayError(f"step {step} of {self.recorded} was trained with {key}="
+                          f"{context.get(key)!r}, this replay has {self.context[key]!r}: "
+                          f"its sums would differ in their last bits{fix}")
+    if context.get("jax") != self.context["jax"] and not self._warned_software:
+      self._warned_software = True
+      self.echo(f"WARNING: {self.recorded} was recorded with jax {context.get('jax')}, this "
+                f"replay runs jax {self.context['jax']}: its programs may round differently")
+
+  def _check_logged(self, step, metrics):
+    line = self.logged.get(step)
+    if line is None:  # the recorded run stopped before it logged the step
+      return
+    for key in LOGGED:
+      if line.get(key) != metrics[key]:
+        raise ReplayError(
+            f"step {step} differs from {self.recorded}'s log: {key} is {metrics[key]!r} in "
+            f"the replay, {line.get(key)!r} in the record (so the params after step "
+            f"{step - 1} or the batch of step {step} differ)")
+
+  def _compare(self, step):
+    difference = first_difference(self.trainer.state, self.reference(step))
+    if difference is not None:
+      raise ReplayError(f"the train state after step {step} differs from {self.recorded}'s "
+                        f"checkpoint {step}: {difference}")
+    self.echo(f"replay v={step}: the train state equals {self.recorded}'s checkpoint {step} "
+              f"bit for bit")
+
+  def _checkpoint(self, wait=False):
+    version = self.trainer.version
+    if self.checkpointer.latest_step() == version:
+      return
+    meta = {"version": version, "skipped_steps": self.skipped_steps,
+            "applied_updates": self.applied_updates,
+            "packed_shapes": self.trainer.packed_shapes, "replay_of": self.recorded}
+    self.checkpointer.save(version, self.trainer.state, meta, wait=wait)
+
+  def close(self):
+    self.checkpointer.close()
+    self.log.close()
+
+
+def read_log(workdir: str) -> dict[int, dict]:
+  """{step: line} of the training steps in `workdir`'s metrics log."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return {}
+  lines = {}
+  with open(path) as f:
+    for row in f:
+      try:
+        line = json.loads(row)
+      except ValueError:  # the last line of a process killed mid-write
+        continue
+      if "loss" in line:
+        lines[line["step"]] = line
+  return lines
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+  """The steps of the checkpoints under `directory`."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())

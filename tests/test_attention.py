@@ -1,11 +1,12 @@
 """Attention of packed rows: every implementation equals the dense masked reference.
 
-The reference is the dense T x T attention the generation path uses
-(`transformer._attention`) under the packed-row mask: same nonzero segment, key at or
-before the query. Padding outputs are implementation-defined, so values and
-gradients are compared through a loss that reads valid positions only.
+The reference is dense T x T grouped-query attention under the packed-row mask: same
+nonzero segment, key at or before the query. Padding outputs are
+implementation-defined, so values and gradients are compared through a loss that reads
+valid positions only.
 """
 
+import functools
 import re
 
 import jax
@@ -14,7 +15,6 @@ import numpy as np
 import pytest
 
 from async_rl.models import attention
-from async_rl.models.transformer import _attention as dense_reference
 
 
 def _rows(T, lengths_per_row, H=4, K=2, E=8, seed=0):
@@ -36,10 +36,12 @@ def _rows(T, lengths_per_row, H=4, K=2, E=8, seed=0):
 
 def _reference(q, k, v, seg, pos):
   del pos
-  T = seg.shape[1]
+  (B, T, H, E), K = q.shape, k.shape[2]
   mask = ((seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
           & jnp.tril(jnp.ones((T, T), bool)))
-  return dense_reference(q, k, v, mask)
+  scores = jnp.einsum("btkqe,bske->bkqts", q.reshape(B, T, K, H // K, E), k) * E ** -0.5
+  probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), axis=-1)
+  return jnp.einsum("bkqts,bske->btkqe", probs, v).reshape(B, T, H, E)
 
 
 def _loss(fn, seg, pos):
@@ -108,6 +110,41 @@ def test_attention_on_cpu_is_blockwise():
   q, k, v, seg, pos = _rows(128, [[60, 60], [128]])
   np.testing.assert_array_equal(jax.jit(attention.attention)(q, k, v, seg, pos),
                                 jax.jit(attention.blockwise)(q, k, v, seg, pos))
+
+
+@pytest.mark.parametrize("T, block, rows", [
+    (40, 512, [[7, 5, 20], [40]]),           # one block, shorter than `block`
+    (256, 64, [[100, 90, 30], [256], [3, 64, 64, 64, 50]]),  # 4 blocks
+    (200, 64, [[130, 60], [200]]),           # padded to 4 blocks of 64
+    (256, 64, [[100], [256]]),               # blocks of padding only in row 0
+])
+def test_chunked_matches_dense_reference(T, block, rows):
+  q, k, v, seg, pos = _rows(T, rows)
+  valid = np.asarray(seg > 0)
+  got = jax.jit(functools.partial(attention.chunked, block=block))(q, k, v, seg)
+  assert np.isfinite(np.asarray(got)).all()  # padding too: the KV cache keeps it
+  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(_reference(q, k, v, seg, pos))[valid],
+                             atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_attention_on_cpu_is_chunked():
+  q, k, v, seg, _ = _rows(128, [[60, 60], [100]])
+  np.testing.assert_array_equal(jax.jit(attention.prefill_attention)(q, k, v, seg),
+                                jax.jit(attention.chunked)(q, k, v, seg))
+
+
+def test_chunked_temporaries_grow_linearly_in_the_row():
+  """Compiled from abstract shapes: doubling T doubles the temporaries (a block's
+  scores, then the row's own activations), where dense scores would quadruple."""
+  def temp(T):
+    q = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    return jax.jit(attention.chunked).lower(q, kv, kv, seg).compile().memory_analysis(
+        ).temp_size_in_bytes
+  dense_scores = 8 * 16384 ** 2 * 4
+  assert temp(16384) < dense_scores / 50
+  assert temp(16384) < 2.5 * temp(8192)
 
 
 def _flash_interpreted(q, k, v, seg, pos):

@@ -1,4 +1,5 @@
-"""Causal attention within the segments of packed rows; one entry point for every backend.
+"""Causal attention within the segments of packed rows; one entry point per use, each
+picking its implementation by backend.
 
 A packed row holds whole sequences back to back (segment ids 1, 2, ... in row order,
 then 0 on padding), so query t sees key s iff both carry the same nonzero segment id
@@ -21,6 +22,12 @@ and s <= t: causal order within a segment is row order, and positions are not ne
 
 Work grows with the row length T, not with the micro-batch: the packer chooses T per
 batch (`batching.pack_dynamic`), the shortest bucket that pays.
+
+`prefill_attention`, the generator's prefill, needs no gradient, and its rows reach a
+whole sequence of reasoning length, so its temporaries must grow linearly in T: on GPU
+`flash_gpu` as well, elsewhere `chunked`, flash attention's forward pass in plain XLA.
+(`blockwise` keeps a query block's scores against every key before it, T^2 / n for n
+<= 16 blocks.)
 """
 
 import functools
@@ -31,6 +38,8 @@ import jax.numpy as jnp
 _NEG_INF = -1e30
 _MAX_BLOCKS = 16
 _MIN_BLOCK = 64
+# `chunked`'s tokens per block: one block's [Z, Z] scores per kv head's query group.
+_CHUNK = 512
 # Triton tiles: a power of two up to 128 along the sequence for the forward kernel,
 # up to 32 for the backward kernels (the kernel's defaults).
 _GPU_BLOCK, _GPU_BWD_BLOCK = 128, 32
@@ -166,3 +175,66 @@ def flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, interpret: bool = False
                              interpret=interpret)
   return out[:, :T]
 
+
+
+def prefill_attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
+  """`attention` for a forward pass only (no gradient), in temporaries linear in T.
+
+  The Pallas flash kernel on GPU (`flash_gpu`), `chunked` elsewhere. Arguments and
+  result as `attention`'s, less the positions.
+  """
+  if jax.default_backend() == "gpu":
+    return flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+  return chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+
+
+def chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, block: int = _CHUNK):
+  """Flash attention's forward pass in plain XLA: query blocks of `block` tokens one at a
+  time, each over the key blocks up to its own with a running softmax, so that one
+  block's scores are all that exist of the T x T.
+
+  Key blocks after a query block, and query blocks of padding only, are never
+  computed: the key loop's trip count is traced, so this has no reverse-mode
+  derivative. Rows are padded to whole blocks with segment 0, which no query sees;
+  a query that sees no key (padding) gets the mean of the values it was scored
+  against, or zeros.
+  """
+  B, T, H, E = q_BTHE.shape
+  K = k_BTKE.shape[2]
+  Z = min(block, T)
+  pad = -T % Z
+  n = (T + pad) // Z
+  blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(
+      B, n, Z, *x.shape[2:])
+  q_BnZKQE = blocks(q_BTHE).reshape(B, n, Z, K, H // K, E)
+  k_BnZKE, v_BnZKE, seg_BnZ = blocks(k_BTKE), blocks(v_BTKE), blocks(segment_ids_BT)
+  below_ZZ = jnp.arange(Z)[:, None] >= jnp.arange(Z)[None, :]
+
+  def query_block(i):
+    q_BZKQE, seg_BZ = q_BnZKQE[:, i], seg_BnZ[:, i]
+
+    def key_block(j, carry):
+      max_BKQZ, sum_BKQZ, out_BKQZE = carry
+      seg_BS = seg_BnZ[:, j]
+      mask_BZS = ((seg_BZ[:, :, None] == seg_BS[:, None, :]) & (seg_BS[:, None, :] > 0)
+                  & ((j < i) | below_ZZ))
+      scores = jnp.einsum("bzkqe,bske->bkqzs", q_BZKQE, k_BnZKE[:, j],
+                          preferred_element_type=jnp.float32) * (E ** -0.5)
+      scores = jnp.where(mask_BZS[:, None, None], scores, _NEG_INF)
+      new_max = jnp.maximum(max_BKQZ, jnp.max(scores, axis=-1))
+      probs = jnp.exp(scores - new_max[..., None])
+      rescale = jnp.exp(max_BKQZ - new_max)
+      out_BKQZE = out_BKQZE * rescale[..., None] + jnp.einsum(
+          "bkqzs,bske->bkqze", probs.astype(v_BnZKE.dtype), v_BnZKE[:, j],
+          preferred_element_type=jnp.float32)
+      return new_max, sum_BKQZ * rescale + jnp.sum(probs, axis=-1), out_BKQZE
+
+    zeros = jnp.zeros((B, K, H // K, Z), jnp.float32)
+    init = (zeros + _NEG_INF, zeros, jnp.zeros((B, K, H // K, Z, E), jnp.float32))
+    trips = jnp.where(jnp.any(seg_BZ > 0), i + 1, 0)
+    _, sum_BKQZ, out_BKQZE = jax.lax.fori_loop(0, trips, key_block, init)
+    return (out_BKQZE / jnp.where(sum_BKQZ > 0, sum_BKQZ, 1)[..., None]).astype(v_BTKE.dtype)
+
+  out_nBKQZE = jax.lax.map(query_block, jnp.arange(n))
+  out_BnZKQE = jnp.transpose(out_nBKQZE, (1, 0, 4, 2, 3, 5))
+  return out_BnZKQE.reshape(B, n * Z, H, E)[:, :T]

@@ -11,7 +11,8 @@ Two entry points share one layer body:
     positions; attention (`models/attention.py`) never crosses a segment, and its cost
     grows with the row length, not with the square of the micro-batch.
   * `prefill` / `decode`: a KV cache for generation, one slot per row and one buffer
-    per layer; the layers are unrolled, and `split_layers` gives the params a layout
+    per layer; prefill's attention is forward-only flash attention
+    (`attention.prefill_attention`), linear in memory; the layers are unrolled, and `split_layers` gives the params a layout
     (one dict per layer) they need not slice. `decode` keeps a dense cache of the
     longest length per slot; the generator's engine decodes through `decode_layers` on
     a paged one (`generation.paged`) and inserts `prefill`'s cache into its blocks.
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from async_rl.models.attention import attention
+from async_rl.models.attention import attention, prefill_attention
 
 Params = dict[str, Any]
 
@@ -87,21 +88,9 @@ def rope(x_BTHE, positions_BT, theta):
   return out.astype(x_BTHE.dtype)
 
 
-def _attention(q_BTHE, k_BSKE, v_BSKE, mask_BTS):
-  """Grouped-query attention; `mask_BTS` is True where query t may see key s."""
-  B, T, H, E = q_BTHE.shape
-  K = k_BSKE.shape[2]
-  q_BTKQE = q_BTHE.reshape(B, T, K, H // K, E)
-  scores = jnp.einsum("btkqe,bske->bkqts", q_BTKQE, k_BSKE,
-                      preferred_element_type=jnp.float32) * (E ** -0.5)
-  scores = jnp.where(mask_BTS[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
-  out = jnp.einsum("bkqts,bske->btkqe", probs, v_BSKE)
-  return out.reshape(B, T, H, E)
-
-
 def _decode_attention(q_S1HE, k_SKTE, v_SKTE, mask_ST):
-  """`_attention` of one query per slot against a cache laid out [S, K, T, E]."""
+  """Grouped-query attention of one query per slot against a cache laid out [S, K, T, E];
+  `mask_ST` is True where slot s may see position t."""
   S, _, H, E = q_S1HE.shape
   K = k_SKTE.shape[1]
   q_SKQE = q_S1HE.reshape(S, K, H // K, E)
@@ -277,24 +266,28 @@ def cache_len(cache) -> int:
 
 
 def prefill(params: Params, cfg, tokens_BT, lengths_B):
-  """Runs right-padded prompts; returns (logits [B, T, V], cache for those rows).
+  """Runs right-padded prompts; returns (logits [B, V] float32 after each prompt's last
+  token, cache for those rows).
 
-  Row b holds `lengths_B[b]` real tokens at positions 0..len-1. The cache (laid out
-  as `init_cache`'s, with B rows) has the prompt's own length T; `insert` copies it
-  into a slot of a longer cache. Layers are unrolled, as in `decode`.
+  Row b holds `lengths_B[b]` real tokens at positions 0..len-1, segment 1 to
+  `attention.prefill_attention` (padding is segment 0, which no real token sees).
+  The cache (laid out as `init_cache`'s, with B rows) has the prompt's own length T;
+  `insert` copies it into a slot of a longer cache. Only the last real token's
+  logits are computed, so nothing here grows faster than T. Layers are unrolled, as
+  in `decode`.
   """
-  T = tokens_BT.shape[1]
+  B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), tokens_BT.shape)
-  valid_BT = positions_BT < lengths_B[:, None]
-  mask_BTS = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BT[:, None, :]
+  segment_ids_BT = (positions_BT < lengths_B[:, None]).astype(jnp.int32)
   heads_first = lambda c: jnp.transpose(c, (0, 2, 1, 3))  # [B, T, K, E] -> [B, K, T, E]
   x, ks, vs = _embed(params, cfg, tokens_BT), [], []
   for lp in _layer_list(params):
     x, (k, v) = _block(lp, cfg, x, positions_BT,
-                       lambda q, k, v: (_attention(q, k, v, mask_BTS), (k, v)))
+                       lambda q, k, v: (prefill_attention(q, k, v, segment_ids_BT), (k, v)))
     ks.append(heads_first(k))
     vs.append(heads_first(v))
-  return _logits(params, cfg, x), {"k": tuple(ks), "v": tuple(vs)}
+  last_B1D = x[jnp.arange(B), lengths_B - 1][:, None]
+  return _logits(params, cfg, last_B1D)[:, 0], {"k": tuple(ks), "v": tuple(vs)}
 
 
 def decode(params: Params, cfg, cache, tokens_S, positions_S):

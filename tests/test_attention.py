@@ -117,34 +117,36 @@ def test_attention_on_cpu_is_blockwise():
     (256, 64, [[100, 90, 30], [256], [3, 64, 64, 64, 50]]),  # 4 blocks
     (200, 64, [[130, 60], [200]]),           # padded to 4 blocks of 64
     (256, 64, [[100], [256]]),               # blocks of padding only in row 0
+    (1024, 64, [[128] * 8, [100, 28, 128, 7, 121] + [128] * 5]),  # starts past block 0
 ])
 def test_chunked_matches_dense_reference(T, block, rows):
   q, k, v, seg, pos = _rows(T, rows)
-  valid = np.asarray(seg > 0)
-  got = jax.jit(functools.partial(attention.chunked, block=block))(q, k, v, seg)
-  assert np.isfinite(np.asarray(got)).all()  # padding too: the KV cache keeps it
-  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(_reference(q, k, v, seg, pos))[valid],
-                             atol=2e-5, rtol=2e-5)
+  fn = functools.partial(attention.chunked, block=block)
+  assert np.isfinite(np.asarray(jax.jit(fn)(q, k, v, seg, pos))).all()  # padding too
+  _assert_matches_reference(fn, q, k, v, seg, pos, tol=2e-5)
 
 
-def test_prefill_attention_on_cpu_is_chunked():
-  q, k, v, seg, _ = _rows(128, [[60, 60], [100]])
-  np.testing.assert_array_equal(jax.jit(attention.prefill_attention)(q, k, v, seg),
-                                jax.jit(attention.chunked)(q, k, v, seg))
+def test_attention_on_cpu_is_chunked_past_long_rows():
+  T = attention.LONG_ROW + 64
+  q, k, v, seg, pos = _rows(T, [[T - 100, 50]], H=2, K=1, E=4)
+  np.testing.assert_array_equal(jax.jit(attention.attention)(q, k, v, seg, pos),
+                                jax.jit(attention.chunked)(q, k, v, seg, pos))
 
 
 def test_chunked_temporaries_grow_linearly_in_the_row():
-  """Compiled from abstract shapes: doubling T doubles the temporaries (a block's
-  scores, then the row's own activations), where dense scores would quadruple."""
-  def temp(T):
+  """Compiled from abstract shapes, forward and backward: doubling T doubles the
+  temporaries, where the dense scores (and blockwise's) quadruple."""
+  def temp(fn, T):
     q = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.float32)
     seg = jax.ShapeDtypeStruct((1, T), jnp.int32)
-    return jax.jit(attention.chunked).lower(q, kv, kv, seg).compile().memory_analysis(
+    grad = jax.grad(lambda q, k, v, s, p: fn(q, k, v, s, p).sum(), argnums=(0, 1, 2))
+    return jax.jit(grad).lower(q, kv, kv, seg, seg).compile().memory_analysis(
         ).temp_size_in_bytes
   dense_scores = 8 * 16384 ** 2 * 4
-  assert temp(16384) < dense_scores / 50
-  assert temp(16384) < 2.5 * temp(8192)
+  assert temp(attention.chunked, 16384) < dense_scores / 50
+  assert temp(attention.chunked, 16384) < 2.2 * temp(attention.chunked, 8192)
+  assert temp(attention.blockwise, 16384) > 3 * temp(attention.blockwise, 8192)
 
 
 def _flash_interpreted(q, k, v, seg, pos):

@@ -1,5 +1,4 @@
-"""Causal attention within the segments of packed rows; one entry point per use, each
-picking its implementation by backend.
+"""Causal attention within the segments of packed rows; one entry point for every backend.
 
 A packed row holds whole sequences back to back (segment ids 1, 2, ... in row order,
 then 0 on padding), so query t sees key s iff both carry the same nonzero segment id
@@ -14,20 +13,17 @@ and s <= t: causal order within a segment is row order, and positions are not ne
     a dense [R, T, T] mask that it adds as a bias without skipping blocks. (cuDNN's
     packed layout, `q_offsets` / `kv_offsets`, is reachable only through the private
     `jax._src.cudnn` module, on Hopper and later.)
-  * elsewhere (CPU): `blockwise`, plain XLA: the row is cut into at most
-    `_MAX_BLOCKS` query blocks and block i scores only the keys of blocks 0..i, so
-    about (n + 1) / 2n of the dense T x T work runs (Z = T / n tokens per block);
-    and when the micro-batch's longest sequence is short, only a band of key blocks
-    that holds it (`windows`).
+  * elsewhere (CPU), rows of up to `LONG_ROW` tokens: `blockwise`, plain XLA: the row
+    is cut into at most `_MAX_BLOCKS` query blocks and block i scores only the keys of
+    blocks 0..i, so about (n + 1) / 2n of the dense T x T work runs (Z = T / n tokens
+    per block); and when the micro-batch's longest sequence is short, only a band of
+    key blocks that holds it (`windows`). Its temporaries grow as T^2 / n.
+  * elsewhere, longer rows (reasoning-length sequences, in training or in the
+    generator's prefill): `chunked`, flash attention in plain XLA, whose temporaries
+    grow linearly in T.
 
 Work grows with the row length T, not with the micro-batch: the packer chooses T per
 batch (`batching.pack_dynamic`), the shortest bucket that pays.
-
-`prefill_attention`, the generator's prefill, needs no gradient, and its rows reach a
-whole sequence of reasoning length, so its temporaries must grow linearly in T: on GPU
-`flash_gpu` as well, elsewhere `chunked`, flash attention's forward pass in plain XLA.
-(`blockwise` keeps a query block's scores against every key before it, T^2 / n for n
-<= 16 blocks.)
 """
 
 import functools
@@ -40,6 +36,8 @@ _MAX_BLOCKS = 16
 _MIN_BLOCK = 64
 # `chunked`'s tokens per block: one block's [Z, Z] scores per kv head's query group.
 _CHUNK = 512
+# The longest rows `blockwise` takes off GPU; longer ones go to `chunked`.
+LONG_ROW = 2048
 # Triton tiles: a power of two up to 128 along the sequence for the forward kernel,
 # up to 32 for the backward kernels (the kernel's defaults).
 _GPU_BLOCK, _GPU_BWD_BLOCK = 128, 32
@@ -61,6 +59,8 @@ def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
   """
   if jax.default_backend() == "gpu":
     return flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+  if q_BTHE.shape[1] > LONG_ROW:
+    return chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
   return blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
 
 
@@ -177,64 +177,134 @@ def flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, interpret: bool = False
 
 
 
-def prefill_attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT):
-  """`attention` for a forward pass only (no gradient), in temporaries linear in T.
 
-  The Pallas flash kernel on GPU (`flash_gpu`), `chunked` elsewhere. Arguments and
-  result as `attention`'s, less the positions.
+def chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, *, block: int = _CHUNK):
+  """Flash attention in plain XLA: temporaries linear in T, for rows too long for
+  `blockwise`.
+
+  Query blocks of `block` tokens run one at a time, each over the key blocks it can
+  see with a running softmax, so one block's [block, block] scores are all that exist
+  of the T x T; the backward pass keeps only the output and each query's
+  log-sum-exp, and scores each block pair again. A query block reads the key blocks
+  from the one where its first token's sequence starts through its own (none for a
+  block of padding only): the loops' trip counts are traced, which is why the
+  backward pass is written out (`jax.custom_vjp`). Rows are padded to whole blocks
+  with segment 0, which no query sees.
   """
-  if jax.default_backend() == "gpu":
-    return flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
-  return chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+  return _flash(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
 
 
-def chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, block: int = _CHUNK):
-  """Flash attention's forward pass in plain XLA: query blocks of `block` tokens one at a
-  time, each over the key blocks up to its own with a running softmax, so that one
-  block's scores are all that exist of the T x T.
+def _to_blocks(x_BT, Z):
+  """[B, T, ...] -> [n, B, Z, ...]: T cut into n blocks of Z, zeros after its end."""
+  pad = -x_BT.shape[1] % Z
+  x_BT = jnp.pad(x_BT, ((0, 0), (0, pad)) + ((0, 0),) * (x_BT.ndim - 2))
+  return jnp.moveaxis(x_BT.reshape(x_BT.shape[0], -1, Z, *x_BT.shape[2:]), 1, 0)
 
-  Key blocks after a query block, and query blocks of padding only, are never
-  computed: the key loop's trip count is traced, so this has no reverse-mode
-  derivative. Rows are padded to whole blocks with segment 0, which no query sees;
-  a query that sees no key (padding) gets the mean of the values it was scored
-  against, or zeros.
-  """
+
+def _from_blocks(x_nBZ, T):
+  n, B, Z = x_nBZ.shape[:3]
+  return jnp.moveaxis(x_nBZ, 0, 1).reshape(B, n * Z, *x_nBZ.shape[3:])[:, :T]
+
+
+def _key_blocks(seg_nBZ, pos_nBZ, i):
+  """The key blocks [start, stop) that query block i sees."""
+  Z = seg_nBZ.shape[2]
+  starts_B = jnp.where(seg_nBZ[i, :, 0] > 0, (i * Z - pos_nBZ[i, :, 0]) // Z, i)
+  start = jnp.maximum(jnp.min(starts_B), 0)
+  return start, jnp.where(jnp.any(seg_nBZ[i] > 0), i + 1, start)
+
+
+def _block_mask(seg_nBZ, i, j):
+  """[B, Z, S]: query z of block i sees key s of block j."""
+  seg_BZ, seg_BS = seg_nBZ[i], seg_nBZ[j]
+  Z = seg_BZ.shape[1]
+  causal_ZS = (j < i) | (jnp.arange(Z)[:, None] >= jnp.arange(Z)[None, :])
+  return (seg_BZ[:, :, None] == seg_BS[:, None, :]) & (seg_BS[:, None, :] > 0) & causal_ZS
+
+
+def _block_scores(q_BZKQE, k_BSKE):
+  E = q_BZKQE.shape[-1]
+  return jnp.einsum("bzkqe,bske->bkqzs", q_BZKQE, k_BSKE,
+                    preferred_element_type=jnp.float32) * (E ** -0.5)
+
+
+def _blocked(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
   B, T, H, E = q_BTHE.shape
   K = k_BTKE.shape[2]
   Z = min(block, T)
-  pad = -T % Z
-  n = (T + pad) // Z
-  blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(
-      B, n, Z, *x.shape[2:])
-  q_BnZKQE = blocks(q_BTHE).reshape(B, n, Z, K, H // K, E)
-  k_BnZKE, v_BnZKE, seg_BnZ = blocks(k_BTKE), blocks(v_BTKE), blocks(segment_ids_BT)
-  below_ZZ = jnp.arange(Z)[:, None] >= jnp.arange(Z)[None, :]
+  q = _to_blocks(q_BTHE, Z).reshape(-1, B, Z, K, H // K, E)
+  return q, *(_to_blocks(x, Z) for x in (k_BTKE, v_BTKE, segment_ids_BT, positions_BT))
 
-  def query_block(i):
-    q_BZKQE, seg_BZ = q_BnZKQE[:, i], seg_BnZ[:, i]
 
+def _flash_fwd(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
+  B, T, H, E = q_BTHE.shape
+  q, k, v, seg, pos = _blocked(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
+  n, _, Z, K, Q, _ = q.shape
+
+  def query_block(_, i):
     def key_block(j, carry):
       max_BKQZ, sum_BKQZ, out_BKQZE = carry
-      seg_BS = seg_BnZ[:, j]
-      mask_BZS = ((seg_BZ[:, :, None] == seg_BS[:, None, :]) & (seg_BS[:, None, :] > 0)
-                  & ((j < i) | below_ZZ))
-      scores = jnp.einsum("bzkqe,bske->bkqzs", q_BZKQE, k_BnZKE[:, j],
-                          preferred_element_type=jnp.float32) * (E ** -0.5)
-      scores = jnp.where(mask_BZS[:, None, None], scores, _NEG_INF)
+      scores = jnp.where(_block_mask(seg, i, j)[:, None, None], _block_scores(q[i], k[j]),
+                         _NEG_INF)
       new_max = jnp.maximum(max_BKQZ, jnp.max(scores, axis=-1))
       probs = jnp.exp(scores - new_max[..., None])
       rescale = jnp.exp(max_BKQZ - new_max)
       out_BKQZE = out_BKQZE * rescale[..., None] + jnp.einsum(
-          "bkqzs,bske->bkqze", probs.astype(v_BnZKE.dtype), v_BnZKE[:, j],
-          preferred_element_type=jnp.float32)
+          "bkqzs,bske->bkqze", probs.astype(v.dtype), v[j], preferred_element_type=jnp.float32)
       return new_max, sum_BKQZ * rescale + jnp.sum(probs, axis=-1), out_BKQZE
 
-    zeros = jnp.zeros((B, K, H // K, Z), jnp.float32)
-    init = (zeros + _NEG_INF, zeros, jnp.zeros((B, K, H // K, Z, E), jnp.float32))
-    trips = jnp.where(jnp.any(seg_BZ > 0), i + 1, 0)
-    _, sum_BKQZ, out_BKQZE = jax.lax.fori_loop(0, trips, key_block, init)
-    return (out_BKQZE / jnp.where(sum_BKQZ > 0, sum_BKQZ, 1)[..., None]).astype(v_BTKE.dtype)
+    zeros = jnp.zeros((B, K, Q, Z), jnp.float32)
+    init = (zeros + _NEG_INF, zeros, jnp.zeros((B, K, Q, Z, E), jnp.float32))
+    max_BKQZ, sum_BKQZ, out_BKQZE = jax.lax.fori_loop(*_key_blocks(seg, pos, i), key_block, init)
+    # A query that sees no key (padding) gets zeros, or the mean of the values it was
+    # scored against; the backward pass masks it out.
+    seen = sum_BKQZ > 0
+    out_BKQZE = out_BKQZE / jnp.where(seen, sum_BKQZ, 1)[..., None]
+    lse_BKQZ = jnp.where(seen, max_BKQZ + jnp.log(jnp.where(seen, sum_BKQZ, 1)), 0)
+    return None, (jnp.transpose(out_BKQZE, (0, 3, 1, 2, 4)).astype(v.dtype), lse_BKQZ)
 
-  out_nBKQZE = jax.lax.map(query_block, jnp.arange(n))
-  out_BnZKQE = jnp.transpose(out_nBKQZE, (1, 0, 4, 2, 3, 5))
-  return out_BnZKQE.reshape(B, n * Z, H, E)[:, :T]
+  _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(n))
+  out_BTHE = _from_blocks(out.reshape(n, B, Z, H, E), T)
+  return out_BTHE, (q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse)
+
+
+def _flash_bwd(block, residuals, d_out_BTHE):
+  q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse = residuals
+  B, T, H, E = q_BTHE.shape
+  q, k, v, seg, pos = _blocked(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
+  n, _, Z, K, Q, _ = q.shape
+  d_out = _to_blocks(d_out_BTHE, Z).reshape(q.shape)
+  # D = rowsum(dO * O), the softmax's correction term, per query.
+  delta = jnp.sum(d_out.astype(jnp.float32) * _to_blocks(out_BTHE, Z).reshape(q.shape), axis=-1)
+  delta_nBKQZ = jnp.transpose(delta, (0, 1, 3, 4, 2))
+
+  def query_block(carry, i):
+    def key_block(j, carry):
+      dq_BZKQE, dk_nBZKE, dv_nBZKE = carry
+      probs = jnp.where(_block_mask(seg, i, j)[:, None, None],
+                        jnp.exp(_block_scores(q[i], k[j]) - lse[i][..., None]), 0.0)
+      d_probs = jnp.einsum("bzkqe,bske->bkqzs", d_out[i], v[j],
+                           preferred_element_type=jnp.float32)
+      d_scores = (probs * (d_probs - delta_nBKQZ[i][..., None]) * E ** -0.5).astype(q.dtype)
+      dq_BZKQE = dq_BZKQE + jnp.einsum("bkqzs,bske->bzkqe", d_scores, k[j],
+                                       preferred_element_type=jnp.float32)
+      dk_nBZKE = dk_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", d_scores, q[i],
+                                               preferred_element_type=jnp.float32))
+      dv_nBZKE = dv_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", probs.astype(v.dtype),
+                                               d_out[i], preferred_element_type=jnp.float32))
+      return dq_BZKQE, dk_nBZKE, dv_nBZKE
+
+    dq_BZKQE = jnp.zeros((B, Z, K, Q, E), jnp.float32)
+    dq_BZKQE, *carry = jax.lax.fori_loop(*_key_blocks(seg, pos, i), key_block,
+                                         (dq_BZKQE, *carry))
+    return tuple(carry), dq_BZKQE
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(n))
+  cast = lambda x, like: _from_blocks(x, T).astype(like.dtype)
+  return (cast(dq.reshape(n, B, Z, H, E), q_BTHE), cast(dk, k_BTKE), cast(dv, v_BTKE),
+          None, None)
+
+
+_flash = jax.custom_vjp(lambda block, *args: _flash_fwd(block, *args)[0], nondiff_argnums=(0,))
+_flash.defvjp(_flash_fwd, _flash_bwd)

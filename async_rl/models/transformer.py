@@ -11,8 +11,7 @@ Two entry points share one layer body:
     positions; attention (`models/attention.py`) never crosses a segment, and its cost
     grows with the row length, not with the square of the micro-batch.
   * `prefill` / `decode`: a KV cache for generation, one slot per row and one buffer
-    per layer; prefill's attention is forward-only flash attention
-    (`attention.prefill_attention`), linear in memory; the layers are unrolled, and `split_layers` gives the params a layout
+    per layer; the layers are unrolled, and `split_layers` gives the params a layout
     (one dict per layer) they need not slice. `decode` keeps a dense cache of the
     longest length per slot; the generator's engine decodes through `decode_layers` on
     a paged one (`generation.paged`) and inserts `prefill`'s cache into its blocks.
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from async_rl.models.attention import attention, prefill_attention
+from async_rl.models.attention import attention
 
 Params = dict[str, Any]
 
@@ -270,11 +269,12 @@ def prefill(params: Params, cfg, tokens_BT, lengths_B):
   token, cache for those rows).
 
   Row b holds `lengths_B[b]` real tokens at positions 0..len-1, segment 1 to
-  `attention.prefill_attention` (padding is segment 0, which no real token sees).
+  `attention.attention` (padding is segment 0, which no real token sees).
   The cache (laid out as `init_cache`'s, with B rows) has the prompt's own length T;
   `insert` copies it into a slot of a longer cache. Only the last real token's
-  logits are computed, so nothing here grows faster than T. Layers are unrolled, as
-  in `decode`.
+  logits are computed, and attention's temporaries grow linearly in long rows, so
+  that a sequence of reasoning length can be prefilled again. Layers are unrolled,
+  as in `decode`.
   """
   B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), tokens_BT.shape)
@@ -283,7 +283,7 @@ def prefill(params: Params, cfg, tokens_BT, lengths_B):
   x, ks, vs = _embed(params, cfg, tokens_BT), [], []
   for lp in _layer_list(params):
     x, (k, v) = _block(lp, cfg, x, positions_BT,
-                       lambda q, k, v: (prefill_attention(q, k, v, segment_ids_BT), (k, v)))
+                       lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), (k, v)))
     ks.append(heads_first(k))
     vs.append(heads_first(v))
   last_B1D = x[jnp.arange(B), lengths_B - 1][:, None]

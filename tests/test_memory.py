@@ -1,7 +1,13 @@
-"""estimate_memory: a hand computation for Qwen2.5-1.5B, and the configs quote its numbers."""
+"""Memory: `estimate_memory` by hand for Qwen2.5-1.5B and the configs quote it; the
+compiled memory per device (`benchmarks/memory.py`) of a tensor-parallel engine and of
+the accelerator configs."""
 
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +15,8 @@ import pytest
 from async_rl.config import from_dict
 from async_rl.models.memory import GIB, describe, estimate_memory
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+ROOT = Path(__file__).parents[1]
+CONFIGS = ROOT / "configs"
 ACCELERATOR_CONFIGS = ("qwen2_5_1_5b", "qwen2_5_7b")
 
 
@@ -46,3 +53,23 @@ def test_docstring_quotes_the_estimate(name):
   quoted = dict(re.findall(r"^  (\w+): ([\d.]+ GiB)", module.__doc__, re.MULTILINE))
   printed = dict(line.split(": ") for line in describe(cfg).splitlines())
   assert quoted == printed
+
+
+def _json_of(*command):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+  out = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True,
+                       timeout=1200, cwd=ROOT)
+  assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_tensor_parallel_engine_holds_a_kth_of_its_params_and_kv_per_device():
+  r = {int(k): v for k, v in _json_of(str(ROOT / "tests" / "memory_check.py")).items()}
+  for k in (2, 4, 8):
+    assert r[k]["kv"] == pytest.approx(r[1]["kv"] / k, rel=1e-3)
+    # Only the norms (a few KiB) are whole on every device.
+    assert r[k]["params"] == pytest.approx(r[1]["params"] / k, rel=0.05)
+    # A prefill's temporaries split with the heads, its prefix with the kv heads.
+    assert r[k]["prefix"] == pytest.approx(r[1]["prefix"] / k, rel=0.05)
+    assert r[k]["prefill_temp"] < 1.5 * r[1]["prefill_temp"] / k

@@ -176,8 +176,6 @@ def flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, interpret: bool = False
   return out[:, :T]
 
 
-
-
 def chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, *, block: int = _CHUNK):
   """Flash attention in plain XLA: temporaries linear in T, for rows too long for
   `blockwise`.
@@ -238,72 +236,78 @@ def _blocked(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
 
 def _flash_fwd(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
   B, T, H, E = q_BTHE.shape
-  q, k, v, seg, pos = _blocked(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
-  n, _, Z, K, Q, _ = q.shape
+  q_nBZKQE, k_nBZKE, v_nBZKE, seg_nBZ, pos_nBZ = _blocked(block, q_BTHE, k_BTKE, v_BTKE,
+                                                          segment_ids_BT, positions_BT)
+  n, _, Z, K, Q, _ = q_nBZKQE.shape
 
   def query_block(_, i):
     def key_block(j, carry):
       max_BKQZ, sum_BKQZ, out_BKQZE = carry
-      scores = jnp.where(_block_mask(seg, i, j)[:, None, None], _block_scores(q[i], k[j]),
-                         _NEG_INF)
+      scores = jnp.where(_block_mask(seg_nBZ, i, j)[:, None, None],
+                         _block_scores(q_nBZKQE[i], k_nBZKE[j]), _NEG_INF)
       new_max = jnp.maximum(max_BKQZ, jnp.max(scores, axis=-1))
       probs = jnp.exp(scores - new_max[..., None])
       rescale = jnp.exp(max_BKQZ - new_max)
       out_BKQZE = out_BKQZE * rescale[..., None] + jnp.einsum(
-          "bkqzs,bske->bkqze", probs.astype(v.dtype), v[j], preferred_element_type=jnp.float32)
+          "bkqzs,bske->bkqze", probs.astype(v_nBZKE.dtype), v_nBZKE[j],
+          preferred_element_type=jnp.float32)
       return new_max, sum_BKQZ * rescale + jnp.sum(probs, axis=-1), out_BKQZE
 
     zeros = jnp.zeros((B, K, Q, Z), jnp.float32)
     init = (zeros + _NEG_INF, zeros, jnp.zeros((B, K, Q, Z, E), jnp.float32))
-    max_BKQZ, sum_BKQZ, out_BKQZE = jax.lax.fori_loop(*_key_blocks(seg, pos, i), key_block, init)
+    max_BKQZ, sum_BKQZ, out_BKQZE = jax.lax.fori_loop(*_key_blocks(seg_nBZ, pos_nBZ, i),
+                                                      key_block, init)
     # A query that sees no key (padding) gets zeros, or the mean of the values it was
     # scored against; the backward pass masks it out.
     seen = sum_BKQZ > 0
     out_BKQZE = out_BKQZE / jnp.where(seen, sum_BKQZ, 1)[..., None]
     lse_BKQZ = jnp.where(seen, max_BKQZ + jnp.log(jnp.where(seen, sum_BKQZ, 1)), 0)
-    return None, (jnp.transpose(out_BKQZE, (0, 3, 1, 2, 4)).astype(v.dtype), lse_BKQZ)
+    return None, (jnp.transpose(out_BKQZE, (0, 3, 1, 2, 4)).astype(v_nBZKE.dtype), lse_BKQZ)
 
-  _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(n))
-  out_BTHE = _from_blocks(out.reshape(n, B, Z, H, E), T)
-  return out_BTHE, (q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse)
+  _, (out_nBZKQE, lse_nBKQZ) = jax.lax.scan(query_block, None, jnp.arange(n))
+  out_BTHE = _from_blocks(out_nBZKQE.reshape(n, B, Z, H, E), T)
+  return out_BTHE, (q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse_nBKQZ)
 
 
 def _flash_bwd(block, residuals, d_out_BTHE):
-  q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse = residuals
+  q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse_nBKQZ = residuals
   B, T, H, E = q_BTHE.shape
-  q, k, v, seg, pos = _blocked(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
-  n, _, Z, K, Q, _ = q.shape
-  d_out = _to_blocks(d_out_BTHE, Z).reshape(q.shape)
+  q_nBZKQE, k_nBZKE, v_nBZKE, seg_nBZ, pos_nBZ = _blocked(block, q_BTHE, k_BTKE, v_BTKE,
+                                                          segment_ids_BT, positions_BT)
+  n, _, Z, K, Q, _ = q_nBZKQE.shape
+  d_out_nBZKQE = _to_blocks(d_out_BTHE, Z).reshape(q_nBZKQE.shape)
   # D = rowsum(dO * O), the softmax's correction term, per query.
-  delta = jnp.sum(d_out.astype(jnp.float32) * _to_blocks(out_BTHE, Z).reshape(q.shape), axis=-1)
-  delta_nBKQZ = jnp.transpose(delta, (0, 1, 3, 4, 2))
+  delta_nBZKQ = jnp.sum(d_out_nBZKQE.astype(jnp.float32)
+                        * _to_blocks(out_BTHE, Z).reshape(q_nBZKQE.shape), axis=-1)
+  delta_nBKQZ = jnp.transpose(delta_nBZKQ, (0, 1, 3, 4, 2))
 
   def query_block(carry, i):
     def key_block(j, carry):
       dq_BZKQE, dk_nBZKE, dv_nBZKE = carry
-      probs = jnp.where(_block_mask(seg, i, j)[:, None, None],
-                        jnp.exp(_block_scores(q[i], k[j]) - lse[i][..., None]), 0.0)
-      d_probs = jnp.einsum("bzkqe,bske->bkqzs", d_out[i], v[j],
+      scores = _block_scores(q_nBZKQE[i], k_nBZKE[j])
+      probs = jnp.where(_block_mask(seg_nBZ, i, j)[:, None, None],
+                        jnp.exp(scores - lse_nBKQZ[i][..., None]), 0.0)
+      d_probs = jnp.einsum("bzkqe,bske->bkqzs", d_out_nBZKQE[i], v_nBZKE[j],
                            preferred_element_type=jnp.float32)
-      d_scores = (probs * (d_probs - delta_nBKQZ[i][..., None]) * E ** -0.5).astype(q.dtype)
-      dq_BZKQE = dq_BZKQE + jnp.einsum("bkqzs,bske->bzkqe", d_scores, k[j],
+      d_scores = (probs * (d_probs - delta_nBKQZ[i][..., None]) * E ** -0.5).astype(q_nBZKQE.dtype)
+      dq_BZKQE = dq_BZKQE + jnp.einsum("bkqzs,bske->bzkqe", d_scores, k_nBZKE[j],
                                        preferred_element_type=jnp.float32)
-      dk_nBZKE = dk_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", d_scores, q[i],
+      dk_nBZKE = dk_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", d_scores, q_nBZKQE[i],
                                                preferred_element_type=jnp.float32))
-      dv_nBZKE = dv_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", probs.astype(v.dtype),
-                                               d_out[i], preferred_element_type=jnp.float32))
+      dv_nBZKE = dv_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", probs.astype(v_nBZKE.dtype),
+                                               d_out_nBZKQE[i], preferred_element_type=jnp.float32))
       return dq_BZKQE, dk_nBZKE, dv_nBZKE
 
     dq_BZKQE = jnp.zeros((B, Z, K, Q, E), jnp.float32)
-    dq_BZKQE, *carry = jax.lax.fori_loop(*_key_blocks(seg, pos, i), key_block,
+    dq_BZKQE, *carry = jax.lax.fori_loop(*_key_blocks(seg_nBZ, pos_nBZ, i), key_block,
                                          (dq_BZKQE, *carry))
     return tuple(carry), dq_BZKQE
 
-  zeros = jnp.zeros(k.shape, jnp.float32)
-  (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(n))
+  zeros = jnp.zeros(k_nBZKE.shape, jnp.float32)
+  (dk_nBZKE, dv_nBZKE), dq_nBZKQE = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(n))
   cast = lambda x, like: _from_blocks(x, T).astype(like.dtype)
-  return (cast(dq.reshape(n, B, Z, H, E), q_BTHE), cast(dk, k_BTKE), cast(dv, v_BTKE),
-          None, None)
+  return (cast(dq_nBZKQE.reshape(n, B, Z, H, E), q_BTHE), cast(dk_nBZKE, k_BTKE),
+          cast(dv_nBZKE, v_BTKE), None, None)
 
 
 _flash = jax.custom_vjp(lambda block, *args: _flash_fwd(block, *args)[0], nondiff_argnums=(0,))

@@ -47,7 +47,7 @@ REWARD_STYLES = ("auto", "single", "trl", "verl")
 DATA_TOKENIZERS = ("hf", "bytes")
 # What a resumed run may change without `run.allow_config_change`: dotted field names,
 # or section names for all their fields.
-RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "placement", "cpu")
+RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "log", "placement", "cpu")
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
@@ -480,6 +480,10 @@ class RolloutConfig:
     reward_timeout_s: hard limit on one reward call (all its functions).
     reward_workers: reward worker processes.
     reward_memory_mb: address-space limit of each reward worker process (0: none).
+    max_reward_error_rate: the run stops, naming the reward function and its first
+      error, once more than this share of its last `reward_error_window` calls failed
+      (raised, timed out, crashed, returned a non-number); 1: never.
+    reward_error_window: the recent reward calls that rate is taken over.
     dynamic_filter: drop groups whose rewards are all equal (no learning signal).
     allow_weak_sandbox: lets code rewards run without bubblewrap (rewards/sandbox.py).
   """
@@ -489,6 +493,8 @@ class RolloutConfig:
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   reward_memory_mb: int = 8192
+  max_reward_error_rate: float = 0.5
+  reward_error_window: int = 64
   dynamic_filter: bool = False
   allow_weak_sandbox: bool = False
 
@@ -509,6 +515,10 @@ class RolloutConfig:
       if len(names) != len(self.reward_weights):
         fail("rollout.reward_weights", self.reward_weights,
              f"must give one weight per function of rollout.reward_fn ({len(names)})")
+    if not 0 <= self.max_reward_error_rate <= 1:
+      fail("rollout.max_reward_error_rate", self.max_reward_error_rate, "must be in [0, 1]")
+    if self.reward_error_window < 1:
+      fail("rollout.reward_error_window", self.reward_error_window, "must be >= 1")
     if self.reward_memory_mb < 0:
       fail("rollout.reward_memory_mb", self.reward_memory_mb, "must be >= 0 (0: no limit)")
 
@@ -532,11 +542,15 @@ class RunConfig:
     max_worker_restarts: rollout-worker restarts allowed over the whole run (Ray).
     allow_config_change: resume even if the config differs outside
       `RESUMABLE_FIELDS`.
+    max_untrainable_groups: the run stops, saying why, once this many groups in a row
+      finished without one that can be trained (rejected as too long, failed, filtered
+      or stale); 0: never.
   """
   warn_after_s: float = 60.0
   stall_timeout_s: float = 600.0
   max_worker_restarts: int = 10
   allow_config_change: bool = False
+  max_untrainable_groups: int = 256
 
   def __post_init__(self):
     _check_finite("run", self)
@@ -547,6 +561,8 @@ class RunConfig:
            f"must exceed run.warn_after_s={self.warn_after_s}")
     if self.max_worker_restarts < 0:
       fail("run.max_worker_restarts", self.max_worker_restarts, "must be >= 0")
+    if self.max_untrainable_groups < 0:
+      fail("run.max_untrainable_groups", self.max_untrainable_groups, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -600,6 +616,36 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+  """What a run logs besides its metrics: sample completions, and Weights & Biases.
+
+  Attributes:
+    samples_every: every this many training steps, the first `num_samples` completions
+      of the batch just trained, with their prompts and rewards, go to
+      `WORKDIR/samples.jsonl` and TensorBoard's text tab; 0: never.
+    num_samples: completions per such entry (a group's together, in batch order).
+    sample_chars: a prompt or completion longer than this many characters keeps its
+      beginning and its end, the middle cut out.
+    wandb_project: a Weights & Biases project to log the metrics to as well (needs the
+      `wandb` package); None: none.
+  """
+  samples_every: int = 10
+  num_samples: int = 4
+  sample_chars: int = 2000
+  wandb_project: Optional[str] = None
+
+  def __post_init__(self):
+    if self.samples_every < 0:
+      fail("log.samples_every", self.samples_every, "must be >= 0 (0: never)")
+    if self.num_samples < 1:
+      fail("log.num_samples", self.num_samples, "must be >= 1")
+    if self.sample_chars < 64:
+      fail("log.sample_chars", self.sample_chars, "must be >= 64")
+    if self.wandb_project == "":
+      fail("log.wandb_project", self.wandb_project, "must be a project name or None")
+
+
+@dataclasses.dataclass(frozen=True)
 class SFTConfig:
   """Supervised warm start on the task's reference solutions before RL.
 
@@ -607,7 +653,8 @@ class SFTConfig:
     steps: warm-start steps; 0: none.
     batch_size: examples per warm-start step.
     learning_rate: the warm start's learning rate.
-    log_every: a progress line every this many steps.
+    log_every: a line, and a `metrics.jsonl` entry (the mean loss since the last
+      one, the learning rate), every this many steps.
   """
   steps: int = 0
   batch_size: int = 64
@@ -861,7 +908,8 @@ class PlacementConfig:
       local instance.
     trainer_gpus, rollout_gpus: GPUs Ray gives the trainer and each rollout worker
       (a fraction shares one GPU; set `gpu_memory_fraction` then).
-    trainer_cpus, rollout_cpus: CPUs Ray reserves for them.
+    trainer_cpus, rollout_cpus: CPUs Ray reserves for the trainer and each rollout
+      worker.
     gpu_memory_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION of every actor (0: JAX's
       default, which preallocates most of a GPU).
     working_dir: Ray `runtime_env` working_dir: this directory is shipped to every
@@ -966,6 +1014,7 @@ class ExperimentConfig:
   run: RunConfig = RunConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
+  log: LogConfig = LogConfig()
   sft: SFTConfig = SFTConfig()
   cpu: CPUConfig = CPUConfig()
   placement: PlacementConfig = PlacementConfig()
@@ -1038,6 +1087,116 @@ def keys() -> list[str]:
   return sorted(walk(ExperimentConfig, ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class Key:
+  """One leaf field of `ExperimentConfig`: its dotted name, type, default, value in a
+  given config, and the help its section's docstring gives it."""
+  name: str
+  type: str
+  default: Any
+  value: Any
+  help: str
+
+
+def describe(cfg: Optional["ExperimentConfig"] = None) -> list[Key]:
+  """Every leaf key of the config, in declaration order, with its value in `cfg`
+  (default: the defaults) and its help (the section's `Attributes:` entry)."""
+  cfg = ExperimentConfig() if cfg is None else cfg
+
+  def walk(cls, obj, prefix):
+    hints, helps = typing.get_type_hints(cls), _field_help(cls)
+    for f in dataclasses.fields(cls):
+      hint, value = hints[f.name], getattr(obj, f.name)
+      if dataclasses.is_dataclass(hint):
+        yield from walk(hint, value, f"{prefix}{f.name}.")
+        continue
+      default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+      yield Key(prefix + f.name, _type_name(hint), default, value, helps.get(f.name, ""))
+
+  return list(walk(ExperimentConfig, cfg, ""))
+
+
+def format_keys(cfg: Optional["ExperimentConfig"] = None) -> str:
+  """`describe(cfg)` as text, one line per key: name, type, value (and the default when
+  it differs), help."""
+  lines = []
+  for k in describe(cfg):
+    changed = "" if k.value == k.default else f"  (default {_show(k.default)})"
+    lines.append(f"{k.name}: {k.type} = {_show(k.value)}{changed}\n    {k.help}")
+  return "\n".join(lines)
+
+
+def key_reference() -> str:
+  """The key reference in Markdown (`docs/config.md`): per section, its summary and a
+  table of its keys with type, default and help."""
+  out = ["# Config keys", "",
+         "Every key of `async_rl.config.ExperimentConfig`, set in a config file or on the",
+         "command line as `--config.<key>=<value>` (`None` for the optional ones). A binary",
+         "given `--print_config` prints the keys with the values it would run with.",
+         "Generated by `python -m async_rl.config > docs/config.md`; a test keeps it in sync.",
+         ""]
+  sections: dict[str, list[Key]] = {}
+  for k in describe():
+    sections.setdefault(k.name.rpartition(".")[0], []).append(k)
+  for section, ks in sections.items():
+    cls = ExperimentConfig
+    for part in filter(None, section.split(".")):
+      cls = typing.get_type_hints(cls)[part]
+    summary = "\n".join(_summary(cls.__doc__)).strip()
+    out += [f"## `{section or 'top level'}`", "", summary, "",
+            "| key | type | default | meaning |", "|---|---|---|---|"]
+    out += [f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(_show(k.default))}` | {_cell(k.help)} |"
+            for k in ks]
+    out.append("")
+  return "\n".join(out)
+
+
+def _field_help(cls) -> dict[str, str]:
+  """The `Attributes:` entries of a section's docstring, each joined onto one line
+  (an entry "a, b: ..." describes both fields)."""
+  import inspect  # noqa: PLC0415 - only the key listing needs it
+  lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+  if "Attributes:" not in lines:
+    return {}
+  helps, parts = {}, []
+  for line in lines[lines.index("Attributes:") + 1:]:
+    if line and not line.startswith(" "):  # the block ends at the next unindented line
+      break
+    head, sep, text = line.strip().partition(": ")
+    names = head.split(", ")
+    if sep and not line.startswith("   ") and all(n.isidentifier() for n in names):
+      parts = [text]  # a new entry, at the block's indentation
+      helps.update((name, parts) for name in names)
+    elif line.strip():
+      parts.append(line.strip())
+  return {name: " ".join(p) for name, p in helps.items()}
+
+
+def _summary(doc: Optional[str]) -> list[str]:
+  """A docstring's lines before its `Attributes:` block."""
+  import inspect  # noqa: PLC0415
+  lines = inspect.cleandoc(doc or "").splitlines()
+  return lines[:lines.index("Attributes:")] if "Attributes:" in lines else lines
+
+
+def _type_name(hint) -> str:
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    return " | ".join(_type_name(a) for a in inner) + " | None"
+  if typing.get_origin(hint) is not None:
+    args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in typing.get_args(hint))
+    return f"{typing.get_origin(hint).__name__}[{args}]"
+  return getattr(hint, "__name__", str(hint))
+
+
+def _cell(text: str) -> str:
+  return text.replace("|", "\\|")
+
+
+def _show(value) -> str:
+  return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
 def unknown_key_message(key: str, known) -> str:
   """An error for an unknown config key that names the nearest valid ones."""
   known = list(known)
@@ -1059,8 +1218,15 @@ def parse_flags(argv):
   `AttributeError: "'x'"`), exits with status 2 and one line that names the key (and,
   for an unknown one, the nearest valid ones), without the usage text. Pass as
   `app.run(main, flags_parser=parse_flags)`.
+
+  `--print_config` prints every key of the config the binary would run with (type,
+  value, default where it differs, help; `format_keys`) and exits 0, the binary's
+  other required flags not needed.
   """
   from absl import flags  # noqa: PLC0415 - only binaries parse flags
+  if "print_config" not in flags.FLAGS:
+    flags.DEFINE_bool("print_config", False, "Print every --config key (type, value, "
+                      "default, help) of the resolved config and exit.")
   optional = _optional_keys()
   nones, kept = [], [argv[0]]
   for arg in argv[1:]:
@@ -1073,9 +1239,13 @@ def parse_flags(argv):
   try:
     rest = flags.FLAGS(kept)
   except flags.IllegalFlagValueError as e:
-    _exit_with(f"{e}".splitlines()[0])
+    # Values are set before the required flags are validated, so --print_config
+    # needs only --config.
+    if not (flags.FLAGS.is_parsed() and flags.FLAGS["print_config"].value):
+      _exit_with(_one_line(e))
+    rest = [argv[0]]
   except flags.Error as e:
-    _exit_with(str(e).splitlines()[0])
+    _exit_with(_one_line(e))
   except (AttributeError, KeyError):
     overrides = [a.split("=", 1)[0][len("--config."):] for a in kept[1:]
                  if a.startswith("--config.")]
@@ -1091,7 +1261,26 @@ def parse_flags(argv):
     for section in sections:
       node = node[section]
     node[field] = None
+  if flags.FLAGS["print_config"].value:
+    try:
+      text = format_keys(from_dict(flags.FLAGS["config"].value))
+    except ValueError as e:
+      _exit_with(f"invalid config: {e}")
+    try:
+      print(text, flush=True)
+    except BrokenPipeError:  # `| head` closed the pipe: what it read is what was asked
+      sys.stdout = None
+    sys.exit(0)
   return rest
+
+
+def _one_line(error) -> str:
+  """A flag error's first line, with its cause's last line when a traceback follows (a
+  config file that fails to load: "Error whilst parsing config file: ValueError: ...")."""
+  lines = [line for line in str(error).splitlines() if line.strip()]
+  if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+    return f"{lines[0]} {lines[-1]}"
+  return lines[0]
 
 
 def _exit_with(message):
@@ -1158,3 +1347,7 @@ def _coerce(hint, value, path):
   if value is None or not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
     fail(path, value, f"must be of type {hint.__name__}")
   return value
+
+
+if __name__ == "__main__":
+  print(key_reference())

@@ -1,13 +1,14 @@
 """Memory per device of the accelerator configs at reasoning lengths, read from the compiler.
 
   python -m benchmarks.memory      # 1.5B and 7B at 8k / 16k / 32k, and the 7B engine on
-                                   # 1 / 2 / 4 / 8 devices; about 25 minutes on 2 CPU cores
+                                   # 1 / 2 / 4 / 8 devices; compile only, minutes
   python -m benchmarks.memory --configs=qwen2_5_1_5b --lengths=32k --tp=   # one row
   python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # per micro-batch
 
-Nothing is allocated: every program is lowered from abstract shapes and compiled for
-the host's CPU (8 fake devices, `--xla_force_host_platform_device_count`, for the
-multi-device ones), and its `memory_analysis()` is read; values are per device.
+Nothing is allocated: params and KV pools are counted from their abstract shapes and
+shardings, and every program is lowered from abstract shapes and compiled for the
+host's CPU (8 fake devices, `--xla_force_host_platform_device_count`, for the
+multi-device ones), its `memory_analysis()` read; values are per device.
 
 Per device, for each config (`configs/<name>.py`) and generation length:
   generator  one engine (`generation.Engine`, as `build.make_engine` builds it for an
@@ -35,12 +36,15 @@ or a config's variant of that name where it has one (the 1.5B's `:32k`, 64 slots
 16-bit accounting. XLA:CPU computes 16-bit data in float32: a bfloat16 compile holds
 float32 copies of the weights, of the KV pools in the decode loop and of the stacks
 remat saves, buffers a backend with native bfloat16 never holds (one decode chunk of
-the 1.5B at 32k: 27 GiB of temporaries as bfloat16, 1.8 GiB as float32). float16
-keeps most buffers 16-bit but widens the weights its dots read (all layers' at once in
-the engine's unrolled programs); float32 widens nothing but counts every 16-bit buffer
-at 4 bytes. Each program is therefore compiled in float16 and in float32, same
-shapes: arguments and outputs are the float16 compile's (the bytes of the configs'
-bfloat16), temporaries the smaller of the two, each an overcount for its own reason.
+the 1.5B at 32k: 27 GiB of temporaries as bfloat16, 1.8 GiB as float32). So params
+and KV pools are counted at the configs' 16-bit dtypes from their shapes, and each
+program is compiled once, in the 16-bit stand-in that overcounts it least: the
+engine's programs in float32, which widens nothing but counts each 16-bit temporary
+at 4 bytes (float16 would widen every layer's weights at once, the programs being
+unrolled); the train step in float16, which keeps its buffers 16-bit but widens the
+weights of the layer its dots read (float32 would double every saved activation).
+The train state is that compile's arguments (params, AdamW moments and the
+micro-batch). Each transient is thus an upper bound.
 On CPU the programs run the CPU kernels, `attention.chunked` (long rows) and
 `paged.ragged_attention`, where a GPU runs the Pallas flash and paged kernels; the
 attention temporaries of both grow linearly in the row.
@@ -95,9 +99,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import importlib.util  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -126,7 +130,6 @@ _TOKENS = flags.DEFINE_list("tokens", [], "Tokens per micro-batch (multiples of 
 _SAVES = flags.DEFINE_list("saves", None, "model.remat_saves to compile with, e.g. "
                            "mlp_gate,qkv (default: the config's; 'none' for none).")
 
-CONFIG_DIR = Path(__file__).parents[1] / "configs"
 # Prompt and new tokens of each length; None: the config as shipped.
 LENGTHS = {"8k": None, "16k": (1024, 15360), "32k": (1024, 31744)}
 TRAINER_DEVICES = {"qwen2_5_1_5b": 1, "qwen2_5_7b": 8}
@@ -134,10 +137,9 @@ DEVICE_GIB = 80e9 / GIB
 
 
 def experiment(name: str, length: str):
-  """`configs/<name>.py` at `length` (`LENGTHS`): its variant of that name if it has one."""
-  spec = importlib.util.spec_from_file_location(name, CONFIG_DIR / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  """The shipped config `name` at `length` (`LENGTHS`): its variant of that name if it
+  has one."""
+  module = importlib.import_module(f"async_rl.configs.{name}")
   if length in getattr(module, "VARIANTS", ()):
     c = module.get_config(length)
   else:
@@ -154,19 +156,15 @@ def with_dtype(model_cfg, dtype: str):
   return dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype)
 
 
-def compiled_16bit(compile_in):
-  """`compile_in(dtype)` compiled in float16 and float32, read as the module docstring says:
-  GiB of arguments, outputs and aliased outputs of the float16 compile, and the smaller
-  temporaries."""
-  f16, f32 = (compile_in(d).memory_analysis() for d in ("float16", "float32"))
-  return dict(args=f16.argument_size_in_bytes / GIB, out=f16.output_size_in_bytes / GIB,
-              alias=f16.alias_size_in_bytes / GIB,
-              temp=min(f16.temp_size_in_bytes, f32.temp_size_in_bytes) / GIB,
-              temp_f16=f16.temp_size_in_bytes / GIB, temp_f32=f32.temp_size_in_bytes / GIB)
+def gib_per_device(tree, dtype) -> float:
+  """GiB on one device of the sharded abstract arrays of `tree`, each element `dtype`."""
+  elements = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
+  return elements * jnp.dtype(dtype).itemsize / GIB
 
 
 def engine_on(cfg, devices, model_cfg):
-  """`cfg`'s generator engine on `devices` (tensor parallel over several), with `model_cfg`."""
+  """`cfg`'s generator engine on `devices` (tensor parallel over several), with
+  `model_cfg`, and its params' abstract serving layout."""
   g, k = cfg.generation, len(devices)
   mesh = Mesh(np.array(devices).reshape(1, 1, k), sharding.AXES)
   stacked = jax.eval_shape(functools.partial(models.init_params, model_cfg), jax.random.key(0))
@@ -179,31 +177,38 @@ def engine_on(cfg, devices, model_cfg):
 
 
 def generator(cfg, devices) -> dict:
-  """One engine's params, KV pool and transient per device (module docstring), in GiB."""
-  def program(make):
-    def compile_in(dtype):
-      engine, params = engine_on(cfg, devices, with_dtype(cfg.model, dtype))
-      return make(engine, params).compile()
-    return compiled_16bit(compile_in)
+  """One engine on `devices`, per device in GiB: params and KV pools in the config's
+  dtypes, and the float32 compile's transients (module docstring)."""
+  engine, params = engine_on(cfg, devices, with_dtype(cfg.model, "float32"))
+  pools = engine.abstract_decode_state().cache
+  g = cfg.generation
+  blocks = paged.bucket(g.kv_cache_blocks, g.num_slots * g.sequence_blocks)
+  prefill = engine.lower_prefill(params, g.max_length).compile().memory_analysis()
+  decode = engine.lower_generate_chunk(params, blocks).compile().memory_analysis()
+  return dict(params=gib_per_device(params, cfg.model.param_dtype),
+              kv=gib_per_device((pools.k, pools.v), cfg.model.dtype),
+              prefill=(prefill.temp_size_in_bytes + prefill.output_size_in_bytes) / GIB,
+              decode=decode.temp_size_in_bytes / GIB)
 
-  blocks = paged.bucket(cfg.generation.kv_cache_blocks,
-                        cfg.generation.num_slots * cfg.generation.sequence_blocks)
-  prefill = program(lambda e, p: e.lower_prefill(p, cfg.generation.max_length))
-  decode = program(lambda e, p: e.lower_generate_chunk(p, blocks))
-  params = prefill["args"]
-  return dict(params=params, kv=decode["args"] - params, prefill_temp=prefill["temp"],
-              prefix=prefill["out"], decode_temp=decode["temp"],
-              transient=max(prefill["temp"] + prefill["out"], decode["temp"]))
+
+@functools.cache
+def generator_of(name: str, length: str, k: int) -> dict:
+  """`generator` of config `name` at `length` on the first `k` devices, once each."""
+  gen = generator(experiment(name, length), jax.devices()[:k])
+  return dict(gen, transient=max(gen["prefill"], gen["decode"]),
+              total=gen["params"] + gen["kv"] + max(gen["prefill"], gen["decode"]))
 
 
 def trainer(cfg, devices) -> dict:
-  """The train state and the train step's temporaries per device, in GiB."""
+  """The train state and the train step's temporaries per device, in GiB, from the
+  float16 compile (module docstring)."""
   mesh = sharding.make_mesh(cfg.mesh, devices)
   row_len = -(-cfg.batching.max_tokens_per_mb // 8) * 8
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
-  step = compiled_16bit(lambda dtype: compile_train_step(
-      dataclasses.replace(cfg, model=with_dtype(cfg.model, dtype)), mesh, rows, row_len))
-  return dict(state=step["args"], temp=step["temp"], row_len=row_len)
+  f16 = dataclasses.replace(cfg, model=with_dtype(cfg.model, "float16"))
+  mem = compile_train_step(f16, mesh, rows, row_len).memory_analysis()
+  return dict(state=mem.argument_size_in_bytes / GIB, temp=mem.temp_size_in_bytes / GIB,
+              row_len=row_len)
 
 
 def compile_train_step(cfg, mesh, rows, row_len):
@@ -223,21 +228,18 @@ def per_device(name: str, length: str) -> dict:
   D = TRAINER_DEVICES.get(name, 1)
   if len(jax.devices()) < D:
     raise ValueError(f"{name} needs {D} devices; XLA_FLAGS gives {len(jax.devices())}")
-  gen = generator(cfg, jax.devices()[:1])
+  gen = generator_of(name, length, 1)
   train = trainer(cfg, jax.devices()[:D])
-  device0 = train["state"] + train["temp"] + 2 * (gen["params"] + gen["kv"] + gen["transient"])
+  device0 = train["state"] + train["temp"] + 2 * gen["total"]
   return dict(length=cfg.generation.max_length, slots=cfg.generation.num_slots,
               trainer_devices=D, generator=gen, trainer=train, device0=device0,
               fits_80gb=device0 <= DEVICE_GIB)
 
 
 def tensor_parallel(name: str, ks) -> dict:
-  """`name`'s engine at 8k on k devices for each k: per-device GiB and the ratio to k = 1."""
-  cfg = experiment(name, "8k")
-  out = {}
-  for k in ks:
-    gen = generator(cfg, jax.devices()[:k])
-    out[k] = dict(gen, total=gen["params"] + gen["kv"] + gen["transient"])
+  """`name`'s engine at 8k on k devices for each k: per-device GiB and the ratio to the
+  fewest."""
+  out = {k: dict(generator_of(name, "8k", k)) for k in ks}
   one = out[min(ks)]
   for r in out.values():
     r["ratio"] = {key: r[key] / one[key] for key in ("params", "kv", "transient", "total")}
@@ -250,7 +252,7 @@ def print_per_device(results):
   for (name, length), r in results.items():
     g, t = r["generator"], r["trainer"]
     print(f"{name:<14}{length:>7}{r['trainer_devices']:>3}{g['params']:>11.2f}{g['kv']:>7.2f}"
-          f"{g['prefill_temp'] + g['prefix']:>9.2f}{g['decode_temp']:>8.2f}{t['state']:>12.2f}"
+          f"{g['prefill']:>9.2f}{g['decode']:>8.2f}{t['state']:>12.2f}"
           f"{t['temp']:>11.2f}{r['device0']:>10.2f}  {'yes' if r['fits_80gb'] else 'NO'}")
   print("GiB per device. prefill: temporaries + the prefix of one full-length sequence; "
         "decode: one chunk's temporaries, the KV budget in flight; device 0: train state + "
@@ -259,10 +261,11 @@ def print_per_device(results):
 
 def print_tensor_parallel(name, tp):
   print(f"\n{name} engine at 8k, per device (GiB; ratio to k = {min(tp)})")
-  print(f"{'k':>3}{'params':>9}{'KV':>8}{'transient':>11}{'total':>9}{'ratio':>8}{'1/k':>7}")
+  print(f"{'k':>3}{'params':>9}{'KV':>8}{'prefill':>9}{'decode':>8}{'total':>9}{'ratio':>8}"
+        f"{'1/k':>7}")
   for k, r in tp.items():
-    print(f"{k:>3}{r['params']:>9.2f}{r['kv']:>8.2f}{r['transient']:>11.2f}{r['total']:>9.2f}"
-          f"{r['ratio']['total']:>8.3f}{1 / k:>7.3f}")
+    print(f"{k:>3}{r['params']:>9.2f}{r['kv']:>8.2f}{r['prefill']:>9.2f}{r['decode']:>8.2f}"
+          f"{r['total']:>9.2f}{r['ratio']['total']:>8.3f}{1 / k:>7.3f}")
 
 
 def abstract_state(model_cfg, tx, mesh):
@@ -394,11 +397,9 @@ def main(argv):
                      for (n, l), r in results.items()},
       trainer_gib={f"{n}/{l}": {k: r2(v) for k, v in r["trainer"].items()}
                    for (n, l), r in results.items()},
-      tp_gib={k: r2(r["total"]) for k, r in tp.items()},
-      tp_ratio={k: round(r["ratio"]["total"], 3) for k, r in tp.items()},
-      tp_params_kv_ratio={k: round((r["params"] + r["kv"]) / (tp[min(tp)]["params"]
-                                                              + tp[min(tp)]["kv"]), 3)
-                          for k, r in tp.items()})
+      tp_gib={k: {key: r2(r[key]) for key in ("params", "kv", "prefill", "decode", "total")}
+              for k, r in tp.items()},
+      tp_ratio={k: {key: round(v, 3) for key, v in r["ratio"].items()} for k, r in tp.items()})
   print(json.dumps(summary))
 
 

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from async_rl import models, policy
+from async_rl.config import ModelConfig
 from async_rl.models import attention
 
 
@@ -149,6 +151,21 @@ def test_chunked_forward_and_backward_hold_no_row_by_row_scores():
   one_head_scores = 32768 ** 2 * 4
   assert temp(32768) < one_head_scores / 2
   assert temp(32768) < 2.2 * temp(16384)
+
+
+def test_the_models_gradient_at_a_32k_row_holds_no_row_by_row_scores():
+  """The train step's differentiated forward pass (the model, remat on, and its
+  chunked log-probs) on one row of 32k tokens, compiled, nothing allocated: its
+  temporaries are less than one head's [T, T] float32 scores."""
+  T = 32768
+  cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=16, d_ff=128, max_seq_len=T, remat=True)
+  params = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
+  row = jax.ShapeDtypeStruct((1, T), jnp.int32)
+  loss = lambda p, tokens, pos, seg: policy.logp_and_entropy(p, cfg, tokens, pos, seg)[0].sum()
+  temp = jax.jit(jax.grad(loss)).lower(params, row, row, row).compile().memory_analysis(
+      ).temp_size_in_bytes
+  assert temp < T * T * 4 / 2
 
 
 def _flash_interpreted(q, k, v, seg, pos):

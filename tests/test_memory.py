@@ -59,17 +59,17 @@ def _json_of(*command):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
   out = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True,
-                       timeout=1200, cwd=ROOT)
+                       timeout=300, cwd=ROOT)
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_tensor_parallel_engine_holds_a_kth_of_its_params_and_kv_per_device():
+def test_a_tensor_parallel_engine_holds_a_kth_per_device():
   r = {int(k): v for k, v in _json_of(str(ROOT / "tests" / "memory_check.py")).items()}
-  for k in (2, 4, 8):
-    assert r[k]["kv"] == pytest.approx(r[1]["kv"] / k, rel=1e-3)
-    # Only the norms (a few KiB) are whole on every device.
-    assert r[k]["params"] == pytest.approx(r[1]["params"] / k, rel=0.05)
-    # A prefill's temporaries split with the heads, its prefix with the kv heads.
-    assert r[k]["prefix"] == pytest.approx(r[1]["prefix"] / k, rel=0.05)
-    assert r[k]["prefill_temp"] < 1.5 * r[1]["prefill_temp"] / k
+  assert r[4]["kv"] == r[1]["kv"] / 4
+  # Only the norms (a few KiB) are whole on every device.
+  assert r[4]["params"] == pytest.approx(r[1]["params"] / 4, rel=0.05)
+  # Decoding gathers each device's own kv heads' blocks.
+  assert r[4]["decode"] == pytest.approx(r[1]["decode"] / 4, rel=0.05)
+  # A prefill splits with the heads, but for its embeddings and logits.
+  assert r[4]["prefill"] < 1.5 * r[1]["prefill"] / 4

@@ -225,14 +225,18 @@ class Engine:
     one = np.ones(1, np.int32)
     return self._prefill_fn.lower(params, np.zeros((1, length), np.int32), one, one, sampling)
 
+  def abstract_decode_state(self) -> DecodeState:
+    """The shapes and shardings of `init_decode_state`'s state; nothing is allocated."""
+    abstract = jax.eval_shape(self._init_fn)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract, jax.tree.broadcast(self._state_sharding, abstract))
+
   def lower_generate_chunk(self, params, blocks: int) -> jax.stages.Lowered:
     """`generate_chunk` at attention size `blocks` (one of `decode_buckets`) over this
     engine's decode state, lowered as `lower_prefill`."""
-    abstract = jax.eval_shape(self._init_fn)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         abstract, jax.tree.broadcast(self._state_sharding, abstract))
     tables_SM = np.zeros((self._num_slots, self.max_blocks), np.int32)
-    return self._generate_chunk_fn.lower(params, state, tables_SM, blocks=blocks)
+    return self._generate_chunk_fn.lower(params, self.abstract_decode_state(), tables_SM,
+                                         blocks=blocks)
 
   def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
     """Right-pads `tokens` with zeros to the smallest bucket; returns (padded, length)."""

@@ -52,7 +52,9 @@ attention temporaries of both grow linearly in the row.
 Tensor parallelism (`--tp`): the `--tp_config` engine at 8k on k devices, params split
 over heads and MLP width (`sharding.param_shardings` on a `tensor` = k mesh), KV pools
 over kv heads (`sharding.kv_pool_sharding`), with each figure's ratio to k = 1. An axis
-that k does not divide stays whole (`sharding.PARAM_RULES`).
+that k does not divide stays whole (`sharding.PARAM_RULES`). Beside the counts from
+shapes, `decode_args_f32` is what the compiler places on each device as the decode
+chunk's arguments (params, pools and the slots' state, at float32's 4 bytes).
 
 Last line: JSON with, per config and length, `device0_gib` and `fits_80gb`, the
 generator's and the trainer's parts, and `tp_gib` / `tp_ratio` per k.
@@ -188,7 +190,8 @@ def generator(cfg, devices) -> dict:
   return dict(params=gib_per_device(params, cfg.model.param_dtype),
               kv=gib_per_device((pools.k, pools.v), cfg.model.dtype),
               prefill=(prefill.temp_size_in_bytes + prefill.output_size_in_bytes) / GIB,
-              decode=decode.temp_size_in_bytes / GIB)
+              decode=decode.temp_size_in_bytes / GIB,
+              decode_args_f32=decode.argument_size_in_bytes / GIB)
 
 
 @functools.cache
@@ -242,7 +245,8 @@ def tensor_parallel(name: str, ks) -> dict:
   out = {k: dict(generator_of(name, "8k", k)) for k in ks}
   one = out[min(ks)]
   for r in out.values():
-    r["ratio"] = {key: r[key] / one[key] for key in ("params", "kv", "transient", "total")}
+    r["ratio"] = {key: r[key] / one[key]
+                  for key in ("params", "kv", "transient", "total", "decode_args_f32")}
   return out
 
 
@@ -397,7 +401,8 @@ def main(argv):
                      for (n, l), r in results.items()},
       trainer_gib={f"{n}/{l}": {k: r2(v) for k, v in r["trainer"].items()}
                    for (n, l), r in results.items()},
-      tp_gib={k: {key: r2(r[key]) for key in ("params", "kv", "prefill", "decode", "total")}
+      tp_gib={k: {key: r2(r[key]) for key in ("params", "kv", "prefill", "decode", "total",
+                                              "decode_args_f32")}
               for k, r in tp.items()},
       tp_ratio={k: {key: round(v, 3) for key, v in r["ratio"].items()} for k, r in tp.items()})
   print(json.dumps(summary))

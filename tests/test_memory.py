@@ -67,6 +67,8 @@ def _json_of(*command):
 def test_a_tensor_parallel_engine_holds_a_kth_per_device():
   r = {int(k): v for k, v in _json_of(str(ROOT / "tests" / "memory_check.py")).items()}
   assert r[4]["kv"] == r[1]["kv"] / 4
+  # What the compiler places per device: params, pools and the slots' small state.
+  assert r[4]["decode_args_f32"] == pytest.approx(r[1]["decode_args_f32"] / 4, rel=0.05)
   # Only the norms (a few KiB) are whole on every device.
   assert r[4]["params"] == pytest.approx(r[1]["params"] / 4, rel=0.05)
   # Decoding gathers each device's own kv heads' blocks.

@@ -1,9 +1,11 @@
 """Run in a subprocess with 8 fake CPU devices: a tensor-parallel engine's compiled
-memory per device (`benchmarks.memory.generator`) on k = 1 and 4 devices.
+memory per device (`benchmarks.memory.generator`) on k = 1 and 4 devices, and the
+train step's (`benchmarks.memory.trainer`: one row of 4,096 tokens per device) on 1
+and on 8 devices (fsdp).
 
 The model is small, bfloat16, with 8 heads, 8 kv heads and an MLP width that every k
 divides, and a KV budget of 4 sequences of 4,096 tokens, which outweighs its params.
-Prints each k's figures (GiB) as JSON.
+Prints the figures (GiB) as JSON.
 """
 
 import os
@@ -29,7 +31,8 @@ OVERRIDES = {
 
 def main():
   cfg = small_config(**OVERRIDES)
-  print(json.dumps({k: memory.generator(cfg, jax.devices()[:k]) for k in (1, 4)}))
+  print(json.dumps({"engine": {k: memory.generator(cfg, jax.devices()[:k]) for k in (1, 4)},
+                    "trainer": {D: memory.trainer(cfg, jax.devices()[:D]) for D in (1, 8)}}))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 compiled memory per device (`benchmarks/memory.py`) of a tensor-parallel engine and of
 the accelerator configs."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -64,8 +65,13 @@ def _json_of(*command):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@functools.cache
+def _check():
+  return _json_of(str(ROOT / "tests" / "memory_check.py"))
+
+
 def test_a_tensor_parallel_engine_holds_a_kth_per_device():
-  r = {int(k): v for k, v in _json_of(str(ROOT / "tests" / "memory_check.py")).items()}
+  r = {int(k): v for k, v in _check()["engine"].items()}
   assert r[4]["kv"] == r[1]["kv"] / 4
   # What the compiler places per device: params, pools and the slots' small state.
   assert r[4]["decode_args_f32"] == pytest.approx(r[1]["decode_args_f32"] / 4, rel=0.05)
@@ -75,3 +81,11 @@ def test_a_tensor_parallel_engine_holds_a_kth_per_device():
   assert r[4]["decode"] == pytest.approx(r[1]["decode"] / 4, rel=0.05)
   # A prefill splits with the heads, but for its embeddings and logits.
   assert r[4]["prefill"] < 1.5 * r[1]["prefill"] / 4
+
+
+def test_the_train_step_on_8_devices_holds_its_own_row_per_device():
+  r = {int(k): v for k, v in _check()["trainer"].items()}
+  # Params, moments and gradient buffers shard eight ways; the activations are one
+  # row's on each device, as on one device with one row.
+  assert r[8]["state"] < r[1]["state"] / 4
+  assert r[8]["temp"] < 1.2 * r[1]["temp"]

@@ -193,16 +193,22 @@ def unembed(params: Params, cfg, x_BTD):
 _logits = unembed
 
 
-def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT):
+def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT, *, rows=None):
   """Hidden states [B, T, D] of packed rows after the last layer, before `unembed`.
 
   Query t sees key s iff both are in the same non-padding segment and s <= t
-  (`attention.attention`, which picks the kernel by backend).
+  (`attention.attention`, which picks the kernel by backend). `rows`, a sharding of
+  the residual stream (a trainer's rows over its data-parallel axes), holds every
+  layer to it: left to itself, XLA keeps weights that are sharded over those axes
+  in place and computes every row on every device.
   """
+  constrain = ((lambda x: x) if rows is None
+               else lambda x: jax.lax.with_sharding_constraint(x, rows))
+
   def layer(x, lp):
-    x, _ = _block(lp, cfg, x, positions_BT,
+    x, _ = _block(lp, cfg, constrain(x), positions_BT,
                   lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), None))
-    return x, None
+    return constrain(x), None
 
   # Without remat a scan would stack every intermediate of every layer into [L, ...]
   # buffers and slice them back in the backward pass: copies that took a fifth of the

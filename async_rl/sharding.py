@@ -59,6 +59,16 @@ def kv_pool_sharding(shape, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, _fit(KV_POOL_SPEC, shape, mesh))
 
 
+# A prefill's KV cache, [B, K, P, E] per layer (`models.prefill`), split as the pools
+# that it is copied into, so that neither the prefill nor the copy gathers it.
+PREFIX_CACHE_SPEC = P(None, "tensor")
+
+
+def prefix_cache_sharding(shape, mesh: Mesh) -> NamedSharding:
+  """The sharding of one layer's prefill cache of `shape` on a generator's `mesh`."""
+  return NamedSharding(mesh, _fit(PREFIX_CACHE_SPEC, shape, mesh))
+
+
 def param_spec(path: str, shape, mesh: Mesh) -> P:
   for pattern, spec in PARAM_RULES:
     if re.search(pattern, path):

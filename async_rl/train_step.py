@@ -104,9 +104,9 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
 
 
 def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta_version, *,
-             model_cfg, loss_fn, temperature):
+             model_cfg, loss_fn, temperature, rows):
   logp, ent = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
-                                      mb.segment_ids, temperature=temperature)
+                                      mb.segment_ids, temperature=temperature, rows=rows)
   if prox_logp is None:
     prox_logp = off_policy.loglinear_prox_logp(logp, mb.behav_logp, mb.versions,
                                                prox_version=prox_version,
@@ -133,17 +133,18 @@ def _minibatches(x, n):
   return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
 
 
-def _grad_fn(model_cfg, loss_fn, temperature):
+def _grad_fn(model_cfg, loss_fn, temperature, rows):
   return jax.value_and_grad(functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
-                                              temperature=temperature), has_aux=True)
+                                              temperature=temperature, rows=rows), has_aux=True)
 
 
 def accumulate_grads(params, micro_batches: PackedBatch, prox_logp, num_tokens, version,
                      theta_version, *, model_cfg: ModelConfig, loss_fn: Callable,
-                     temperature: float = 1.0):
+                     temperature: float = 1.0, rows=None):
   """Loss, metrics and float32 gradients summed over [m, R, T] micro-batches, each loss
-  divided by `num_tokens` (its update's valid tokens); empty micro-batches add zeros."""
-  grad_fn = _grad_fn(model_cfg, loss_fn, temperature)
+  divided by `num_tokens` (its update's valid tokens); empty micro-batches add zeros.
+  `rows`: the sharding of a micro-batch's rows, as `models.hidden` takes it."""
+  grad_fn = _grad_fn(model_cfg, loss_fn, temperature, rows)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   first = jax.tree.map(lambda x: x[0], (micro_batches, prox_logp))
   _, metrics_shape = jax.eval_shape(grad_fn, params, *first, 1.0, version, version)[0]
@@ -208,7 +209,8 @@ def _check_splits(batch, n):
 
 
 def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: ModelConfig,
-               loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1):
+               loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1,
+               rows=None):
   """One training step on a [M, R, T] batch: `num_minibatches` updates; (state, metrics).
 
   Args:
@@ -223,6 +225,8 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
     model_cfg, loss_fn, temperature: the policy and its loss.
     num_minibatches: n, PPO updates in the step (AReaL's `ppo_n_minibatches`). Each
       is the mean over its own valid tokens; an empty one is no update.
+    rows: the sharding of a micro-batch's rows' activations (`rows_sharding`), or
+      None on one device.
 
   A non-finite loss or gradient leaves params and optimizer moments as they were
   (that update is skipped). Metrics are the whole batch's: token means weighted by
@@ -236,7 +240,7 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
     num_tokens = minibatch.loss_mask.sum()
     sums = accumulate_grads(state.params, minibatch, prox, num_tokens, version,
                             version + k / n, model_cfg=model_cfg, loss_fn=loss_fn,
-                            temperature=temperature)
+                            temperature=temperature, rows=rows)
     return apply_grads(state, *sums, num_tokens)
 
   _check_splits(batch, n)
@@ -247,11 +251,12 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
 
 
 def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,
-                   temperature: float = 1.0):
-  """Log-probs [M, R, T] of the batch's tokens under `params` (the proximal policy)."""
+                   temperature: float = 1.0, rows=None):
+  """Log-probs [M, R, T] of the batch's tokens under `params` (the proximal policy);
+  `rows` as `train_step`'s."""
   def one(mb):
     logp, _ = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
-                                      mb.segment_ids, temperature=temperature)
+                                      mb.segment_ids, temperature=temperature, rows=rows)
     return logp * mb.loss_mask
 
   def body(_, mb):
@@ -266,11 +271,17 @@ def batch_shardings(mesh: Mesh) -> NamedSharding:
   return sharding.batch_sharding(mesh, leading_axes=1)
 
 
+def rows_sharding(mesh: Mesh) -> NamedSharding:
+  """A micro-batch's activations [R, T, ...]: R over data x fsdp, as its batch."""
+  return sharding.batch_sharding(mesh, leading_axes=0)
+
+
 def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelConfig,
                    loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1):
   """`train_step` compiled over `mesh`; the input state is donated."""
   fn = functools.partial(train_step, model_cfg=model_cfg, loss_fn=loss_fn,
-                         temperature=temperature, num_minibatches=num_minibatches)
+                         temperature=temperature, num_minibatches=num_minibatches,
+                         rows=rows_sharding(mesh))
   return jax.jit(fn, in_shardings=(state_shardings, batch_shardings(mesh),
                                    sharding.batch_sharding(mesh, leading_axes=1)),
                  out_shardings=(state_shardings, NamedSharding(mesh, P())),
@@ -279,7 +290,8 @@ def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelC
 
 def jit_recompute_logp(mesh: Mesh, params_shardings, *, model_cfg: ModelConfig,
                        temperature: float = 1.0):
-  fn = functools.partial(recompute_logp, model_cfg=model_cfg, temperature=temperature)
+  fn = functools.partial(recompute_logp, model_cfg=model_cfg, temperature=temperature,
+                         rows=rows_sharding(mesh))
   return jax.jit(fn, in_shardings=(params_shardings, batch_shardings(mesh)),
                  out_shardings=sharding.batch_sharding(mesh, leading_axes=1))
 

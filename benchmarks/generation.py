@@ -263,13 +263,12 @@ def _static_sampler(params, prompts_BP, sampling_N, *, cfg, new_tokens, share_pr
   (B, P), N = prompts_BP.shape, sampling_N.seed.shape[0]
   params = models.split_layers(params)  # The layout the pool's engine decodes with.
   if share_prefill:
-    logits_BPV, prompt_cache = models.prefill(params, cfg, prompts_BP, jnp.full(B, P))
-    logits_NV = jnp.repeat(logits_BPV[:, -1], N // B, axis=0)
+    logits_BV, prompt_cache = models.prefill(params, cfg, prompts_BP, jnp.full(B, P))
+    logits_NV = jnp.repeat(logits_BV, N // B, axis=0)
     prompt_cache = jax.tree.map(lambda c: jnp.repeat(c, N // B, axis=0), prompt_cache)
   else:
-    logits_NPV, prompt_cache = models.prefill(params, cfg, jnp.repeat(prompts_BP, N // B, axis=0),
-                                              jnp.full(N, P))
-    logits_NV = logits_NPV[:, -1]
+    logits_NV, prompt_cache = models.prefill(params, cfg, jnp.repeat(prompts_BP, N // B, axis=0),
+                                             jnp.full(N, P))
   lengths_N = jnp.full(N, P, jnp.int32)
   first_N, _ = sample(logits_NV, sampling_N, lengths_N)
   # The prompts' K/V go to positions 0..P-1 of each layer's [N, K, T, E] cache.

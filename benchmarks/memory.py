@@ -1,31 +1,83 @@
-"""Memory and FLOPs of the train step, read from the compiler for the real shapes.
+"""Memory per device of the accelerator configs at reasoning lengths, read from the compiler.
 
-  python -m benchmarks.memory          # configs/qwen2_5_1_5b.py; about 3 minutes on CPU
-  python -m benchmarks.memory --saves=none     # the same with remat saving nothing
-  python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # seconds
+  python -m benchmarks.memory      # 1.5B and 7B at 8k / 16k / 32k, and the 7B engine on
+                                   # 1 / 2 / 4 / 8 devices; compile only, minutes
+  python -m benchmarks.memory --configs=qwen2_5_1_5b --lengths=32k --tp=   # one row
+  python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # per micro-batch
 
-Compiles `train_step.jit_train_step` of --config from abstract shapes on the CPU
-(nothing is allocated): one micro-batch ([1, R, T]) of R rows of T tokens, T the
-config's longest sequence (`generation.max_prompt_len + max_new_tokens`, the row
-length `batching.pack_dynamic` picks for full-length sequences) and R = tokens / T,
-for each micro-batch size in --tokens. Each row holds one sequence filling it. The
-model is the config's (dtype, remat and what it saves; --saves overrides
+Nothing is allocated: params and KV pools are counted from their abstract shapes and
+shardings, and every program is lowered from abstract shapes and compiled for the
+host's CPU (8 fake devices, `--xla_force_host_platform_device_count`, for the
+multi-device ones), its `memory_analysis()` read; values are per device.
+
+Per device, for each config (`configs/<name>.py`) and generation length:
+  generator  one engine (`generation.Engine`, as `build.make_engine` builds it for an
+             accelerator): its params in the serving layout and its KV pool
+             (`generation.kv_blocks` blocks); and its transient, the larger of a prefill
+             of one sequence of the full length (a preempted or retracted sample's, with
+             the prefix it returns) and one decode chunk with the whole KV budget in
+             flight (attention over `paged.bucket(kv_blocks)` blocks).
+  trainer    the train state (params and AdamW moments, sharded by `sharding.PARAM_RULES`
+             over the config's mesh on D devices); and the train step's temporaries for
+             one micro-batch of one row per device of max(`batching.max_tokens_per_mb`,
+             the sequence length) tokens, the longest row `batching.pack_dynamic` builds.
+  device 0   the default placement (`placement.trainer_devices=-1`): the trainer on all D
+             devices and both engines' pools (rollout and evaluation, each with its own
+             params and KV pool) on the first device, every transient counted at once:
+             trainer + its temporaries + 2 x (generator + its transient). It fits one
+             80 GB device when at most 74.5 GiB.
+
+D is 1 for the 1.5B and 8 for the 7B, the devices their docstrings size them for (1
+for other configs).
+Lengths: 8k is each config as shipped (256 prompt + 8,192 new tokens); 16k and 32k
+take 1,024 prompt tokens and 15,360 / 31,744 new ones, slots and KV budget as shipped,
+or a config's variant of that name where it has one (the 1.5B's `:32k`, 64 slots).
+
+16-bit accounting. XLA:CPU computes 16-bit data in float32: a bfloat16 compile holds
+float32 copies of the weights, of the KV pools in the decode loop and of the stacks
+remat saves, buffers a backend with native bfloat16 never holds (one decode chunk of
+the 1.5B at 32k: 27 GiB of temporaries as bfloat16, 1.8 GiB as float32). So params
+and KV pools are counted at the configs' 16-bit dtypes from their shapes, and each
+program is compiled once, in the 16-bit stand-in that overcounts it least: the
+engine's programs in float32, which widens nothing but counts each 16-bit temporary
+at 4 bytes (float16 would widen every layer's weights at once, the programs being
+unrolled); the train step in float16, which keeps its buffers 16-bit but widens the
+weights of the layer its dots read (float32 would double every saved activation).
+The train state is that compile's arguments (params, AdamW moments and the
+micro-batch). Each transient is thus an upper bound.
+On CPU the programs run the CPU kernels, `attention.chunked` (long rows) and
+`paged.ragged_attention`, where a GPU runs the Pallas flash and paged kernels; the
+attention temporaries of both grow linearly in the row.
+
+Tensor parallelism (`--tp`): the `--tp_config` engine at 8k on k devices, params split
+over heads and MLP width (`sharding.param_shardings` on a `tensor` = k mesh), KV pools
+over kv heads (`sharding.kv_pool_sharding`), with each figure's ratio to k = 1. An axis
+that k does not divide stays whole (`sharding.PARAM_RULES`). Beside the counts from
+shapes, `decode_args_f32` is what the compiler places on each device as the decode
+chunk's arguments (params, pools and the slots' state, at float32's 4 bytes).
+
+Last line: JSON with, per config and length, `device0_gib` and `fits_80gb`, the
+generator's and the trainer's parts, and `tp_gib` / `tp_ratio` per k.
+
+Per micro-batch (`--tokens`, with `--config` and `--saves`): the train step of
+`--config` alone, one device, one micro-batch ([1, R, T]) of R rows of T tokens, T the
+config's longest sequence (`generation.max_prompt_len + max_new_tokens`) and R = tokens
+/ T, for each micro-batch size in --tokens; each row holds one sequence filling it.
+The model is the config's (dtype, remat and what it saves; --saves overrides
 `model.remat_saves`) and so is the loss with its proximal log-probs
-(`ppo.prox_logp`); one micro-batch is one PPO update, whatever `ppo.num_minibatches`
-says. The mesh is one device.
-
-Printed per size: XLA's `memory_analysis()` (arguments, outputs, aliased, temporaries,
-in GiB), model FLOPs (`models.flops.train_flops`), executed matmul FLOPs and their
-ratio, and XLA's raw `cost_analysis()["flops"].
+(`ppo.prox_logp`). Printed per size: XLA's `memory_analysis()` (arguments, outputs,
+aliased, temporaries, in GiB), model FLOPs (`models.flops.train_flops`), executed
+matmul FLOPs and their ratio, and XLA's raw `cost_analysis()["flops"]`.
 
 Counting method. `cost_analysis()` counts a loop body once: the scans over layers
 (28 trips), over micro-batches and over log-prob chunks read as one trip each, which
 is why its figure lies far below the model FLOPs. Executed FLOPs are therefore
 counted by `models.flops.executed_matmul_flops`, a walk over the optimised HLO that
 multiplies each loop body by its known trip count (dots only, as model FLOPs count
-only matmuls). The walk is checked against a closed form of what this
-implementation executes on rows that one sequence fills, where nothing is padding
-and the model FLOPs are exactly known:
+only matmuls); rows longer than `attention.LONG_ROW` run `attention.chunked`, whose
+loops have traced trip counts, so their FLOPs are not counted. The walk is checked
+against a closed form of what this implementation executes on rows that one sequence
+fills, where nothing is padding and the model FLOPs are exactly known:
 
   per token  6 N; plus 2 (N - D V - L D F - L S) when remat recomputes the layers'
              forward pass (all of it but the MLP's down projection, whose output
@@ -37,50 +89,187 @@ and the model FLOPs are exactly known:
              block i of n scores the (i + 1) C keys before it), times 3 for forward
              and backward, plus 1 under remat.
 
-The check passes when the two agree to 0.1%; the remaining gap between executed and
-model FLOPs is then the recomputation and the attention blocks' upper triangles,
-which the printout splits out. The GPU path (`attention.flash_gpu`) is not compiled
-here (no GPU): its attention tiles skip the same upper blocks at 128 tokens.
-
-16-bit accounting. XLA:CPU widens bf16 data movement to float32 (its
-`float-normalization-bf16` pass): the scans over layers then slice a float32 copy of
-every layer's bf16 weights (4.9 GiB for the 1.5B model) and of every bf16 stack the
-backward pass reads (remat's saved values: float32 copies next to the bf16 stacks),
-buffers a backend with native bf16 never holds. float16 has the same two bytes and
-XLA:CPU keeps it 16-bit, so for a bf16 config the step is also compiled with
-`dtype` and `param_dtype` float16 (the same program otherwise, the same FLOPs): its
-temporaries, `temp_16bit` in the table, are what the compiler needs with 16-bit
-buffers kept 16-bit, the estimate for a GPU; `temp` is the bf16 CPU compile's.
-(Disabling the pass instead fails: XLA:CPU's dot emitter then meets bf16 dots it
-cannot emit.)
-
-Last line: JSON with `temp_gib` (micro-batch tokens -> GiB of temporaries of the
-config's compile), `temp_gib_16bit` (the float16 compile's, for a bf16 config),
-`flops_ratio` (executed / model FLOPs at the largest size) and the breakdown.
+The check passes when the two agree to 0.1%. For a bf16 config the step is also
+compiled in float16 (`temp_16bit`). Its last line: JSON with `temp_gib` (micro-batch
+tokens -> GiB of temporaries), `temp_gib_16bit`, `flops_ratio` (executed / model FLOPs
+at the largest size) and the breakdown.
 """
 
-import dataclasses
-import json
+import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from absl import app, flags
-from ml_collections import config_flags
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from async_rl import loss, sharding, train_step
-from async_rl.batching import PackedBatch
-from async_rl.config import MeshConfig, from_dict
-from async_rl.models import attention, flops
-from async_rl.models.memory import GIB
-from async_rl.policy import chunk_len
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from async_rl import loss, models, sharding, train_step  # noqa: E402
+from async_rl.batching import PackedBatch  # noqa: E402
+from async_rl.config import MeshConfig, from_dict  # noqa: E402
+from async_rl.generation import Engine, paged  # noqa: E402
+from async_rl.models import attention, flops  # noqa: E402
+from async_rl.models.memory import GIB  # noqa: E402
+from async_rl.policy import chunk_len  # noqa: E402
+
+_CONFIGS = flags.DEFINE_list("configs", ["qwen2_5_1_5b", "qwen2_5_7b"],
+                             "Configs (configs/<name>.py) of the per-device table.")
+_LENGTHS = flags.DEFINE_list("lengths", ["8k", "16k", "32k"], "Generation lengths.")
+_TP = flags.DEFINE_list("tp", ["1", "2", "4", "8"], "Devices of the tensor-parallel engine.")
+_TP_CONFIG = flags.DEFINE_string("tp_config", "qwen2_5_7b", "Config of the --tp table.")
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen2_5_1_5b.py",
-                                          "The experiment whose train step is compiled.")
-_TOKENS = flags.DEFINE_list("tokens", ["4096", "8192", "16384"],
-                            "Tokens per micro-batch (multiples of the row length).")
+                                          "The experiment whose train step --tokens compiles.")
+_TOKENS = flags.DEFINE_list("tokens", [], "Tokens per micro-batch (multiples of the row "
+                            "length): the per micro-batch table of --config instead.")
 _SAVES = flags.DEFINE_list("saves", None, "model.remat_saves to compile with, e.g. "
                            "mlp_gate,qkv (default: the config's; 'none' for none).")
+
+# Prompt and new tokens of each length; None: the config as shipped.
+LENGTHS = {"8k": None, "16k": (1024, 15360), "32k": (1024, 31744)}
+TRAINER_DEVICES = {"qwen2_5_1_5b": 1, "qwen2_5_7b": 8}
+DEVICE_GIB = 80e9 / GIB
+
+
+def experiment(name: str, length: str):
+  """The shipped config `name` at `length` (`LENGTHS`): its variant of that name if it
+  has one."""
+  module = importlib.import_module(f"async_rl.configs.{name}")
+  if length in getattr(module, "VARIANTS", ()):
+    c = module.get_config(length)
+  else:
+    c = module.get_config()
+    if LENGTHS[length] is not None:
+      c.generation.max_prompt_len, c.generation.max_new_tokens = LENGTHS[length]
+  g = c.generation
+  c.model.max_seq_len = max(c.model.max_seq_len, g.max_prompt_len + g.max_new_tokens)
+  c.batching.max_tokens_per_mb = max(c.batching.max_tokens_per_mb, c.model.max_seq_len)
+  return from_dict(c)
+
+
+def with_dtype(model_cfg, dtype: str):
+  return dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype)
+
+
+def gib_per_device(tree, dtype) -> float:
+  """GiB on one device of the sharded abstract arrays of `tree`, each element `dtype`."""
+  elements = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
+  return elements * jnp.dtype(dtype).itemsize / GIB
+
+
+def engine_on(cfg, devices, model_cfg):
+  """`cfg`'s generator engine on `devices` (tensor parallel over several), with
+  `model_cfg`, and its params' abstract serving layout."""
+  g, k = cfg.generation, len(devices)
+  mesh = Mesh(np.array(devices).reshape(1, 1, k), sharding.AXES)
+  stacked = jax.eval_shape(functools.partial(models.init_params, model_cfg), jax.random.key(0))
+  engine = Engine(model_cfg, max_concurrent_decodes=g.num_slots,
+                  max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
+                  steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks,
+                  kv_block_size=g.kv_block_size, mesh=mesh,
+                  param_sharding=sharding.param_shardings(stacked, mesh) if k > 1 else None)
+  return engine, engine.abstract_params(stacked)
+
+
+def generator(cfg, devices) -> dict:
+  """One engine on `devices`, per device in GiB: params and KV pools in the config's
+  dtypes, and the float32 compile's transients (module docstring)."""
+  engine, params = engine_on(cfg, devices, with_dtype(cfg.model, "float32"))
+  pools = engine.abstract_decode_state().cache
+  g = cfg.generation
+  blocks = paged.bucket(g.kv_cache_blocks, g.num_slots * g.sequence_blocks)
+  prefill = engine.lower_prefill(params, g.max_length).compile().memory_analysis()
+  decode = engine.lower_generate_chunk(params, blocks).compile().memory_analysis()
+  return dict(params=gib_per_device(params, cfg.model.param_dtype),
+              kv=gib_per_device((pools.k, pools.v), cfg.model.dtype),
+              prefill=(prefill.temp_size_in_bytes + prefill.output_size_in_bytes) / GIB,
+              decode=decode.temp_size_in_bytes / GIB,
+              decode_args_f32=decode.argument_size_in_bytes / GIB)
+
+
+@functools.cache
+def generator_of(name: str, length: str, k: int) -> dict:
+  """`generator` of config `name` at `length` on the first `k` devices, once each."""
+  gen = generator(experiment(name, length), jax.devices()[:k])
+  return dict(gen, transient=max(gen["prefill"], gen["decode"]),
+              total=gen["params"] + gen["kv"] + max(gen["prefill"], gen["decode"]))
+
+
+def trainer(cfg, devices) -> dict:
+  """The train state and the train step's temporaries per device, in GiB, from the
+  float16 compile (module docstring)."""
+  mesh = sharding.make_mesh(cfg.mesh, devices)
+  row_len = -(-cfg.batching.max_tokens_per_mb // 8) * 8
+  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  f16 = dataclasses.replace(cfg, model=with_dtype(cfg.model, "float16"))
+  mem = compile_train_step(f16, mesh, rows, row_len).memory_analysis()
+  return dict(state=mem.argument_size_in_bytes / GIB, temp=mem.temp_size_in_bytes / GIB,
+              row_len=row_len)
+
+
+def compile_train_step(cfg, mesh, rows, row_len):
+  """The train step of `cfg` on `mesh`, compiled for one micro-batch of `rows` rows of
+  `row_len` tokens."""
+  tx = train_step.make_optimizer(cfg.optimizer)
+  state = abstract_state(cfg.model, tx, mesh)
+  step = train_step.jit_train_step(mesh, train_step.train_state_shardings(state, mesh),
+                                   model_cfg=cfg.model, loss_fn=loss.from_config(cfg.ppo),
+                                   temperature=cfg.generation.logp_temperature)
+  return step.lower(state, *abstract_batch(rows, row_len, cfg.ppo.prox_logp)).compile()
+
+
+def per_device(name: str, length: str) -> dict:
+  """`name` at `length`: generator, trainer and device 0 (module docstring), in GiB."""
+  cfg = experiment(name, length)
+  D = TRAINER_DEVICES.get(name, 1)
+  if len(jax.devices()) < D:
+    raise ValueError(f"{name} needs {D} devices; XLA_FLAGS gives {len(jax.devices())}")
+  gen = generator_of(name, length, 1)
+  train = trainer(cfg, jax.devices()[:D])
+  device0 = train["state"] + train["temp"] + 2 * gen["total"]
+  return dict(length=cfg.generation.max_length, slots=cfg.generation.num_slots,
+              trainer_devices=D, generator=gen, trainer=train, device0=device0,
+              fits_80gb=device0 <= DEVICE_GIB)
+
+
+def tensor_parallel(name: str, ks) -> dict:
+  """`name`'s engine at 8k on k devices for each k: per-device GiB and the ratio to the
+  fewest."""
+  out = {k: dict(generator_of(name, "8k", k)) for k in ks}
+  one = out[min(ks)]
+  for r in out.values():
+    r["ratio"] = {key: r[key] / one[key]
+                  for key in ("params", "kv", "transient", "total", "decode_args_f32")}
+  return out
+
+
+def print_per_device(results):
+  print(f"\n{'config':<14}{'length':>7}{'D':>3}{'gen params':>11}{'KV':>7}{'prefill':>9}"
+        f"{'decode':>8}{'train state':>12}{'train temp':>11}{'device 0':>10}  fits 80 GB")
+  for (name, length), r in results.items():
+    g, t = r["generator"], r["trainer"]
+    print(f"{name:<14}{length:>7}{r['trainer_devices']:>3}{g['params']:>11.2f}{g['kv']:>7.2f}"
+          f"{g['prefill']:>9.2f}{g['decode']:>8.2f}{t['state']:>12.2f}"
+          f"{t['temp']:>11.2f}{r['device0']:>10.2f}  {'yes' if r['fits_80gb'] else 'NO'}")
+  print("GiB per device. prefill: temporaries + the prefix of one full-length sequence; "
+        "decode: one chunk's temporaries, the KV budget in flight; device 0: train state + "
+        "temp + 2 x (params + KV + the larger transient).")
+
+
+def print_tensor_parallel(name, tp):
+  print(f"\n{name} engine at 8k, per device (GiB; ratio to k = {min(tp)})")
+  print(f"{'k':>3}{'params':>9}{'KV':>8}{'prefill':>9}{'decode':>8}{'total':>9}{'ratio':>8}"
+        f"{'1/k':>7}")
+  for k, r in tp.items():
+    print(f"{k:>3}{r['params']:>9.2f}{r['kv']:>8.2f}{r['prefill']:>9.2f}{r['decode']:>8.2f}"
+          f"{r['total']:>9.2f}{r['ratio']['total']:>8.3f}{1 / k:>7.3f}")
 
 
 def abstract_state(model_cfg, tx, mesh):
@@ -125,14 +314,10 @@ def measure(cfg, tokens):
     raise ValueError(f"--tokens {tokens} is not a multiple of the row length {row_len}")
   rows = tokens // row_len
   mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-  tx = train_step.make_optimizer(cfg.optimizer)
-  state = abstract_state(model_cfg, tx, mesh)
-  step = train_step.jit_train_step(mesh, train_step.train_state_shardings(state, mesh),
-                                   model_cfg=model_cfg, loss_fn=loss.from_config(cfg.ppo),
-                                   temperature=cfg.generation.logp_temperature)
-  compiled = step.lower(state, *abstract_batch(rows, row_len, cfg.ppo.prox_logp)).compile()
+  compiled = compile_train_step(cfg, mesh, rows, row_len)
   mem = compiled.memory_analysis()
-  executed = flops.executed_matmul_flops(compiled.as_text())
+  executed = (flops.executed_matmul_flops(compiled.as_text())
+              if row_len <= attention.LONG_ROW else None)
   expected = implementation_flops(model_cfg, rows, row_len)
   model = flops.train_flops(model_cfg, np.tile(np.arange(row_len), rows))
   return dict(
@@ -144,9 +329,8 @@ def measure(cfg, tokens):
       xla_cost_analysis_flops=compiled.cost_analysis()["flops"])
 
 
-def main(argv):
-  del argv
-  cfg = from_dict(_CONFIG.value)
+def micro_batch_table(cfg):
+  """The per micro-batch table of `--config` (module docstring)."""
   if _SAVES.value is not None:
     saves = tuple(s for s in _SAVES.value if s != "none")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat_saves=saves))
@@ -157,38 +341,71 @@ def main(argv):
   results = {int(t): measure(cfg, int(t)) for t in _TOKENS.value}
   as_16bit = "bfloat16" in (m.dtype, m.param_dtype)
   if as_16bit:
-    f16 = dataclasses.replace(cfg, model=dataclasses.replace(m, dtype="float16",
-                                                             param_dtype="float16"))
+    f16 = dataclasses.replace(cfg, model=with_dtype(m, "float16"))
     for t, r in results.items():
       r["temp_16bit_gib"] = measure(f16, t)["temp_gib"]
+  nan = float("nan")
   print(f"\n{'tokens':>7}{'R x T':>11}{'args GiB':>10}{'out GiB':>9}{'alias GiB':>10}"
         f"{'temp GiB':>10}{'temp_16bit':>11}{'model TFLOP':>12}{'exec TFLOP':>11}"
         f"{'exec/model':>11}{'walk/closed form':>17}{'XLA raw TFLOP':>14}")
   for t, r in results.items():
+    executed = r["executed_flops"] or nan
     print(f"{t:>7}{r['rows']:>5} x {r['row_len']:<5}{r['arguments_gib']:>9.2f}"
           f"{r['outputs_gib']:>9.2f}{r['aliased_gib']:>10.2f}{r['temp_gib']:>10.2f}"
-          f"{r.get('temp_16bit_gib', float('nan')):>11.2f}"
-          f"{r['model_flops'] / 1e12:>12.2f}{r['executed_flops'] / 1e12:>11.2f}"
-          f"{r['executed_flops'] / r['model_flops']:>11.3f}"
-          f"{r['executed_flops'] / r['expected_flops']:>17.4f}"
+          f"{r.get('temp_16bit_gib', nan):>11.2f}"
+          f"{r['model_flops'] / 1e12:>12.2f}{executed / 1e12:>11.2f}"
+          f"{executed / r['model_flops']:>11.3f}{executed / r['expected_flops']:>17.4f}"
           f"{r['xla_cost_analysis_flops'] / 1e12:>14.3f}")
-  largest = results[max(results)]
-  parts = ", ".join(f"{k} {v:.3f}" for k, v in largest["breakdown"].items())
-  print(f"\nAt {max(results)} tokens, executed / model FLOPs by closed form: {parts}.")
-  check = max(abs(r["executed_flops"] / r["expected_flops"] - 1) for r in results.values())
-  print(f"Counting check (HLO walk vs closed form): worst {check:.2e} "
-        f"({'ok' if check < 1e-3 else 'FAILED'}).")
-  smallest = results[min(results)]
-  summary = dict(
-      temp_gib={t: round(r["temp_gib"], 6) for t, r in results.items()},
-      temp_growth=largest["temp_gib"] / smallest["temp_gib"],
-      **(dict(temp_gib_16bit={t: round(r["temp_16bit_gib"], 6) for t, r in results.items()},
-              temp_growth_16bit=largest["temp_16bit_gib"] / smallest["temp_16bit_gib"])
-         if as_16bit else {}),
-      flops_ratio=largest["executed_flops"] / largest["model_flops"],
-      flops_breakdown={k: round(v, 4) for k, v in largest["breakdown"].items()},
-      count_check=check)
+  largest, smallest = results[max(results)], results[min(results)]
+  summary = dict(temp_gib={t: round(r["temp_gib"], 6) for t, r in results.items()},
+                 temp_growth=largest["temp_gib"] / smallest["temp_gib"])
+  if as_16bit:
+    summary.update(temp_gib_16bit={t: round(r["temp_16bit_gib"], 6) for t, r in results.items()},
+                   temp_growth_16bit=largest["temp_16bit_gib"] / smallest["temp_16bit_gib"])
+  if largest["executed_flops"] is not None:
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in largest["breakdown"].items())
+    print(f"\nAt {max(results)} tokens, executed / model FLOPs by closed form: {parts}.")
+    check = max(abs(r["executed_flops"] / r["expected_flops"] - 1) for r in results.values())
+    print(f"Counting check (HLO walk vs closed form): worst {check:.2e} "
+          f"({'ok' if check < 1e-3 else 'FAILED'}).")
+    summary.update(flops_ratio=largest["executed_flops"] / largest["model_flops"],
+                   flops_breakdown={k: round(v, 4) for k, v in largest["breakdown"].items()},
+                   count_check=check)
+  else:
+    print(f"\nRows of {largest['row_len']} tokens run `attention.chunked`: executed FLOPs not "
+          "counted.")
   print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+
+
+def main(argv):
+  del argv
+  if _TOKENS.value:
+    return micro_batch_table(from_dict(_CONFIG.value))
+  print(f"jax {jax.__version__}, compiled for {jax.default_backend()} "
+        f"({len(jax.devices())} devices); nothing allocated")
+  results = {}
+  for name in _CONFIGS.value:
+    for length in _LENGTHS.value:
+      results[name, length] = per_device(name, length)
+      print(f"  {name} {length}: device 0 {results[name, length]['device0']:.2f} GiB", flush=True)
+  if results:
+    print_per_device(results)
+  tp = tensor_parallel(_TP_CONFIG.value, [int(k) for k in _TP.value]) if _TP.value else {}
+  if tp:
+    print_tensor_parallel(_TP_CONFIG.value, tp)
+  r2 = lambda x: round(x, 2)
+  summary = dict(
+      device0_gib={f"{n}/{l}": r2(r["device0"]) for (n, l), r in results.items()},
+      fits_80gb={f"{n}/{l}": r["fits_80gb"] for (n, l), r in results.items()},
+      generator_gib={f"{n}/{l}": {k: r2(v) for k, v in r["generator"].items()}
+                     for (n, l), r in results.items()},
+      trainer_gib={f"{n}/{l}": {k: r2(v) for k, v in r["trainer"].items()}
+                   for (n, l), r in results.items()},
+      tp_gib={k: {key: r2(r[key]) for key in ("params", "kv", "prefill", "decode", "total",
+                                              "decode_args_f32")}
+              for k, r in tp.items()},
+      tp_ratio={k: {key: round(v, 3) for key, v in r["ratio"].items()} for k, r in tp.items()})
+  print(json.dumps(summary))
 
 
 if __name__ == "__main__":

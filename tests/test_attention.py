@@ -1,11 +1,12 @@
 """Attention of packed rows: every implementation equals the dense masked reference.
 
-The reference is the dense T x T attention the generation path uses
-(`transformer._attention`) under the packed-row mask: same nonzero segment, key at or
-before the query. Padding outputs are implementation-defined, so values and
-gradients are compared through a loss that reads valid positions only.
+The reference is dense T x T grouped-query attention under the packed-row mask: same
+nonzero segment, key at or before the query. Padding outputs are
+implementation-defined, so values and gradients are compared through a loss that reads
+valid positions only.
 """
 
+import functools
 import re
 
 import jax
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from async_rl import models, policy
+from async_rl.config import ModelConfig
 from async_rl.models import attention
-from async_rl.models.transformer import _attention as dense_reference
 
 
 def _rows(T, lengths_per_row, H=4, K=2, E=8, seed=0):
@@ -36,10 +38,12 @@ def _rows(T, lengths_per_row, H=4, K=2, E=8, seed=0):
 
 def _reference(q, k, v, seg, pos):
   del pos
-  T = seg.shape[1]
+  (B, T, H, E), K = q.shape, k.shape[2]
   mask = ((seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
           & jnp.tril(jnp.ones((T, T), bool)))
-  return dense_reference(q, k, v, mask)
+  scores = jnp.einsum("btkqe,bske->bkqts", q.reshape(B, T, K, H // K, E), k) * E ** -0.5
+  probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), axis=-1)
+  return jnp.einsum("bkqts,bske->btkqe", probs, v).reshape(B, T, H, E)
 
 
 def _loss(fn, seg, pos):
@@ -108,6 +112,60 @@ def test_attention_on_cpu_is_blockwise():
   q, k, v, seg, pos = _rows(128, [[60, 60], [128]])
   np.testing.assert_array_equal(jax.jit(attention.attention)(q, k, v, seg, pos),
                                 jax.jit(attention.blockwise)(q, k, v, seg, pos))
+
+
+@pytest.mark.parametrize("T, block, rows", [
+    (40, 512, [[7, 5, 20], [40]]),           # one block, shorter than `block`
+    (256, 64, [[100, 90, 30], [256], [3, 64, 64, 64, 50]]),  # 4 blocks
+    (200, 64, [[130, 60], [200]]),           # padded to 4 blocks of 64
+    (256, 64, [[100], [256]]),               # blocks of padding only in row 0
+    (1024, 64, [[128] * 8, [100, 28, 128, 7, 121] + [128] * 5]),  # starts past block 0
+])
+def test_chunked_matches_dense_reference(T, block, rows):
+  q, k, v, seg, pos = _rows(T, rows)
+  fn = functools.partial(attention.chunked, block=block)
+  assert np.isfinite(np.asarray(jax.jit(fn)(q, k, v, seg, pos))).all()  # padding too
+  _assert_matches_reference(fn, q, k, v, seg, pos, tol=2e-5)
+
+
+def test_attention_on_cpu_is_chunked_past_long_rows():
+  T = attention.LONG_ROW + 64
+  q, k, v, seg, pos = _rows(T, [[T - 100, 50]], H=2, K=1, E=4)
+  np.testing.assert_array_equal(jax.jit(attention.attention)(q, k, v, seg, pos),
+                                jax.jit(attention.chunked)(q, k, v, seg, pos))
+
+
+def test_chunked_forward_and_backward_hold_no_row_by_row_scores():
+  """Compiled from abstract shapes at a 7B model's heads (28 query heads, 4 kv heads
+  of 128) in bfloat16, nothing allocated: the gradient's temporaries at a row of 32k
+  are smaller than one head's [T, T] float32 scores, and double from 16k, where any
+  [B, T, T] buffer would quadruple them."""
+  def temp(T):
+    q = jax.ShapeDtypeStruct((1, T, 28, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, T, 4, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    loss = lambda q, k, v, s, p: attention.chunked(q, k, v, s, p).astype(jnp.float32).sum()
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    return jax.jit(grad).lower(q, kv, kv, seg, seg).compile().memory_analysis(
+        ).temp_size_in_bytes
+  one_head_scores = 32768 ** 2 * 4
+  assert temp(32768) < one_head_scores / 2
+  assert temp(32768) < 2.2 * temp(16384)
+
+
+def test_the_models_gradient_at_a_32k_row_holds_no_row_by_row_scores():
+  """The train step's differentiated forward pass (the model, remat on, and its
+  chunked log-probs) on one row of 32k tokens, compiled, nothing allocated: its
+  temporaries are less than one head's [T, T] float32 scores."""
+  T = 32768
+  cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=16, d_ff=128, max_seq_len=T, remat=True)
+  params = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
+  row = jax.ShapeDtypeStruct((1, T), jnp.int32)
+  loss = lambda p, tokens, pos, seg: policy.logp_and_entropy(p, cfg, tokens, pos, seg)[0].sum()
+  temp = jax.jit(jax.grad(loss)).lower(params, row, row, row).compile().memory_analysis(
+      ).temp_size_in_bytes
+  assert temp < T * T * 4 / 2
 
 
 def _flash_interpreted(q, k, v, seg, pos):

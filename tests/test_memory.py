@@ -1,7 +1,14 @@
-"""estimate_memory: a hand computation for Qwen2.5-1.5B, and the configs quote its numbers."""
+"""Memory: `estimate_memory` by hand for Qwen2.5-1.5B and the configs quote it; the
+compiled memory per device (`benchmarks/memory.py`) of a tensor-parallel engine and of
+the accelerator configs."""
 
+import functools
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +16,8 @@ import pytest
 from async_rl.config import from_dict
 from async_rl.models.memory import GIB, describe, estimate_memory
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+ROOT = Path(__file__).parents[1]
+CONFIGS = ROOT / "configs"
 ACCELERATOR_CONFIGS = ("qwen2_5_1_5b", "qwen2_5_7b")
 
 
@@ -46,3 +54,38 @@ def test_docstring_quotes_the_estimate(name):
   quoted = dict(re.findall(r"^  (\w+): ([\d.]+ GiB)", module.__doc__, re.MULTILINE))
   printed = dict(line.split(": ") for line in describe(cfg).splitlines())
   assert quoted == printed
+
+
+def _json_of(*command):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+  out = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+  assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def _check():
+  return _json_of(str(ROOT / "tests" / "memory_check.py"))
+
+
+def test_a_tensor_parallel_engine_holds_a_kth_per_device():
+  r = {int(k): v for k, v in _check()["engine"].items()}
+  assert r[4]["kv"] == r[1]["kv"] / 4
+  # What the compiler places per device: params, pools and the slots' small state.
+  assert r[4]["decode_args_f32"] == pytest.approx(r[1]["decode_args_f32"] / 4, rel=0.05)
+  # Only the norms (a few KiB) are whole on every device.
+  assert r[4]["params"] == pytest.approx(r[1]["params"] / 4, rel=0.05)
+  # Decoding gathers each device's own kv heads' blocks.
+  assert r[4]["decode"] == pytest.approx(r[1]["decode"] / 4, rel=0.05)
+  # A prefill splits with the heads, but for its embeddings and logits.
+  assert r[4]["prefill"] < 1.5 * r[1]["prefill"] / 4
+
+
+def test_the_train_step_on_8_devices_holds_its_own_row_per_device():
+  r = {int(k): v for k, v in _check()["trainer"].items()}
+  # Params, moments and gradient buffers shard eight ways; the activations are one
+  # row's on each device, as on one device with one row.
+  assert r[8]["state"] < r[1]["state"] / 4
+  assert r[8]["temp"] < 1.2 * r[1]["temp"]

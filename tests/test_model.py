@@ -49,12 +49,12 @@ def test_kv_cached_decode_matches_full_forward():
   for i, p in enumerate(prompts):
     tokens_BP[i, :len(p)] = p
   lengths = np.array([len(p) for p in prompts])
-  logits_BPV, prompt_cache = models.prefill(params, cfg, tokens_BP, lengths)
+  logits_BV, prompt_cache = models.prefill(params, cfg, tokens_BP, lengths)
   cache = models.init_cache(cfg, num_slots=2, max_len=16)
   # The prompts' K/V go to positions 0..P-1 of each layer's [S, K, T, E] cache.
   cache = jax.tree.map(lambda c, p: c.at[:, :, :P].set(p), cache, prompt_cache)
   for i, p in enumerate(prompts):
-    np.testing.assert_allclose(logits_BPV[i, len(p) - 1], _full_logits(params, cfg, p)[-1],
+    np.testing.assert_allclose(logits_BV[i], _full_logits(params, cfg, p)[-1],
                                atol=1e-5, rtol=1e-5)
   positions = lengths.copy()
   for step in range(6):

@@ -28,8 +28,9 @@ for the train step's temporaries. Samples beyond the budget wait, preempted, and
 resume where they stopped (`generation.pool`).
 
 The compiled train step needs more than `trainer`: its temporaries for a micro-batch
-(`python -m benchmarks.memory --config=configs/qwen2_5_1_5b.py` reads them from XLA's memory
-analysis; BENCHMARKS.md, "Memory", has the figures).
+(`python -m benchmarks.memory --configs=qwen2_5_1_5b` reads them, and the engines'
+transients, per device from XLA's memory analysis at 8k, 16k and 32k;
+BENCHMARKS.md, "Memory", has the figures).
 
 Variants, named after the file (`--config=configs/qwen2_5_1_5b.py:32k`):
 

@@ -79,10 +79,12 @@ class ChunkTokens:
 
 
 def prefill(params, tokens_BP, lengths_B, generated_B, sampling_B, *, cfg):
-  """Prefills B prompts in one forward; returns their Prefix and first tokens."""
-  B = tokens_BP.shape[0]
-  logits_BPV, cache = models.prefill(params, cfg, tokens_BP, lengths_B)
-  logits_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
+  """Prefills B prompts in one forward; returns their Prefix and first tokens.
+
+  Its temporaries grow linearly in P (`models.prefill`), so a sequence of the longest
+  length can be prefilled again (a preempted or retracted sample).
+  """
+  logits_BV, cache = models.prefill(params, cfg, tokens_BP, lengths_B)
   tokens_B, logp_B = sampling_lib.sample(logits_BV, sampling_B, lengths_B)
   prefix = Prefix(cache=cache, logits_BV=logits_BV, lengths_B=lengths_B,
                   starts_B=lengths_B - generated_B, tokens_B=tokens_B, logp_B=logp_B,

@@ -19,7 +19,8 @@ The KV cache is a pool of `kv_blocks` blocks of `kv_block_size` tokens
 blocks a slot holds is the caller's to decide (the pool's `Scheduler` keeps a
 `paged.SlotBlocks`): `insert`, `insert_samples` and `extend` take the slot's blocks and
 `generate_chunk` the block tables of the slots to decode. The pools lead with the kv
-heads, the axis tensor parallelism splits (`sharding.kv_pool_sharding`).
+heads, the axis tensor parallelism splits (`sharding.kv_pool_sharding`); a prefill's
+cache splits the same way (`sharding.prefix_cache_sharding`).
 
 `generate` is JetStream's one decode step (its orchestrator ends requests on the
 host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
@@ -132,9 +133,15 @@ class Engine:
     state_sharding = ds.DecodeState(
         cache=paged.PagedCache(k=pools(abstract.k), v=pools(abstract.v), tables_SM=replicated),
         tokens_S=replicated, positions_S=replicated, sampling_S=replicated, end_S=replicated)
+    # A prefill's cache splits as the pools do; the rest of the Prefix is replicated.
+    kv = sharding.prefix_cache_sharding((1, cfg.n_kv_heads, 1, cfg.head_dim), mesh)
+    prefix_sharding = Prefix(cache={"k": kv, "v": kv}, logits_BV=replicated,
+                             lengths_B=replicated, starts_B=replicated, tokens_B=replicated,
+                             logp_B=replicated, sampling_B=replicated)
     T = max_target_length
     self._split_fn = jax.jit(models.split_layers)
-    self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg), out_shardings=replicated)
+    self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg),
+                               out_shardings=(prefix_sharding, replicated))
     # Donating the decode state lets XLA update the KV pools in place.
     self._insert_fn = jax.jit(functools.partial(ds.insert, max_len=T), donate_argnums=(1,),
                               out_shardings=state_sharding)
@@ -150,6 +157,7 @@ class Engine:
         functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call),
         static_argnames="blocks", donate_argnums=(1,), out_shardings=(state_sharding, replicated))
     self._init_fn = jax.jit(init, out_shardings=state_sharding)
+    self._state_sharding = state_sharding
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -200,6 +208,35 @@ class Engine:
   def init_decode_state(self) -> DecodeState:
     """Every slot idle."""
     return self._init_fn()
+
+  def abstract_params(self, params):
+    """The shapes and shardings `load_params` gives params shaped like `params` (arrays or
+    `jax.ShapeDtypeStruct`s); nothing is allocated."""
+    on_engine = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             params, jax.tree.broadcast(self._param_sharding, params))
+    split = self._split_fn.lower(on_engine).compile()
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(models.split_layers, params), split.output_shardings)
+
+  def lower_prefill(self, params, length: int) -> jax.stages.Lowered:
+    """`prefill` of one sequence of `length` tokens (a prefill bucket), lowered for
+    `params` in the serving layout (`abstract_params` will do)."""
+    sampling = _stack([SlotSampling.create(sampling_lib.SamplingParams(), seed=0, index=0)])
+    one = np.ones(1, np.int32)
+    return self._prefill_fn.lower(params, np.zeros((1, length), np.int32), one, one, sampling)
+
+  def abstract_decode_state(self) -> DecodeState:
+    """The shapes and shardings of `init_decode_state`'s state; nothing is allocated."""
+    abstract = jax.eval_shape(self._init_fn)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract, jax.tree.broadcast(self._state_sharding, abstract))
+
+  def lower_generate_chunk(self, params, blocks: int) -> jax.stages.Lowered:
+    """`generate_chunk` at attention size `blocks` (one of `decode_buckets`) over this
+    engine's decode state, lowered as `lower_prefill`."""
+    tables_SM = np.zeros((self._num_slots, self.max_blocks), np.int32)
+    return self._generate_chunk_fn.lower(params, self.abstract_decode_state(), tables_SM,
+                                         blocks=blocks)
 
   def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
     """Right-pads `tokens` with zeros to the smallest bucket; returns (padded, length)."""

@@ -123,28 +123,28 @@ def ragged_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
   col_P = jnp.clip(p_P - (ends_S - counts_S)[slot_P], 0, M - 1)
   valid_P = p_P < ends_S[-1]
   block_P = jnp.minimum(tables_SM[slot_P, col_P], N - 1)
-  # Both index arrays in one gather, so its result comes out block-major with no copy
-  # of the pool.
-  heads_1K = jnp.arange(K)[None, :]
-  k_PKZE, v_PKZE = k_KNZE[heads_1K, block_P[:, None]], v_KNZE[heads_1K, block_P[:, None]]
-  q_PKQE = q_SHE.reshape(S, K, H // K, E)[slot_P]
-  scores = jnp.einsum("pkqe,pkze->pkqz", q_PKQE, k_PKZE,
+  # The gather indexes blocks only, so each kv head's blocks stay on the device that
+  # holds the head: under tensor parallelism (pools split over kv heads) nothing of the
+  # pool or of the gathered blocks is replicated.
+  k_KPZE, v_KPZE = k_KNZE[:, block_P], v_KNZE[:, block_P]
+  q_KPQE = jnp.swapaxes(q_SHE.reshape(S, K, H // K, E), 0, 1)[:, slot_P]
+  scores = jnp.einsum("kpqe,kpze->kpqz", q_KPQE, k_KPZE,
                       preferred_element_type=jnp.float32) * (E ** -0.5)
   mask_PZ = ((col_P[:, None] * Z + jnp.arange(Z)[None, :] < lengths_S[slot_P][:, None])
              & valid_P[:, None])
-  scores = jnp.where(mask_PZ[:, None, None], scores, _NEG_INF)
+  scores = jnp.where(mask_PZ[None, :, None], scores, _NEG_INF)
   own_SP = (slot_P[None, :] == jnp.arange(S)[:, None]) & valid_P[None, :]
-  max_SKQ = jnp.max(jnp.where(own_SP[:, :, None, None], jnp.max(scores, -1)[None], _NEG_INF),
-                    axis=1)
-  probs = jnp.exp(scores - max_SKQ[slot_P][..., None])
+  max_KSQ = jnp.max(jnp.where(own_SP[None, :, :, None], jnp.max(scores, -1)[:, None], _NEG_INF),
+                    axis=2)
+  probs = jnp.exp(scores - max_KSQ[:, slot_P][..., None])
   own_SP = own_SP.astype(jnp.float32)
-  sum_SKQ = jnp.einsum("sp,pkq->skq", own_SP, jnp.sum(probs, -1))
-  out_PKQE = jnp.einsum("pkqz,pkze->pkqe", probs.astype(v_PKZE.dtype), v_PKZE,
+  sum_KSQ = jnp.einsum("sp,kpq->ksq", own_SP, jnp.sum(probs, -1))
+  out_KPQE = jnp.einsum("kpqz,kpze->kpqe", probs.astype(v_KPZE.dtype), v_KPZE,
                         preferred_element_type=jnp.float32)
-  out_SKQE = jnp.einsum("sp,pkqe->skqe", own_SP, out_PKQE)
+  out_KSQE = jnp.einsum("sp,kpqe->ksqe", own_SP, out_KPQE)
   # A slot with no block (idle) gets zeros, not 0 / 0.
-  out_SKQE = out_SKQE / jnp.where(sum_SKQ > 0, sum_SKQ, 1)[..., None]
-  return out_SKQE.reshape(S, H, E).astype(q_SHE.dtype)
+  out_KSQE = out_KSQE / jnp.where(sum_KSQ > 0, sum_KSQ, 1)[..., None]
+  return jnp.swapaxes(out_KSQE, 0, 1).reshape(S, H, E).astype(q_SHE.dtype)
 
 
 def pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks,

@@ -13,11 +13,14 @@ and s <= t: causal order within a segment is row order, and positions are not ne
     a dense [R, T, T] mask that it adds as a bias without skipping blocks. (cuDNN's
     packed layout, `q_offsets` / `kv_offsets`, is reachable only through the private
     `jax._src.cudnn` module, on Hopper and later.)
-  * elsewhere (CPU): `blockwise`, plain XLA: the row is cut into at most
-    `_MAX_BLOCKS` query blocks and block i scores only the keys of blocks 0..i, so
-    about (n + 1) / 2n of the dense T x T work runs (Z = T / n tokens per block);
-    and when the micro-batch's longest sequence is short, only a band of key blocks
-    that holds it (`windows`).
+  * elsewhere (CPU), rows of up to `LONG_ROW` tokens: `blockwise`, plain XLA: the row
+    is cut into at most `_MAX_BLOCKS` query blocks and block i scores only the keys of
+    blocks 0..i, so about (n + 1) / 2n of the dense T x T work runs (Z = T / n tokens
+    per block); and when the micro-batch's longest sequence is short, only a band of
+    key blocks that holds it (`windows`). Its temporaries grow as T^2 / n.
+  * elsewhere, longer rows (reasoning-length sequences, in training or in the
+    generator's prefill): `chunked`, flash attention in plain XLA, whose temporaries
+    grow linearly in T.
 
 Work grows with the row length T, not with the micro-batch: the packer chooses T per
 batch (`batching.pack_dynamic`), the shortest bucket that pays.
@@ -31,6 +34,10 @@ import jax.numpy as jnp
 _NEG_INF = -1e30
 _MAX_BLOCKS = 16
 _MIN_BLOCK = 64
+# `chunked`'s tokens per block: one block's [Z, Z] scores per kv head's query group.
+_CHUNK = 512
+# The longest rows `blockwise` takes off GPU; longer ones go to `chunked`.
+LONG_ROW = 2048
 # Triton tiles: a power of two up to 128 along the sequence for the forward kernel,
 # up to 32 for the backward kernels (the kernel's defaults).
 _GPU_BLOCK, _GPU_BWD_BLOCK = 128, 32
@@ -52,6 +59,8 @@ def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
   """
   if jax.default_backend() == "gpu":
     return flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+  if q_BTHE.shape[1] > LONG_ROW:
+    return chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
   return blockwise(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
 
 
@@ -166,3 +175,140 @@ def flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, *, interpret: bool = False
                              interpret=interpret)
   return out[:, :T]
 
+
+def chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, *, block: int = _CHUNK):
+  """Flash attention in plain XLA: temporaries linear in T, for rows too long for
+  `blockwise`.
+
+  Query blocks of `block` tokens run one at a time, each over the key blocks it can
+  see with a running softmax, so one block's [block, block] scores are all that exist
+  of the T x T; the backward pass keeps only the output and each query's
+  log-sum-exp, and scores each block pair again. A query block reads the key blocks
+  from the one where its first token's sequence starts through its own (none for a
+  block of padding only): the loops' trip counts are traced, which is why the
+  backward pass is written out (`jax.custom_vjp`). Rows are padded to whole blocks
+  with segment 0, which no query sees.
+  """
+  return _flash(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
+
+
+def _to_blocks(x_BT, Z):
+  """[B, T, ...] -> [n, B, Z, ...]: T cut into n blocks of Z, zeros after its end."""
+  pad = -x_BT.shape[1] % Z
+  x_BT = jnp.pad(x_BT, ((0, 0), (0, pad)) + ((0, 0),) * (x_BT.ndim - 2))
+  return jnp.moveaxis(x_BT.reshape(x_BT.shape[0], -1, Z, *x_BT.shape[2:]), 1, 0)
+
+
+def _from_blocks(x_nBZ, T):
+  n, B, Z = x_nBZ.shape[:3]
+  return jnp.moveaxis(x_nBZ, 0, 1).reshape(B, n * Z, *x_nBZ.shape[3:])[:, :T]
+
+
+def _key_blocks(seg_nBZ, pos_nBZ, i):
+  """The key blocks [start, stop) that query block i sees."""
+  Z = seg_nBZ.shape[2]
+  starts_B = jnp.where(seg_nBZ[i, :, 0] > 0, (i * Z - pos_nBZ[i, :, 0]) // Z, i)
+  start = jnp.maximum(jnp.min(starts_B), 0)
+  return start, jnp.where(jnp.any(seg_nBZ[i] > 0), i + 1, start)
+
+
+def _block_mask(seg_nBZ, i, j):
+  """[B, Z, S]: query z of block i sees key s of block j."""
+  seg_BZ, seg_BS = seg_nBZ[i], seg_nBZ[j]
+  Z = seg_BZ.shape[1]
+  causal_ZS = (j < i) | (jnp.arange(Z)[:, None] >= jnp.arange(Z)[None, :])
+  return (seg_BZ[:, :, None] == seg_BS[:, None, :]) & (seg_BS[:, None, :] > 0) & causal_ZS
+
+
+def _block_scores(q_BZKQE, k_BSKE):
+  E = q_BZKQE.shape[-1]
+  return jnp.einsum("bzkqe,bske->bkqzs", q_BZKQE, k_BSKE,
+                    preferred_element_type=jnp.float32) * (E ** -0.5)
+
+
+def _blocked(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
+  B, T, H, E = q_BTHE.shape
+  K = k_BTKE.shape[2]
+  Z = min(block, T)
+  q = _to_blocks(q_BTHE, Z).reshape(-1, B, Z, K, H // K, E)
+  return q, *(_to_blocks(x, Z) for x in (k_BTKE, v_BTKE, segment_ids_BT, positions_BT))
+
+
+def _flash_fwd(block, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
+  B, T, H, E = q_BTHE.shape
+  q_nBZKQE, k_nBZKE, v_nBZKE, seg_nBZ, pos_nBZ = _blocked(block, q_BTHE, k_BTKE, v_BTKE,
+                                                          segment_ids_BT, positions_BT)
+  n, _, Z, K, Q, _ = q_nBZKQE.shape
+
+  def query_block(_, i):
+    def key_block(j, carry):
+      max_BKQZ, sum_BKQZ, out_BKQZE = carry
+      scores = jnp.where(_block_mask(seg_nBZ, i, j)[:, None, None],
+                         _block_scores(q_nBZKQE[i], k_nBZKE[j]), _NEG_INF)
+      new_max = jnp.maximum(max_BKQZ, jnp.max(scores, axis=-1))
+      probs = jnp.exp(scores - new_max[..., None])
+      rescale = jnp.exp(max_BKQZ - new_max)
+      out_BKQZE = out_BKQZE * rescale[..., None] + jnp.einsum(
+          "bkqzs,bske->bkqze", probs.astype(v_nBZKE.dtype), v_nBZKE[j],
+          preferred_element_type=jnp.float32)
+      return new_max, sum_BKQZ * rescale + jnp.sum(probs, axis=-1), out_BKQZE
+
+    zeros = jnp.zeros((B, K, Q, Z), jnp.float32)
+    init = (zeros + _NEG_INF, zeros, jnp.zeros((B, K, Q, Z, E), jnp.float32))
+    max_BKQZ, sum_BKQZ, out_BKQZE = jax.lax.fori_loop(*_key_blocks(seg_nBZ, pos_nBZ, i),
+                                                      key_block, init)
+    # A query that sees no key (padding) gets zeros, or the mean of the values it was
+    # scored against; the backward pass masks it out.
+    seen = sum_BKQZ > 0
+    out_BKQZE = out_BKQZE / jnp.where(seen, sum_BKQZ, 1)[..., None]
+    lse_BKQZ = jnp.where(seen, max_BKQZ + jnp.log(jnp.where(seen, sum_BKQZ, 1)), 0)
+    return None, (jnp.transpose(out_BKQZE, (0, 3, 1, 2, 4)).astype(v_nBZKE.dtype), lse_BKQZ)
+
+  _, (out_nBZKQE, lse_nBKQZ) = jax.lax.scan(query_block, None, jnp.arange(n))
+  out_BTHE = _from_blocks(out_nBZKQE.reshape(n, B, Z, H, E), T)
+  return out_BTHE, (q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse_nBKQZ)
+
+
+def _flash_bwd(block, residuals, d_out_BTHE):
+  q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, out_BTHE, lse_nBKQZ = residuals
+  B, T, H, E = q_BTHE.shape
+  q_nBZKQE, k_nBZKE, v_nBZKE, seg_nBZ, pos_nBZ = _blocked(block, q_BTHE, k_BTKE, v_BTKE,
+                                                          segment_ids_BT, positions_BT)
+  n, _, Z, K, Q, _ = q_nBZKQE.shape
+  d_out_nBZKQE = _to_blocks(d_out_BTHE, Z).reshape(q_nBZKQE.shape)
+  # D = rowsum(dO * O), the softmax's correction term, per query.
+  delta_nBZKQ = jnp.sum(d_out_nBZKQE.astype(jnp.float32)
+                        * _to_blocks(out_BTHE, Z).reshape(q_nBZKQE.shape), axis=-1)
+  delta_nBKQZ = jnp.transpose(delta_nBZKQ, (0, 1, 3, 4, 2))
+
+  def query_block(carry, i):
+    def key_block(j, carry):
+      dq_BZKQE, dk_nBZKE, dv_nBZKE = carry
+      scores = _block_scores(q_nBZKQE[i], k_nBZKE[j])
+      probs = jnp.where(_block_mask(seg_nBZ, i, j)[:, None, None],
+                        jnp.exp(scores - lse_nBKQZ[i][..., None]), 0.0)
+      d_probs = jnp.einsum("bzkqe,bske->bkqzs", d_out_nBZKQE[i], v_nBZKE[j],
+                           preferred_element_type=jnp.float32)
+      d_scores = (probs * (d_probs - delta_nBKQZ[i][..., None]) * E ** -0.5).astype(q_nBZKQE.dtype)
+      dq_BZKQE = dq_BZKQE + jnp.einsum("bkqzs,bske->bzkqe", d_scores, k_nBZKE[j],
+                                       preferred_element_type=jnp.float32)
+      dk_nBZKE = dk_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", d_scores, q_nBZKQE[i],
+                                               preferred_element_type=jnp.float32))
+      dv_nBZKE = dv_nBZKE.at[j].add(jnp.einsum("bkqzs,bzkqe->bske", probs.astype(v_nBZKE.dtype),
+                                               d_out_nBZKQE[i], preferred_element_type=jnp.float32))
+      return dq_BZKQE, dk_nBZKE, dv_nBZKE
+
+    dq_BZKQE = jnp.zeros((B, Z, K, Q, E), jnp.float32)
+    dq_BZKQE, *carry = jax.lax.fori_loop(*_key_blocks(seg_nBZ, pos_nBZ, i), key_block,
+                                         (dq_BZKQE, *carry))
+    return tuple(carry), dq_BZKQE
+
+  zeros = jnp.zeros(k_nBZKE.shape, jnp.float32)
+  (dk_nBZKE, dv_nBZKE), dq_nBZKQE = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(n))
+  cast = lambda x, like: _from_blocks(x, T).astype(like.dtype)
+  return (cast(dq_nBZKQE.reshape(n, B, Z, H, E), q_BTHE), cast(dk_nBZKE, k_BTKE),
+          cast(dv_nBZKE, v_BTKE), None, None)
+
+
+_flash = jax.custom_vjp(lambda block, *args: _flash_fwd(block, *args)[0], nondiff_argnums=(0,))
+_flash.defvjp(_flash_fwd, _flash_bwd)

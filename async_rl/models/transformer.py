@@ -87,21 +87,9 @@ def rope(x_BTHE, positions_BT, theta):
   return out.astype(x_BTHE.dtype)
 
 
-def _attention(q_BTHE, k_BSKE, v_BSKE, mask_BTS):
-  """Grouped-query attention; `mask_BTS` is True where query t may see key s."""
-  B, T, H, E = q_BTHE.shape
-  K = k_BSKE.shape[2]
-  q_BTKQE = q_BTHE.reshape(B, T, K, H // K, E)
-  scores = jnp.einsum("btkqe,bske->bkqts", q_BTKQE, k_BSKE,
-                      preferred_element_type=jnp.float32) * (E ** -0.5)
-  scores = jnp.where(mask_BTS[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
-  out = jnp.einsum("bkqts,bske->btkqe", probs, v_BSKE)
-  return out.reshape(B, T, H, E)
-
-
 def _decode_attention(q_S1HE, k_SKTE, v_SKTE, mask_ST):
-  """`_attention` of one query per slot against a cache laid out [S, K, T, E]."""
+  """Grouped-query attention of one query per slot against a cache laid out [S, K, T, E];
+  `mask_ST` is True where slot s may see position t."""
   S, _, H, E = q_S1HE.shape
   K = k_SKTE.shape[1]
   q_SKQE = q_S1HE.reshape(S, K, H // K, E)
@@ -205,16 +193,22 @@ def unembed(params: Params, cfg, x_BTD):
 _logits = unembed
 
 
-def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT):
+def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT, *, rows=None):
   """Hidden states [B, T, D] of packed rows after the last layer, before `unembed`.
 
   Query t sees key s iff both are in the same non-padding segment and s <= t
-  (`attention.attention`, which picks the kernel by backend).
+  (`attention.attention`, which picks the kernel by backend). `rows`, a sharding of
+  the residual stream (a trainer's rows over its data-parallel axes), holds every
+  layer to it: left to itself, XLA keeps weights that are sharded over those axes
+  in place and computes every row on every device.
   """
+  constrain = ((lambda x: x) if rows is None
+               else lambda x: jax.lax.with_sharding_constraint(x, rows))
+
   def layer(x, lp):
-    x, _ = _block(lp, cfg, x, positions_BT,
+    x, _ = _block(lp, cfg, constrain(x), positions_BT,
                   lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), None))
-    return x, None
+    return constrain(x), None
 
   # Without remat a scan would stack every intermediate of every layer into [L, ...]
   # buffers and slice them back in the backward pass: copies that took a fifth of the
@@ -277,24 +271,29 @@ def cache_len(cache) -> int:
 
 
 def prefill(params: Params, cfg, tokens_BT, lengths_B):
-  """Runs right-padded prompts; returns (logits [B, T, V], cache for those rows).
+  """Runs right-padded prompts; returns (logits [B, V] float32 after each prompt's last
+  token, cache for those rows).
 
-  Row b holds `lengths_B[b]` real tokens at positions 0..len-1. The cache (laid out
-  as `init_cache`'s, with B rows) has the prompt's own length T; `insert` copies it
-  into a slot of a longer cache. Layers are unrolled, as in `decode`.
+  Row b holds `lengths_B[b]` real tokens at positions 0..len-1, segment 1 to
+  `attention.attention` (padding is segment 0, which no real token sees).
+  The cache (laid out as `init_cache`'s, with B rows) has the prompt's own length T;
+  `insert` copies it into a slot of a longer cache. Only the last real token's
+  logits are computed, and attention's temporaries grow linearly in long rows, so
+  that a sequence of reasoning length can be prefilled again. Layers are unrolled,
+  as in `decode`.
   """
-  T = tokens_BT.shape[1]
+  B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), tokens_BT.shape)
-  valid_BT = positions_BT < lengths_B[:, None]
-  mask_BTS = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BT[:, None, :]
+  segment_ids_BT = (positions_BT < lengths_B[:, None]).astype(jnp.int32)
   heads_first = lambda c: jnp.transpose(c, (0, 2, 1, 3))  # [B, T, K, E] -> [B, K, T, E]
   x, ks, vs = _embed(params, cfg, tokens_BT), [], []
   for lp in _layer_list(params):
     x, (k, v) = _block(lp, cfg, x, positions_BT,
-                       lambda q, k, v: (_attention(q, k, v, mask_BTS), (k, v)))
+                       lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), (k, v)))
     ks.append(heads_first(k))
     vs.append(heads_first(v))
-  return _logits(params, cfg, x), {"k": tuple(ks), "v": tuple(vs)}
+  last_B1D = x[jnp.arange(B), lengths_B - 1][:, None]
+  return _logits(params, cfg, last_B1D)[:, 0], {"k": tuple(ks), "v": tuple(vs)}
 
 
 def decode(params: Params, cfg, cache, tokens_S, positions_S):

@@ -47,7 +47,7 @@ REWARD_STYLES = ("auto", "single", "trl", "verl")
 DATA_TOKENIZERS = ("hf", "bytes")
 # What a resumed run may change without `run.allow_config_change`: dotted field names,
 # or section names for all their fields.
-RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "placement", "cpu")
+RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "log", "placement", "cpu")
 # Fields of `model` that stay the run's own with `hf_model_dir`: numerics and length,
 # not architecture.
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
@@ -480,6 +480,10 @@ class RolloutConfig:
     reward_timeout_s: hard limit on one reward call (all its functions).
     reward_workers: reward worker processes.
     reward_memory_mb: address-space limit of each reward worker process (0: none).
+    max_reward_error_rate: the run stops, naming the reward function and its first
+      error, once more than this share of its last `reward_error_window` calls failed
+      (raised, timed out, crashed, returned a non-number); 1: never.
+    reward_error_window: the recent reward calls that rate is taken over.
     dynamic_filter: drop groups whose rewards are all equal (no learning signal).
     allow_weak_sandbox: lets code rewards run without bubblewrap (rewards/sandbox.py).
   """
@@ -489,6 +493,8 @@ class RolloutConfig:
   reward_timeout_s: float = 10.0
   reward_workers: int = 1
   reward_memory_mb: int = 8192
+  max_reward_error_rate: float = 0.5
+  reward_error_window: int = 64
   dynamic_filter: bool = False
   allow_weak_sandbox: bool = False
 
@@ -509,6 +515,10 @@ class RolloutConfig:
       if len(names) != len(self.reward_weights):
         fail("rollout.reward_weights", self.reward_weights,
              f"must give one weight per function of rollout.reward_fn ({len(names)})")
+    if not 0 <= self.max_reward_error_rate <= 1:
+      fail("rollout.max_reward_error_rate", self.max_reward_error_rate, "must be in [0, 1]")
+    if self.reward_error_window < 1:
+      fail("rollout.reward_error_window", self.reward_error_window, "must be >= 1")
     if self.reward_memory_mb < 0:
       fail("rollout.reward_memory_mb", self.reward_memory_mb, "must be >= 0 (0: no limit)")
 
@@ -532,11 +542,15 @@ class RunConfig:
     max_worker_restarts: rollout-worker restarts allowed over the whole run (Ray).
     allow_config_change: resume even if the config differs outside
       `RESUMABLE_FIELDS`.
+    max_untrainable_groups: the run stops, saying why, once this many groups in a row
+      finished without one that can be trained (rejected as too long, failed, filtered
+      or stale); 0: never.
   """
   warn_after_s: float = 60.0
   stall_timeout_s: float = 600.0
   max_worker_restarts: int = 10
   allow_config_change: bool = False
+  max_untrainable_groups: int = 256
 
   def __post_init__(self):
     _check_finite("run", self)
@@ -547,6 +561,8 @@ class RunConfig:
            f"must exceed run.warn_after_s={self.warn_after_s}")
     if self.max_worker_restarts < 0:
       fail("run.max_worker_restarts", self.max_worker_restarts, "must be >= 0")
+    if self.max_untrainable_groups < 0:
+      fail("run.max_untrainable_groups", self.max_untrainable_groups, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -600,6 +616,36 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+  """What a run logs besides its metrics: sample completions, and Weights & Biases.
+
+  Attributes:
+    samples_every: every this many training steps, the first `num_samples` completions
+      of the batch just trained, with their prompts and rewards, go to
+      `WORKDIR/samples.jsonl` and TensorBoard's text tab; 0: never.
+    num_samples: completions per such entry (a group's together, in batch order).
+    sample_chars: a prompt or completion longer than this many characters keeps its
+      beginning and its end, the middle cut out.
+    wandb_project: a Weights & Biases project to log the metrics to as well (needs the
+      `wandb` package); None: none.
+  """
+  samples_every: int = 10
+  num_samples: int = 4
+  sample_chars: int = 2000
+  wandb_project: Optional[str] = None
+
+  def __post_init__(self):
+    if self.samples_every < 0:
+      fail("log.samples_every", self.samples_every, "must be >= 0 (0: never)")
+    if self.num_samples < 1:
+      fail("log.num_samples", self.num_samples, "must be >= 1")
+    if self.sample_chars < 64:
+      fail("log.sample_chars", self.sample_chars, "must be >= 64")
+    if self.wandb_project == "":
+      fail("log.wandb_project", self.wandb_project, "must be a project name or None")
+
+
+@dataclasses.dataclass(frozen=True)
 class SFTConfig:
   """Supervised warm start on the task's reference solutions before RL.
 
@@ -607,7 +653,8 @@ class SFTConfig:
     steps: warm-start steps; 0: none.
     batch_size: examples per warm-start step.
     learning_rate: the warm start's learning rate.
-    log_every: a progress line every this many steps.
+    log_every: a line, and a `metrics.jsonl` entry (the mean loss since the last
+      one, the learning rate), every this many steps.
   """
   steps: int = 0
   batch_size: int = 64
@@ -967,6 +1014,7 @@ class ExperimentConfig:
   run: RunConfig = RunConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
+  log: LogConfig = LogConfig()
   sft: SFTConfig = SFTConfig()
   cpu: CPUConfig = CPUConfig()
   placement: PlacementConfig = PlacementConfig()
@@ -1194,10 +1242,10 @@ def parse_flags(argv):
     # Values are set before the required flags are validated, so --print_config
     # needs only --config.
     if not (flags.FLAGS.is_parsed() and flags.FLAGS["print_config"].value):
-      _exit_with(f"{e}".splitlines()[0])
+      _exit_with(_one_line(e))
     rest = [argv[0]]
   except flags.Error as e:
-    _exit_with(str(e).splitlines()[0])
+    _exit_with(_one_line(e))
   except (AttributeError, KeyError):
     overrides = [a.split("=", 1)[0][len("--config."):] for a in kept[1:]
                  if a.startswith("--config.")]
@@ -1224,6 +1272,15 @@ def parse_flags(argv):
       sys.stdout = None
     sys.exit(0)
   return rest
+
+
+def _one_line(error) -> str:
+  """A flag error's first line, with its cause's last line when a traceback follows (a
+  config file that fails to load: "Error whilst parsing config file: ValueError: ...")."""
+  lines = [line for line in str(error).splitlines() if line.strip()]
+  if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+    return f"{lines[0]} {lines[-1]}"
+  return lines[0]
 
 
 def _exit_with(message):

@@ -18,6 +18,7 @@ import numpy as np
 from async_rl import batching, sharding, train_step
 from async_rl.config import BatchingConfig, ModelConfig, OptimizerConfig, SFTConfig
 from async_rl.models import flops
+from async_rl.progress import stamped
 
 
 def sft_loss(logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, *,
@@ -31,9 +32,14 @@ def sft_loss(logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, *,
 
 
 def warm_start(task, model: ModelConfig, sft: SFTConfig, batching_cfg: BatchingConfig, mesh, *,
-               seed: int = 0, echo: Callable[[str], None] = print):
+               seed: int = 0, echo: Callable[[str], None] = print,
+               record: Callable[[int, dict], None] = lambda step, metrics: None):
   """Trains a fresh model for `sft.steps` steps on `task`'s reference solutions
   (`sft_examples`); returns host params.
+
+  Every `sft.log_every` steps (and at the last) it echoes a line and passes `record`
+  the step and its metrics: `loss`, the mean NLL over the steps since the last
+  record, and `lr`, the learning rate of the step.
 
   Raises:
     ValueError: the task has no `sft_examples`.
@@ -43,8 +49,8 @@ def warm_start(task, model: ModelConfig, sft: SFTConfig, batching_cfg: BatchingC
     raise ValueError(f"sft.steps={s.steps} needs a task with reference solutions "
                      f"(sft_examples); {type(task).__name__} has none")
   examples = task.sft_examples()
-  tx = train_step.make_optimizer(OptimizerConfig(learning_rate=s.learning_rate,
-                                                 warmup_steps=min(10, s.steps)))
+  optimizer = OptimizerConfig(learning_rate=s.learning_rate, warmup_steps=min(10, s.steps))
+  tx, learning_rate = train_step.make_optimizer(optimizer), train_step.learning_rate(optimizer)
   state, shardings = train_step.create_train_state(model, tx, mesh, jax.random.key(seed))
   step = train_step.jit_train_step(mesh, shardings, model_cfg=model, loss_fn=sft_loss)
   pack = functools.partial(batching.pack_dynamic,
@@ -57,12 +63,18 @@ def warm_start(task, model: ModelConfig, sft: SFTConfig, batching_cfg: BatchingC
   shape = (_one_shape(pack, batches, buckets, flops.attention_break_even_len(model))
            if batches else None)  # no steps: nothing to compile
   t0 = time.perf_counter()
+  nll_sum, since = 0.0, 0
   for i, seqs in enumerate(batches, start=1):
     batch = pack(seqs, zeros, row_buckets=shape[2:], compiled=(shape,), reuse_slack=math.inf)
     state, metrics = step(state, batch, batch.behav_logp)
+    nll_sum = nll_sum + metrics["nll"]  # added on the device: no host read per step
     if i % s.log_every == 0 or i == s.steps:  # the only host reads: one every log_every
-      echo(f"sft step {i}/{s.steps} nll={float(metrics['nll']):.4f} "
-           f"({time.perf_counter() - t0:.0f}s)")
+      logged = {"loss": float(nll_sum) / (i - since),
+                "lr": float(learning_rate(i - 1))}
+      nll_sum, since = 0.0, i
+      record(i, logged)
+      echo(stamped(f"sft step {i}/{s.steps} nll={logged['loss']:.4f} "
+                   f"lr={logged['lr']:.3g} ({time.perf_counter() - t0:.0f}s)"))
   return jax.device_get(state.params)
 
 

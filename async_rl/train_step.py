@@ -44,18 +44,22 @@ class TrainState:
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-  """AdamW after global-norm clipping, with linear warmup then constant or cosine."""
+def learning_rate(cfg: OptimizerConfig) -> optax.Schedule:
+  """The learning rate by applied update: linear warmup, then constant or cosine."""
   if cfg.schedule == "cosine":
-    lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
-                                            cfg.warmup_steps + cfg.decay_steps)
-  else:
-    lr = optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
-         optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
+                                              cfg.warmup_steps + cfg.decay_steps)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
+       optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping, at the `learning_rate` schedule."""
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
-      optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+      optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                  weight_decay=cfg.weight_decay))
 
 
 def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,

@@ -47,7 +47,7 @@ import jax
 
 path, config, wall = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with open(path) as f:
-  steps = [m for m in map(json.loads, f) if "eval" not in m]
+  steps = [m for m in map(json.loads, f) if "eval" not in m and "sft" not in m]
 timed = steps[1:] or steps
 step_s = [m["time_wait_s"] + m["time_pack_s"] + m["time_train_s"] + m["time_publish_s"]
           for m in timed]

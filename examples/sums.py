@@ -5,9 +5,8 @@ names the factory below (`task.name="examples.sums:make_task"`) and passes the f
 in `task.options`; nothing in the library is edited.
 """
 
-import json
-
 from async_rl.tasks import CharTokenizer, Example, ListTask
+from async_rl.tasks.data_task import load_rows
 
 
 def exact_answer(completion: str, answer: str) -> float:
@@ -16,10 +15,14 @@ def exact_answer(completion: str, answer: str) -> float:
 
 
 def _examples(path: str, tokenizer: CharTokenizer) -> list[Example]:
-  with open(path) as f:
-    rows = [json.loads(line) for line in f]
-  return [Example(id=i, tokens=(tokenizer.bos_id, *tokenizer.encode(row["prompt"])),
-                  reference=row["answer"]) for i, row in enumerate(rows)]
+  """The file's examples; a malformed line is an error naming the file and line."""
+  examples = []
+  for where, row in load_rows(path):  # (where, the line's JSON value)
+    if not isinstance(row, dict) or not {"prompt", "answer"} <= row.keys():
+      raise ValueError(f'{where}: needs "prompt" and "answer", got {row!r}')
+    examples.append(Example(id=where.number, reference=row["answer"],
+                            tokens=(tokenizer.bos_id, *tokenizer.encode(row["prompt"]))))
+  return examples
 
 
 def make_task(cfg) -> ListTask:

@@ -55,3 +55,8 @@ def prints(completion, reference):
     print(f"reward says {i}", flush=True)
   print("reward complains", file=sys.stderr, flush=True)
   return 1.0
+
+
+def zero(completion, reference):
+  del completion, reference
+  return 0.0

@@ -70,8 +70,8 @@ def test_a_short_code_run_scores_every_sample_in_the_sandbox(tmp_path):
                         "task.code.max_ops": 1, "task.code.num_tests": 2})
   summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
-  steps = [json.loads(l) for l in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
-           if "eval" not in json.loads(l)]
+  lines = [json.loads(l) for l in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+  steps = [l for l in lines if "eval" not in l and "sft" not in l]
   rewards = steps[-1]["rewards"]
   # Every trained sample was scored by running its program: no call failed or timed out.
   assert rewards["calls"] >= 2 * cfg.batch_groups * cfg.generation.group_size

@@ -9,7 +9,8 @@ from async_rl import config as config_lib, generation
 from async_rl.config import ExperimentConfig, MeshConfig, from_dict
 from async_rl.rl import build
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.py"))
+CONFIGS = sorted(p for p in (Path(__file__).parents[1] / "configs").glob("*.py")
+                 if p.stem != "__init__")
 
 
 def _module(path):

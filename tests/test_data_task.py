@@ -220,8 +220,8 @@ def test_the_trl_style_example_trains_from_the_command_line(tmp_path):
   out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600, check=False)
   assert out.returncode == 0, out.stderr[-4000:]
-  assert re.search(r"^sft step 200/200 nll=", out.stdout, re.M), out.stdout[-2000:]
-  assert re.search(r"^eval v=2: accuracy=\d", out.stdout, re.M), out.stdout[-2000:]
+  assert re.search(r"^[\d-]+ [\d:]+ sft step 200/200 nll=", out.stdout, re.M), out.stdout[-2000:]
+  assert re.search(r"^[\d-]+ [\d:]+ eval v=2: accuracy=\d", out.stdout, re.M), out.stdout[-2000:]
   steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   rewards = [s["rewards"] for s in steps if "rewards" in s]
   assert len(rewards) == 2 and rewards[-1]["calls"] > 0

@@ -3,8 +3,10 @@ naming the field, before anything compiles, and leaves the workdir as it was."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from async_rl import config
 from async_rl.config import from_dict
 from async_rl.rl import build
-from async_rl.rl.errors import ConfigError
+from async_rl.rl.errors import ConfigError, NoTrainableGroupError
 from rl_test_utils import small_config
 
 ROOT = Path(__file__).parents[1]
@@ -167,3 +169,65 @@ def test_print_config_of_a_bad_value_is_one_line_and_status_2():
   assert out.returncode == 2
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and "generation.num_slots" in lines[0], out.stderr
+
+
+def test_a_reward_that_keeps_failing_stops_the_run_naming_it_and_its_first_error(tmp_path):
+  start = time.monotonic()
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.train", "--config=configs/micro.py",
+       f"--workdir={tmp_path}", "--config.num_steps=50",
+       "--config.rollout.reward_fn=reward_fns_for_tests:raises",
+       "--config.rollout.reward_error_window=16"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}"))
+  assert out.returncode == 1, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()
+  message = next(line for line in last if line.startswith("train: the run stopped"))
+  assert "reward function reward_fns_for_tests:raises failed on 16 of its last 16" in message
+  assert "its first error: reward_fns_for_tests:raises: failed: RuntimeError: bad completion" \
+      in message
+  assert time.monotonic() - start < 300  # not after run.stall_timeout_s (600 s)
+  # Not a log line per failure: the 1st, 2nd, 4th, ... of each reward service (the
+  # rollouts' and the held-out evaluation's).
+  assert out.stderr.count("failed calls so far") <= 2 * 7, out.stderr[-3000:]
+  assert out.stderr.count("rollout controller of worker 0 failed") == 1
+  assert (tmp_path / "config.json").exists()
+
+
+def test_groups_that_can_never_be_trained_stop_the_run_saying_why(tmp_path):
+  cfg = small_config(**{"num_steps": 50, "rollout.dynamic_filter": True,
+                        "rollout.reward_fn": "reward_fns_for_tests:zero",
+                        "run.max_untrainable_groups": 12})
+  lines = []
+  with pytest.raises(NoTrainableGroupError) as e:
+    build.run(cfg, str(tmp_path), echo=lines.append, progress=False)
+  message = str(e.value)
+  in_a_row = int(re.match(r"(\d+) groups in a row finished and none could be trained "
+                          r"\(run.max_untrainable_groups=12\)", message).group(1))
+  assert in_a_row >= 12
+  assert "were filtered as all rewards equal" in message
+  assert "checkpoint 0 holds the params" in message  # saved on the way out
+  assert not any(re.search(r"\bv=\d+ reward=", line) for line in lines)  # none trained
+
+
+def test_the_step_line_shows_the_reward_error_rate(tmp_path):
+  lines = []
+  build.run(small_config(**{"num_steps": 1}), str(tmp_path), echo=lines.append, progress=False)
+  step = next(line for line in lines if " v=1 reward=" in line)
+  assert step.endswith("reward_err=0.00")
+
+
+def test_a_warm_start_without_reference_completions_is_refused_up_front():
+  cfg = build.resolve(small_config(**{"sft.steps": 10}))
+  with pytest.raises(ConfigError, match=r"sft.steps > 0 needs a task with reference "
+                                        r"completions \(sft_examples\); _LongPrompts has none"):
+    build.preflight(cfg, _LongPrompts(4))
+  from async_rl.tasks import CharTokenizer, Example, ListTask  # noqa: PLC0415
+  tokenizer = CharTokenizer()
+  rows = [Example(id=i, tokens=(tokenizer.bos_id, *tokenizer.encode(f"{i}+1=")),
+                  reference=str(i + 1)) for i in range(5)]  # answers to score, none to imitate
+  no_targets = ListTask(train=rows[:4], heldout_examples=rows[4:], tokenizer=tokenizer,
+                        reward_fn="arithmetic")
+  with pytest.raises(ConfigError, match=r"sft.steps > 0 needs reference completions: .*"
+                                        r"none of the 4 has one"):
+    build.preflight(cfg, no_targets)

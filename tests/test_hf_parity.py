@@ -85,6 +85,9 @@ def test_export_round_trips_through_transformers(saved, tmp_path):
     json.dump({"eos_token_id": 3}, f)
   hf.save_hf(cfg, params, str(tmp_path), tokenizer_dir=model_dir)
   assert os.path.exists(tmp_path / "generation_config.json")
+  # Readable by others as the config beside it is (the umask's say, not 0600).
+  modes = {n: os.stat(tmp_path / n).st_mode & 0o777 for n in ("model.safetensors", "config.json")}
+  assert modes["model.safetensors"] == modes["config.json"], modes
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
                                                                dtype=torch.float32).eval()
   tokens = _tokens(2)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import PlacementConfig
+from async_rl.generation import replicas
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.generation.request import Request, SlotHandle
 from async_rl.rl import build
@@ -122,11 +123,7 @@ class _FakePool:
     return future
 
   def metrics(self):
-    return {k: 1 for k in ("active_slots", "held_slots", "extended_in_slot",
-                           "extended_reprefilled", "evictions", "queue_length",
-                           "decode_steps", "decode_calls", "wasted_slot_steps",
-                           "generated_tokens", "weight_updates", "swap_transfer_s_total",
-                           "swap_pause_s_total", "slot_occupancy", "decode_tokens_per_s",
+    return {k: 1 for k in (*replicas._SUMMED, "slot_occupancy", "decode_tokens_per_s",
                            "time_paused_s")} | {"version": self.version}
 
 

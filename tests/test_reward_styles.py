@@ -147,10 +147,17 @@ CFG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1
 class _Rewards:
   """Scores in this process (the reward service's submit, without workers)."""
 
+  def __init__(self):
+    self.calls = 0
+
   def submit(self, task):
+    self.calls += 1
     future = Future()
     future.set_result(task.fn(task.completion, task.reference))
     return future
+
+  def metrics(self):
+    return {"calls": float(self.calls), "errors": 0.0, "timeouts": 0.0}
 
   def close(self):
     pass

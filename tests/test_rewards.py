@@ -62,6 +62,21 @@ def _alive(pid):
   return True
 
 
+def test_recent_failures_counts_over_the_window_and_keeps_the_first_error(caplog):
+  with RewardService(num_workers=1, timeout_s=TIMEOUT_S, error_window=4) as svc:
+    assert svc.recent_failures() == (0, 0, None)
+    svc.score_batch([RewardTask("reward_fns_for_tests:raises", f"c{i}", None) for i in range(5)])
+    failed, calls, first = svc.recent_failures()
+    assert (failed, calls) == (4, 4)
+    assert first == "reward_fns_for_tests:raises: failed: RuntimeError: bad completion 'c0'"
+    svc.score_batch([RewardTask("reward_fns_for_tests:length", "ab", None)] * 3)
+    assert svc.recent_failures() == (1, 4, first)  # the window moved on; the first stays
+  # The 1st, 2nd and 4th of the five failures were logged, not each one.
+  logged = [r for r in caplog.records if "failed calls so far" in r.getMessage()]
+  assert [r.getMessage().rsplit("(", 1)[1] for r in logged] == [
+      "1 failed calls so far)", "2 failed calls so far)", "4 failed calls so far)"]
+
+
 def test_hanging_fn_is_killed_and_its_worker_replaced():
   with RewardService(num_workers=1, timeout_s=TIMEOUT_S) as svc:
     pid = svc.submit(_task("worker_pid")).result()

@@ -1,6 +1,10 @@
-"""End-to-end in-process runs: async and sync, metrics, staleness bound, failing rewards."""
+"""End-to-end in-process runs: async and sync, metrics, staleness bound, failing rewards,
+what the run logs and prints."""
 
+import io
 import json
+import re
+import sys
 import threading
 import types
 from pathlib import Path
@@ -10,16 +14,22 @@ import numpy as np
 import pytest
 
 from async_rl import cpu, sharding
-from async_rl.config import MeshConfig
+from async_rl.config import LogConfig, MeshConfig
 from async_rl.generation import Engine
-from async_rl.rl import build
+from async_rl.rl import build, trainer_loop
+from async_rl.rl.errors import ConfigError
 from async_rl.rl.evaluate import Evaluator
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
 
+def _lines(workdir, name="metrics.jsonl"):
+  return [json.loads(l) for l in (Path(workdir) / name).read_text().splitlines()]
+
+
 def _steps(workdir):
-  lines = [json.loads(l) for l in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  """The training steps' lines and the evaluations' (not the warm start's)."""
+  lines = [l for l in _lines(workdir) if "sft" not in l]
   return [l for l in lines if "eval" not in l], [l for l in lines if "eval" in l]
 
 
@@ -80,7 +90,7 @@ def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path)
   per_eval = cfg.eval.num_prompts * (1 + cfg.eval.pass_k)
   assert [e["eval"]["rewards"]["errors"] for e in evals] == [per_eval, 2 * per_eval]
   assert [e["eval"]["rewards"]["calls"] for e in evals] == [per_eval, 2 * per_eval]
-  assert sum(f"reward_errors={per_eval}" in line for line in lines if line.startswith("eval")) == 1
+  assert sum(f"reward_errors={per_eval}" in line for line in lines if " eval v=" in line) == 1
 
 
 def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
@@ -184,3 +194,72 @@ def test_a_stop_before_the_run_is_built_writes_nothing(tmp_path):
   summary = build.run(small_config(), str(tmp_path / "w"), stop=stop, progress=False,
                       echo=lambda _: None)
   assert summary == {"stopped": True} and not (tmp_path / "w").exists()
+
+
+def test_the_log_holds_the_warm_start_learning_rates_and_samples_and_a_log_file_no_bar(
+    tmp_path, monkeypatch):
+  cfg = small_config(**{"num_steps": 2, "sft.steps": 2, "sft.batch_size": 4,
+                        "sft.log_every": 1, "optimizer.warmup_steps": 2,
+                        "optimizer.learning_rate": 1e-3,
+                        "rollout.reward_fn": "reward_fns_for_tests:length",
+                        "eval.correct_threshold": 1000.0, "log.samples_every": 1,
+                        "log.num_samples": 4})  # micro: the batch's 2 groups of 2
+  stderr, lines = io.StringIO(), []  # standard error is a log file, not a terminal
+  monkeypatch.setattr(sys, "stderr", stderr)
+  build.run(cfg, str(tmp_path), progress=True, echo=lines.append)
+  assert "\r" not in stderr.getvalue() and "train:" not in stderr.getvalue()
+
+  # The warm start's lines come first (before RL: version 0), its learning rate warming
+  # up over min(10, sft.steps) steps from 0; RL's over optimizer.warmup_steps updates.
+  warm = [l["sft"] for l in _lines(tmp_path) if "sft" in l]
+  assert [(w["step"], w["lr"]) for w in warm] == [(1, 0.0), (2, pytest.approx(5e-4))]
+  assert all(0 < w["loss"] < 10 for w in warm)
+  steps, _ = _steps(tmp_path)
+  assert [s["lr"] for s in steps] == [0.0, pytest.approx(5e-4)]
+
+  # The samples are the batch just trained: its rewards, and correctness by
+  # eval.correct_threshold, which the accuracy counts too.
+  samples = _lines(tmp_path, "samples.jsonl")
+  for s in steps:
+    batch = [x for x in samples if x["step"] == s["step"]]
+    rewards = [x["reward"] for x in batch]
+    assert len(batch) == 4 and {x["prompt_id"] for x in batch} == set(s["prompts"])
+    assert s["reward_mean"] == pytest.approx(np.mean(rewards))
+    assert s["accuracy"] == 0.0 and not any(x["correct"] for x in batch)
+  assert any(x["reward"] >= 1 for x in samples), "acc would differ by reward >= 1"
+
+  stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+  step_lines = [l for l in lines if re.match(stamp + "v=", l)]
+  assert len(step_lines) == 2 and all(l.count(" train=") == 1 for l in step_lines)
+  assert all(re.search(r" update=\d+\.\d\ds publish=", l) for l in step_lines)
+  assert sum(bool(re.match(stamp + r"(sft step \d/2|eval v=\d:) ", l)) for l in lines) == 4
+
+
+def test_samples_are_the_first_completions_of_the_batch_their_middles_cut_to_length():
+  def traj(prompt, completion, reward):
+    return Trajectory.from_completion(np.array(prompt), np.array(completion),
+                                      np.zeros(len(completion)), np.zeros(len(completion),
+                                                                          np.int32),
+                                      "length", reward=reward)
+
+  groups = [Group("g0", [traj([1, 2], [3] * 300, 1.0), traj([1, 2], [4], 0.5)]),
+            Group("g1", [traj([5], [6], 2.0), traj([5], [7], 0.0)])]
+  decode = lambda ids: "".join(chr(ord("a") + i) for i in ids)
+  samples = trainer_loop._samples(groups, decode, LogConfig(num_samples=3, sample_chars=64),
+                                  correct_threshold=1.0)
+  assert [(s["prompt_id"], s["prompt"], s["reward"], s["correct"]) for s in samples] == [
+      ("g0", "bc", 1.0, True), ("g0", "bc", 0.5, False), ("g1", "f", 2.0, True)]
+  assert [s["completion"] for s in samples[1:]] == ["e", "g"]
+  long = samples[0]["completion"]
+  head, cut, tail = re.fullmatch(r"(d*) \[\.\.\.(\d+) characters\.\.\.\] (d*)", long).groups()
+  assert len(long) <= 64 and len(head) + int(cut) + len(tail) == 300
+  assert abs(len(head) - len(tail)) <= 1
+
+
+def test_weights_and_biases_asked_for_without_wandb_stops_the_run_before_it_is_built(
+    tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+  cfg = small_config(**{"log.wandb_project": "proj"})
+  with pytest.raises(ConfigError, match=r"log\.wandb_project needs the wandb package"):
+    build.run(cfg, str(tmp_path / "w"), progress=False, echo=lambda _: None)
+  assert not (tmp_path / "w").exists()

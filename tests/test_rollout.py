@@ -92,8 +92,13 @@ class FakeRewards:
     future.set_result(self.rewards_by_prompt[task.reference][k])
     return future
 
+  error_window = 64
+
   def metrics(self):
     return {"calls": sum(self.calls.values())}
+
+  def recent_failures(self):
+    return 0, min(sum(self.calls.values()), self.error_window), None
 
 
 class Prompt:

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +28,9 @@ def test_sft_loss_is_the_mean_nll_of_masked_tokens():
   assert int(metrics["num_tokens"]) == 3
 
 
-def _warm_start(cfg, mesh, echo):
+def _warm_start(cfg, mesh, echo, record=lambda step, metrics: None):
   return sft.warm_start(ArithmeticTask(cfg.task.arithmetic), cfg.model, cfg.sft, cfg.batching,
-                        mesh, seed=cfg.seed, echo=echo)
+                        mesh, seed=cfg.seed, echo=echo, record=record)
 
 
 def test_sft_examples_train_on_the_solution_only():
@@ -47,7 +48,7 @@ def test_sft_examples_train_on_the_solution_only():
 def test_warm_start_lowers_the_nll_of_reference_solutions(monkeypatch):
   cfg = small_config()
   cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=30, batch_size=16,
-                                                         learning_rate=3e-3))
+                                                         learning_rate=3e-3, log_every=10))
   mesh = sharding.make_mesh(cfg.mesh)
   shapes, jit_train_step = set(), train_step.jit_train_step
 
@@ -60,9 +61,16 @@ def test_warm_start_lowers_the_nll_of_reference_solutions(monkeypatch):
     return run
 
   monkeypatch.setattr(train_step, "jit_train_step", recording)
-  lines = []
-  params = _warm_start(cfg, mesh, echo=lines.append)
-  assert lines and lines[-1].startswith("sft step 30/30")
+  lines, records = [], []
+  params = _warm_start(cfg, mesh, echo=lines.append,
+                       record=lambda step, metrics: records.append((step, metrics)))
+  assert len(lines) == 3
+  assert re.fullmatch(r"\S+ \S+ sft step 30/30 nll=\d\.\d{4} lr=0\.003 \(\d+s\)", lines[-1])
+  # Ten steps of warmup (`min(10, steps)`): step i trains at 3e-3 * min(i - 1, 10) / 10.
+  assert [step for step, _ in records] == [10, 20, 30]
+  np.testing.assert_allclose([m["lr"] for _, m in records], [2.7e-3, 3e-3, 3e-3], rtol=1e-6)
+  losses = [m["loss"] for _, m in records]  # each the mean over its ten steps
+  assert losses[2] < losses[1] < losses[0]
   assert len(shapes) == 1, "the warm start compiles its train step once"
   seqs = [supervised(p.tokens, p.target)
           for p in itertools.islice(TrainStream(cfg.task.arithmetic), 16)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import from_dict
+from async_rl.config import TaskConfig, from_dict
 from async_rl.rl import build
 from async_rl.tasks import CharTokenizer, Example, ListTask
 from async_rl.tasks.registry import make_task
@@ -108,4 +108,16 @@ def test_the_readme_example_runs_as_written():
   out = subprocess.run(["bash", "-c", COMMAND], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600, check=False)
   assert out.returncode == 0, out.stderr[-4000:]
-  assert re.search(r"^eval v=2: accuracy=\d", out.stdout, re.M), out.stdout[-2000:]
+  assert re.search(r"^[\d-]+ [\d:]+ eval v=2: accuracy=\d", out.stdout, re.M), out.stdout[-2000:]
+
+
+def test_the_readme_examples_loader_names_the_file_and_line_of_a_bad_row(tmp_path):
+  from examples import sums  # noqa: PLC0415
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "1+2="}\n')
+  with pytest.raises(ValueError, match=r'bad.jsonl, line 3: needs "prompt" and "answer"'):
+    sums.make_task(TaskConfig(options={"train": str(bad), "heldout": str(bad)}))
+  bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2="\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl, line 2: invalid JSON: Expecting ',' "
+                                       r"delimiter at column 18"):
+    sums.make_task(TaskConfig(options={"train": str(bad), "heldout": str(bad)}))

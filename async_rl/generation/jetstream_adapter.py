@@ -64,23 +64,27 @@ PREFILL_LENGTHS = tuple(2 ** i for i in range(4, 16))
 
 
 class TokenizerApi(tokenizer_api.Tokenizer):
-  """A task's tokenizer (`tasks.protocol.Tokenizer` with pad, BOS and EOS ids) behind
-  JetStream's tokenizer API.
+  """A task's tokenizer (`tasks.protocol.TextTokenizer`: pad, EOS and BOS ids, BOS None
+  for a model that uses none) behind JetStream's tokenizer API.
 
-  Generation stops at EOS only, as in training (JetStream's default also stops at PAD).
+  Generation stops at the tokenizer's stop ids, as in training (JetStream's default
+  also stops at PAD).
   """
 
   def __init__(self, tokenizer):
     self._tokenizer = tokenizer
 
   def encode(self, s: str, **kwargs):
-    """Tokenizes `s`, adds BOS if `is_bos`, pads as `token_utils.pad_tokens` does."""
+    """Tokenizes `s`, adds BOS if `is_bos` and the tokenizer has one, pads as
+    `token_utils.pad_tokens` does."""
+    if self.bos_id is None:
+      kwargs["is_bos"] = False
     return token_utils.pad_tokens(np.asarray(self._tokenizer.encode(s), np.int32),
                                   self.bos_id, self.pad_id, **kwargs)
 
   def decode(self, token_ids: list[int], **kwargs) -> str:
     del kwargs
-    return self._tokenizer.decode(token_ids, strict=False)
+    return self._tokenizer.decode(token_ids)
 
   @property
   def pad_id(self) -> int:
@@ -96,7 +100,7 @@ class TokenizerApi(tokenizer_api.Tokenizer):
 
   @property
   def stop_tokens(self) -> set[int]:
-    return {self.eos_id}
+    return set(self._tokenizer.stop_ids)
 
 
 @struct.dataclass
@@ -290,6 +294,9 @@ class JetStreamServer:
       _, length = self._tokenizer.encode(prompt, jax_padding=False)
       content = dict(text_content=jetstream_pb2.DecodeRequest.TextContent(text=prompt))
     else:
+      if self._tokenizer.bos_id is None:
+        raise ValueError("a prompt of token ids needs a tokenizer with a BOS id, which "
+                         "JetStream prepends to it; give the prompt as text")
       token_ids = [int(t) for t in prompt]
       vocab_size = self.engine.engine.cfg.vocab_size
       if not all(0 <= t < vocab_size for t in token_ids):

@@ -189,7 +189,11 @@ def save_hf(cfg, params: Params, out_dir: str, *,
       w = w.reshape(hf_shape[::-1]).T if rule.transposed else w.reshape(hf_shape)
       tensors[rule.hf_name.format(i)] = np.ascontiguousarray(w)
   os.makedirs(out_dir, exist_ok=True)
-  save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  weights = os.path.join(out_dir, "model.safetensors")
+  save_file(tensors, weights, metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(weights, 0o666 & ~umask)  # safetensors writes 0600; a model is shared like its config
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   if tokenizer_dir is not None:

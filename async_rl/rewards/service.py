@@ -22,6 +22,7 @@ is pickled by value with cloudpickle (`worker.ship_fn`) once, and sent to each w
 with its first call there; it then runs under the same timeout and counters.
 """
 
+import collections
 import dataclasses
 import os
 import pickle
@@ -237,12 +238,13 @@ class RewardService:
       ASYNC_RL_ALLOW_WEAK_SANDBOX.
     output_lines, output_interval_s: at most this many lines of a worker's output
       are logged per this many seconds.
+    error_window: the recent calls `recent_failures` counts over.
   """
 
   def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, *,
                startup_timeout_s: float = 60.0, memory_mb: int = 0,
                allow_weak_sandbox: bool = False, output_lines: int = 20,
-               output_interval_s: float = 10.0):
+               output_interval_s: float = 10.0, error_window: int = 64):
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if timeout_s <= 0:
@@ -258,8 +260,12 @@ class RewardService:
     self._lock = threading.Lock()
     self._closed = False
     self._shipped: dict[Any, tuple[str, str | bytes, Any]] = {}  # name or id -> (key, shipped, fn)
+    self._names: dict[str, str] = {}  # key -> the function's name, for messages
     self._counts = dict(calls=0, errors=0, timeouts=0, worker_restarts=0)
     self._latency_s = 0.0
+    self.error_window = error_window
+    self._recent = collections.deque(maxlen=error_window)  # per call: did it fail
+    self._first_error: str | None = None
     self._threads = [threading.Thread(target=self._serve, args=(f"reward worker {i}",),
                                       name=f"reward-worker-{i}", daemon=True)
                      for i in range(num_workers)]
@@ -289,11 +295,13 @@ class RewardService:
       entry = self._shipped.get(ident)
     if entry is None:
       resolve_reward_fn(fn)
-      key = fn if isinstance(fn, str) else f"<{getattr(fn, '__qualname__', 'fn')} {id(fn):x}>"
+      name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", "fn")
+      key = fn if isinstance(fn, str) else f"<{name} {id(fn):x}>"
       # The entry holds `fn`, so its id stays its own.
       entry = (key, worker_lib.ship_fn(fn), fn)
       with self._lock:
         entry = self._shipped.setdefault(ident, entry)
+        self._names.setdefault(entry[0], name)
     return entry[0], entry[1]
 
   def score_batch(self, tasks: Sequence[RewardTask]) -> list[float]:
@@ -307,6 +315,13 @@ class RewardService:
       calls = self._counts["calls"]
       return {**{k: float(v) for k, v in self._counts.items()},
               "mean_latency_s": self._latency_s / calls if calls else 0.0}
+
+  def recent_failures(self) -> tuple[int, int, str | None]:
+    """Failed calls (errors and timeouts) among the last `error_window`, the calls
+    counted (fewer until that many were made), and the first failure of all, with the
+    function it came from."""
+    with self._lock:
+      return sum(self._recent), len(self._recent), self._first_error
 
   def close(self):
     """Cancels queued calls, lets running ones finish or time out, stops workers."""
@@ -333,14 +348,24 @@ class RewardService:
   def __exit__(self, *exc_info):
     self.close()
 
-  def _count(self, start: float, counter: str | None = None, restart: bool = False):
+  def _count(self, start: float, counter: str | None = None, restart: bool = False,
+             fn: str = "", error: str = ""):
     with self._lock:
+      fn = self._names.get(fn, fn)
       self._counts["calls"] += 1
       self._latency_s += time.monotonic() - start
+      self._recent.append(counter is not None)
       if counter:
         self._counts[counter] += 1
+        failures = self._counts["errors"] + self._counts["timeouts"]
+        if self._first_error is None:
+          self._first_error = f"{fn}: {error}"
       if restart:
         self._counts["worker_restarts"] += 1
+    # The 1st, 2nd, 4th, 8th, ... failure is logged: a function that always fails must
+    # not flood the log.
+    if counter and failures & (failures - 1) == 0:
+      logging.warning("reward fn %s %s (%d failed calls so far)", fn, error, failures)
 
   def _start_worker(self, name: str) -> _Worker | None:
     try:
@@ -371,10 +396,10 @@ class RewardService:
       except (TimeoutError, _WorkerDied) as e:
         worker.kill()
         timed_out = isinstance(e, TimeoutError)
-        logging.warning("reward fn %s %s; its worker was replaced", fn,
-                        f"timed out after {self._timeout_s} s" if timed_out
-                        else f"killed its worker ({e})")
-        self._count(start, "timeouts" if timed_out else "errors", restart=True)
+        what = (f"timed out after {self._timeout_s} s" if timed_out
+                else f"killed its worker ({e})")
+        self._count(start, "timeouts" if timed_out else "errors", restart=True, fn=fn,
+                    error=f"{what}; its worker was replaced")
         future.set_result(0.0)
         worker = self._start_worker(name)
         continue
@@ -385,8 +410,7 @@ class RewardService:
       else:
         limit = (f" (past the reward workers' memory limit, {self._memory_mb} MB)"
                  if answer.startswith("MemoryError") else "")
-        logging.warning("reward fn %s failed: %s%s", fn, answer, limit)
-        self._count(start, "errors")
+        self._count(start, "errors", fn=fn, error=f"failed: {answer}{limit}")
         future.set_result(0.0)
     if worker is not None:
       worker.close()

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -40,7 +41,8 @@ from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import ConfigError
 from async_rl.rl.evaluate import Evaluator
-from async_rl.rl.metrics_log import MetricsLog
+from async_rl.progress import Progress
+from async_rl.rl.metrics_log import MetricsLog, check_wandb
 from async_rl.rl.rollout import PromptSource, RolloutController, RolloutWorker
 from async_rl.rl.trainer import Trainer
 from async_rl.rl.trainer_loop import TrainLoop
@@ -65,7 +67,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early (at
       once, saving nothing, if it is set before the run is built).
     echo: receives the run's id, the one-line summary of every step, and warnings.
-    progress: show a progress bar.
+    progress: show a progress bar (on a terminal only).
 
   Raises:
     ConfigError: a setting that cannot work, found before anything is compiled.
@@ -169,7 +171,8 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
 
 def preflight(cfg: ExperimentConfig, task):
   """`check` for a run on `task` (built from `cfg.task`, or given), that the task
-  fits the model, and that its reward functions load; returns `task`.
+  fits the model, that its reward functions load, and that what the log needs imports;
+  returns `task`.
 
   Raises:
     ConfigError: naming the field whose value a part rejects.
@@ -180,11 +183,25 @@ def preflight(cfg: ExperimentConfig, task):
       TASKS[cfg.task.name].check(cfg)
     reward_fn(cfg, task)
     correct_fn(cfg, task)
+    check_wandb(cfg.log.wandb_project)
   if task.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size must hold the task's tokenizer "
                       f"({task.tokenizer.vocab_size} ids), got {cfg.model.vocab_size}")
   _check_prompts(cfg, task)
+  if cfg.sft.steps and cfg.hf_model_dir is None:
+    _check_warm_start(task)
   return task
+
+
+def _check_warm_start(task) -> None:
+  """A warm start needs reference completions to imitate; found before any compile."""
+  if not hasattr(task, "sft_examples"):
+    raise ConfigError(f"sft.steps > 0 needs a task with reference completions "
+                      f"(sft_examples); {type(task).__name__} has none: set sft.steps=0")
+  try:
+    next(iter(task.sft_examples()))
+  except (ValueError, StopIteration) as e:
+    raise ConfigError(f"sft.steps > 0 needs reference completions: {e or 'none found'}") from e
 
 
 def _check_objective(cfg):
@@ -353,16 +370,19 @@ def make_trainer(cfg: ExperimentConfig, mesh, params=None) -> Trainer:
                  sample_per_turn=cfg.task.sample_per_turn)
 
 
-def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None] = print):
+def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None] = print,
+                   record: Callable[[int, dict], None] = lambda step, metrics: None):
   """A fresh run's params: `hf_model_dir`'s, loaded straight onto the trainer's
-  shardings; else the warm start on `task`; else None (a random init)."""
+  shardings; else the warm start on `task` (its metrics passed to `record`); else None
+  (a random init)."""
   if cfg.hf_model_dir is not None:
     abstract = jax.eval_shape(functools.partial(models.init_params, cfg.model),
                               jax.random.key(0))
     return hf.load_hf(cfg.hf_model_dir, cfg.model,
                       shardings=sharding.param_shardings(abstract, mesh))
   if cfg.sft.steps:
-    return warm_start(task, cfg.model, cfg.sft, cfg.batching, mesh, seed=cfg.seed, echo=echo)
+    return warm_start(task, cfg.model, cfg.sft, cfg.batching, mesh, seed=cfg.seed, echo=echo,
+                      record=record)
   return None
 
 
@@ -394,7 +414,8 @@ def reward_service(cfg: ExperimentConfig, num_workers: int) -> RewardService:
   """A reward service of `num_workers` worker processes, as `rollout` configures them."""
   r = cfg.rollout
   return RewardService(num_workers=num_workers, timeout_s=r.reward_timeout_s,
-                       memory_mb=r.reward_memory_mb, allow_weak_sandbox=r.allow_weak_sandbox)
+                       memory_mb=r.reward_memory_mb, allow_weak_sandbox=r.allow_weak_sandbox,
+                       error_window=r.reward_error_window)
 
 
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
@@ -416,14 +437,19 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   `engines` serve the held-out evaluation (None: one new engine); in one process they
   are the rollout worker's, so their programs compile once. `trainer_devices` carry
   the trainer's mesh (None: every device). `run_id` marks the run's metrics lines
-  (None: a new id); the log drops the lines the restored checkpoint supersedes.
+  (None: a new id); the log drops the lines the restored checkpoint supersedes. The
+  loop's lines, the deadlines' and the warm start's go to `echo` clear of the progress
+  bar (`progress.Progress`).
   """
   check_resume(cfg, workdir)
   os.makedirs(workdir, exist_ok=True)
+  bar = Progress(echo, enabled=progress)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   mesh = sharding.make_mesh(cfg.mesh, trainer_devices)
+  warm_start_log = []  # written once the log exists, after the restore
   if checkpointer.latest_step() is None and init_params is None:
-    init_params = initial_params(cfg, mesh, task, echo)
+    init_params = initial_params(cfg, mesh, task, bar.echo,
+                                 record=lambda *line: warm_start_log.append((*line, time.time())))
   trainer = make_trainer(cfg, mesh, init_params)
   restored = TrainLoop.restore(checkpointer, trainer, server, echo)
   leader = multihost.Leader() if jax.process_count() > 1 else None
@@ -434,7 +460,7 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   dtype = cfg.placement.publish_dtype
   params = trainer.host_params(dtype) if on_host else trainer.device_params()
   server.publish(trainer.version, params)
-  deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, echo)
+  deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, bar.echo)
   stop = stop or threading.Event()
   evaluator = Evaluator(
       make_pool(engines or [make_engine(cfg)], params, version=trainer.version),
@@ -442,13 +468,20 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
       max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
       vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
       wait=functools.partial(deadlines.result, stop=stop))
-  log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step)
+  log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step,
+                   wandb_project=cfg.log.wandb_project, hparams=config.to_dict(cfg))
+  for step, metrics, at in warm_start_log:
+    log.write_warm_start(step, metrics, at)
   return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
                    num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
                    checkpoint_every=cfg.checkpoint.every_steps,
-                   max_consecutive_skips=cfg.train.max_consecutive_skips, restored=restored,
+                   max_consecutive_skips=cfg.train.max_consecutive_skips,
+                   max_untrainable_groups=cfg.run.max_untrainable_groups, restored=restored,
                    publish_on_host=publish_on_host, publish_dtype=dtype, leader=leader,
-                   stop=stop, echo=echo, progress=progress)
+                   stop=stop, echo=bar.echo, progress=bar,
+                   learning_rate=train_step.learning_rate(cfg.optimizer),
+                   correct_threshold=cfg.eval.correct_threshold, decode=task.tokenizer.decode,
+                   log_cfg=cfg.log)
 
 
 def check_resume(cfg: ExperimentConfig, workdir: str) -> None:
@@ -522,5 +555,6 @@ def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
       update_mode=cfg.generation.update_mode,
       dynamic_filter=cfg.rollout.dynamic_filter, worker=index, seed=cfg.seed,
       workflow=task.workflow, vocab_size=cfg.model.vocab_size,
-      max_prompt_len=cfg.task.max_prompt_len)
+      max_prompt_len=cfg.task.max_prompt_len,
+      max_reward_error_rate=cfg.rollout.max_reward_error_rate)
   return RolloutWorker(index, controller, pool, rewards)

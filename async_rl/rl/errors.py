@@ -22,6 +22,16 @@ class RolloutWorkerError(RunError):
   """A rollout worker's controller failed, or its process died too often."""
 
 
+class RewardFailureError(RunError):
+  """The reward function failed on too many of its recent calls; the message names it
+  and its first error."""
+
+
+class NoTrainableGroupError(RunError):
+  """Groups keep finishing but none can be trained; the message says why they could
+  not."""
+
+
 class NonFiniteError(RunError):
   """Too many consecutive training steps had a non-finite loss or gradient."""
 

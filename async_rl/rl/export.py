@@ -1,6 +1,6 @@
 """A run's trained policy out of its workdir: scored on the task's held-out set, as a
-Hugging Face directory (the way back from `hf_model_dir`), or served by JetStream's
-orchestrator."""
+Hugging Face directory (the way back from `hf_model_dir`), or served, like a Hugging
+Face model, by JetStream's orchestrator."""
 
 import dataclasses
 import json
@@ -12,6 +12,7 @@ from async_rl import config
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.models import hf
+from async_rl.models.hf_tokenizer import HFTokenizer
 from async_rl.rewards import RewardService
 from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
@@ -84,35 +85,48 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None
   hf.save_hf(model_cfg, params, out_dir, tokenizer_dir=tokenizer_dir)
 
 
-def serve_checkpoint(cfg: ExperimentConfig, checkpoint_dir: str, prompts: Sequence, *,
-                     max_tokens: Optional[int] = None, step: Optional[int] = None,
-                     sampling: Optional[SamplingParams] = None) -> list:
-  """Serves a training checkpoint with JetStream's orchestrator (extra `jetstream`) and
-  completes `prompts`, with the task's tokenizer.
+def serve(cfg: ExperimentConfig, prompts: Sequence, *, workdir: Optional[str] = None,
+          step: Optional[int] = None, max_tokens: Optional[int] = None,
+          sampling: Optional[SamplingParams] = None) -> list:
+  """Completes `prompts` with JetStream's orchestrator (extra `jetstream`) serving a
+  run's checkpoint through its task's tokenizer or, without `workdir`, the model in
+  `cfg.hf_model_dir` through its own tokenizer (`task.tokenizer_dir` if set).
 
   Args:
-    cfg: the run's config (its model and task, and generation sizes for the engine).
-    checkpoint_dir: the run's checkpoint directory (`<workdir>/checkpoints`).
+    cfg: the config of the run or model (its model and task, and generation sizes for
+      the engine).
     prompts: text or token ids, as for `jetstream_adapter.JetStreamServer.complete`.
-    max_tokens: tokens per completion; default `cfg.generation.max_new_tokens`.
+    workdir: the run whose checkpoint (`<workdir>/checkpoints`) to serve.
     step: the checkpoint to serve; default the latest.
+    max_tokens: tokens per completion; default `cfg.generation.max_new_tokens`.
     sampling: as for `JetStreamEngine`; greedy by default.
 
   Returns:
     A `jetstream_adapter.Completion` per prompt.
+
+  Raises:
+    ValueError: neither a workdir nor `cfg.hf_model_dir`, or a prompt length JetStream
+      cannot prefill.
   """
+  if workdir is None and cfg.hf_model_dir is None:
+    raise ValueError("nothing to serve: give a run's workdir or set hf_model_dir")
   from async_rl.generation import jetstream_adapter as js  # noqa: PLC0415 (an extra)
+  cfg = build.resolve(cfg)
   g = cfg.generation
   # JetStream pads prompts to its prefill lengths; the engine's must be one of them.
   prefill_length = next((n for n in js.PREFILL_LENGTHS if n >= g.max_prompt_len), None)
   if prefill_length is None:
     raise ValueError(f"generation.max_prompt_len {g.max_prompt_len} exceeds JetStream's "
                      f"longest prefill length {js.PREFILL_LENGTHS[-1]}")
+  if workdir is not None:
+    params = restore_params(os.path.join(workdir, "checkpoints"), cfg.model, step=step)
+    tokenizer = make_task(cfg.task).tokenizer
+  else:
+    params = hf.load_hf(cfg.hf_model_dir, cfg.model)
+    tokenizer = HFTokenizer(cfg.task.tokenizer_dir)
   engine = Engine(cfg.model, max_concurrent_decodes=g.num_slots,
                   max_prefill_length=prefill_length,
                   max_target_length=prefill_length + g.max_new_tokens)
-  params = restore_params(checkpoint_dir, cfg.model, step=step)
-  tokenizer = make_task(cfg.task).tokenizer
   served = js.JetStreamEngine(engine, params, tokenizer=tokenizer,
                               sampling=sampling or js.GREEDY)
   with js.JetStreamServer(served) as server:

@@ -37,10 +37,10 @@ from typing import Any, Callable, Optional
 
 import jax
 import ray
-from tqdm import tqdm
 
 from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
+from async_rl.progress import Progress
 from async_rl.rl import build
 from async_rl.rl.errors import RolloutWorkerError, StallError
 from async_rl.rl.rollout import RolloutWorker
@@ -212,7 +212,7 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     init_params: params to start from when not resuming.
     echo: receives the one-line summary of every step.
-    progress: show a progress bar.
+    progress: show a progress bar (on a terminal only).
     run_id: marks the metrics lines (None: a new id). `rl.build.run` holds the workdir
       (`rl.workdir.hold`) in this process and passes its run's id.
 
@@ -321,20 +321,20 @@ def _drive(cfg, server, trainer, rollouts, stop, echo, progress):
   """Runs the trainer, printing its lines and forwarding `stop`, until it returns."""
   server_proxy = _Proxy(server, "server", cfg.run.stall_timeout_s)
   start = server_proxy.version()
-  bar = tqdm(total=cfg.num_steps, initial=start, desc="train", unit="step",
-             disable=not progress, dynamic_ncols=True)
+  bar = Progress(echo, enabled=progress)
+  bar.start(cfg.num_steps, start)
   run = trainer.run.remote(rollouts)
   stop_sent = finished = False
   try:
     while True:
       finished = bool(ray.wait([run], timeout=_POLL_S)[0])
       for line in ray.get(trainer.lines.remote()):
-        echo(line)
+        bar.echo(line)
       if finished:
         summary = ray.get(run)  # raises the trainer's error, with its remote traceback
-        bar.update(summary["end_version"] - bar.n)
+        bar.update_to(summary["end_version"])
         return summary
-      bar.update(server_proxy.version() - bar.n)
+      bar.update_to(server_proxy.version())
       if stop is not None and stop.is_set() and not stop_sent:
         trainer.request_stop.remote()
         stop_sent = True

@@ -45,6 +45,7 @@ import numpy as np
 from async_rl.generation import Request, SamplingParams
 from async_rl.rewards import RewardTask
 from async_rl.rl.episodes import EpisodeRunner
+from async_rl.rl.errors import RewardFailureError, RunError
 from async_rl.tasks.protocol import RewardFnLike
 from async_rl.tasks.workflow import Workflow
 from async_rl.timeline import Span
@@ -129,6 +130,10 @@ class RolloutController:
     vocab_size: the model's vocabulary, which a workflow's tokens must lie in.
     max_prompt_len: a longer prompt's group is rejected (counted in `too_long`): the
       generator would leave it too little room to answer.
+    max_reward_error_rate: the controller fails (`RewardFailureError`, naming the
+      function and its first error) once more than this share of the reward service's
+      last `error_window` calls failed: a reward that cannot score would otherwise
+      train on zeros; 1 never fails.
   """
 
   def __init__(self, *, server, pool, rewards, prompts: PromptSource, reference: Callable,
@@ -136,9 +141,10 @@ class RolloutController:
                group_size: int, update_mode: str, dynamic_filter: bool = False,
                worker: int = 0, seed: int = 0, poll_s: float = 0.05,
                workflow: Optional[Workflow] = None, vocab_size: Optional[int] = None,
-               max_prompt_len: Optional[int] = None):
+               max_prompt_len: Optional[int] = None, max_reward_error_rate: float = 1.0):
     self.server, self.pool, self.rewards = server, pool, rewards
     self._max_prompt_len = max_prompt_len
+    self._max_reward_error_rate = max_reward_error_rate
     self._episodes = EpisodeRunner(pool, workflow, vocab_size=vocab_size)
     self._prompts, self._reference, self._decode = prompts, reference, decode
     self._reward_fn, self._sampling = reward_fn, sampling
@@ -222,10 +228,15 @@ class RolloutController:
       self._activity = None if what is None else (what, time.monotonic())
 
   def _fail(self, error):
-    logging.error("rollout controller of worker %d failed", self._worker, exc_info=error)
-    if self.error is None:
-      self.error = error
+    with self._lock:
+      first, self.error = self.error is None, self.error or error
     self._stop.set()
+    if not first:  # the first failure is the one reported
+      logging.debug("rollout controller of worker %d: also %r", self._worker, error)
+    elif isinstance(error, RunError):  # its message says what failed
+      logging.error("rollout controller of worker %d failed: %s", self._worker, error)
+    else:
+      logging.error("rollout controller of worker %d failed", self._worker, exc_info=error)
 
   def _sync_weights(self):
     got = self.server.fetch(self.pool.requested_version)
@@ -320,6 +331,7 @@ class RolloutController:
       r.add_done_callback(self._guarded(ticket, scored))
 
   def _score(self, ticket, prompt, samples, rewards):
+    self._check_reward_failures()
     group = Group(prompt.id, tuple(s.with_reward(r) for s, r in zip(samples, rewards)))
     with self._lock:
       self.stats.generated_tokens += sum(s.num_policy_tokens for s in samples)
@@ -327,6 +339,15 @@ class RolloutController:
       self._finish(ticket, None, "filtered")
     else:
       self._finish(ticket, group, "offered")
+
+  def _check_reward_failures(self):
+    failed, calls, first = self.rewards.recent_failures()
+    if calls >= self.rewards.error_window and failed > self._max_reward_error_rate * calls:
+      name = getattr(self._reward_fn, "__qualname__", self._reward_fn)
+      raise RewardFailureError(
+          f"the reward function {name} failed on {failed} of its last {calls} calls, more "
+          f"than rollout.max_reward_error_rate={self._max_reward_error_rate:g}; its first "
+          f"error: {first}")
 
   def _finish(self, ticket, group, outcome):
     self._wait_on(ticket, "server")
@@ -359,10 +380,12 @@ class RolloutWorker:
     self.controller.start()
 
   def error(self) -> Optional[str]:
-    """The controller's failure with its traceback, if it failed (a string, so it
-    crosses processes)."""
+    """The controller's failure, if it failed (a string, so it crosses processes): a
+    `RunError`'s message, which says what failed, or any other error's traceback."""
     e = self.controller.error
-    return None if e is None else "".join(traceback.format_exception(e))
+    if e is None:
+      return None
+    return str(e) if isinstance(e, RunError) else "".join(traceback.format_exception(e))
 
   def waits(self) -> dict[str, float]:
     """What this worker awaits and for how many seconds (`RolloutController.waits`),

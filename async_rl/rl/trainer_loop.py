@@ -25,17 +25,20 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
+from async_rl.config import LogConfig
 from async_rl.param_server.buffer import length_summary
+from async_rl.progress import Progress, stamped
 from async_rl.rl import multihost
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
-from async_rl.rl.errors import NonFiniteError, RolloutWorkerError, StallError, StopRequested
+from async_rl.rl.errors import (NonFiniteError, NoTrainableGroupError, RolloutWorkerError,
+                                StallError, StopRequested)
 from async_rl.rl.evaluate import Evaluator
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
 from async_rl.timeline import Timeline
+from async_rl.trajectory import Group
 
 _BATCH_POLL_S = 0.5
 
@@ -63,6 +66,8 @@ class TrainLoop:
     eval_every: evaluate every this many steps (0: only before and after).
     checkpoint_every: checkpoint every this many steps.
     max_consecutive_skips: non-finite steps in a row that stop the run.
+    max_untrainable_groups: groups finished in a row with none admitted that stop the
+      run (`NoTrainableGroupError`); 0: never.
     restored: the counts the run resumes with.
     publish_on_host: publish host (numpy) copies of the params, for a server in
       another process; by default they stay device arrays (`Trainer.device_params`).
@@ -72,30 +77,41 @@ class TrainLoop:
       params it publishes and evaluates are then host copies gathered from all.
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early; the
       evaluator's waits must end when it is set (`Deadlines.result`'s `stop`).
-    echo: receives the one-line summary of every step, and warnings.
-    progress: show a progress bar.
+    echo: receives the one-line summary of every step, and warnings; give it
+      `progress.echo`, so that no line glues onto the bar.
+    progress: the bar of training steps (drawn on a terminal only); None: none.
+    learning_rate: the optimizer's learning rate by applied update, for the log.
+    decode: token ids to text, for the sample completions the log shows.
+    correct_threshold: a trained sample whose reward is at least this counts as correct
+      (`accuracy`), as in the held-out evaluation.
+    log_cfg: what the log shows besides metrics (sample completions).
   """
 
   def __init__(self, trainer: Trainer, server, evaluator: Evaluator, checkpointer: Checkpointer,
                log: MetricsLog, deadlines: Deadlines, *, num_steps: int, eval_every: int,
                checkpoint_every: int, max_consecutive_skips: int,
-               restored: Restored = Restored(), publish_on_host: bool = False,
+               max_untrainable_groups: int = 0, restored: Restored = Restored(), publish_on_host: bool = False,
                publish_dtype: Optional[str] = None,
                leader: Optional[multihost.Leader] = None,
                stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
-               progress: bool = True):
+               progress: Optional[Progress] = None,
+               learning_rate: Callable[[int], float], decode: Callable[[Sequence[int]], str],
+               correct_threshold: float = 1.0, log_cfg: LogConfig = LogConfig()):
     self.trainer, self.server, self.evaluator = trainer, server, evaluator
     self.checkpointer, self.log, self.deadlines = checkpointer, log, deadlines
     self.num_steps = num_steps
     self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
     self.max_consecutive_skips = max_consecutive_skips
+    self.max_untrainable_groups = max_untrainable_groups
     self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
     self.damaged_checkpoints = restored.damaged_checkpoints
     self.publish_on_host = publish_on_host or leader is not None
     self.publish_dtype = publish_dtype
     self.leader = leader
     self.stop = stop or threading.Event()
-    self.echo, self.progress = echo, progress
+    self.echo, self.progress = echo, progress or Progress(echo, enabled=False)
+    self.learning_rate, self.correct_threshold = learning_rate, correct_threshold
+    self.decode, self.log_cfg = decode, log_cfg
     self._checkpoint_stalled = False
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
@@ -150,8 +166,10 @@ class TrainLoop:
     Raises:
       StallError: a wait passed `run.stall_timeout_s`.
       RolloutWorkerError: a rollout worker's controller failed.
+      NoTrainableGroupError: `max_untrainable_groups` groups in a row could not be
+        trained.
       NonFiniteError: too many non-finite steps in a row.
-      In the first two cases the current version is checkpointed first.
+      In the first three cases the current version is checkpointed first.
     """
     start_version = self.trainer.version
     summary: dict[str, Any] = {"start_version": start_version,
@@ -164,9 +182,9 @@ class TrainLoop:
         r.start()
     if start_version == 0:
       summary["eval_before"] = self._eval_and_log()
-    bar = tqdm(total=self.num_steps, initial=start_version, desc="train", unit="step",
-               disable=not self.progress, dynamic_ncols=True)
-    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0,
+    self.progress.start(self.num_steps, start_version)
+    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0, "reward_calls": 0,
+            "reward_failures": 0,
             "staleness_hist": np.asarray(self.server.metrics()["staleness_hist"], np.int64)}
 
     def waits():
@@ -174,11 +192,11 @@ class TrainLoop:
 
     try:
       with self.deadlines.watching(waits):
-        self._steps(rollouts, bar, last)
-    except (StallError, RolloutWorkerError) as e:
+        self._steps(rollouts, last)
+    except (StallError, RolloutWorkerError, NoTrainableGroupError) as e:
       raise type(e)(f"{e}\n{self._checkpoint_before_stopping()}") from e
     finally:
-      bar.close()
+      self.progress.close()
     self._checkpoint(wait=True)
     version = self.trainer.version
     summary.update(end_version=version, stopped=self.stop.is_set(),
@@ -195,16 +213,20 @@ class TrainLoop:
     summary["longest_unreported_wait_s"] = self.deadlines.longest_unreported_s
     return summary
 
-  def _steps(self, rollouts, bar, last):
+  def _steps(self, rollouts, last):
     while self.trainer.version < self.num_steps and not self.stop.is_set():
       groups, waited = self._next_batch(rollouts)
       if groups is None:
         break
       metrics = self._train(groups, waited, rollouts, last)
       version = self.trainer.version
-      self.echo(_line(version, metrics))
+      self.echo(stamped(_line(version, metrics)))
       self._count_skip(version, metrics, groups)
-      bar.update(1)
+      self.progress.update_to(version)
+      every = self.log_cfg.samples_every
+      if every and version % every == 0:
+        self.log.write_samples(version, _samples(groups, self.decode, self.log_cfg,
+                                                 self.correct_threshold))
       if self.eval_every and version % self.eval_every == 0:
         self._eval_and_log()
       if version % self.checkpoint_every == 0:
@@ -229,10 +251,12 @@ class TrainLoop:
     that finished (admitted, dropped or rejected), and the rollout workers' own waits
     name the part that holds a group up: past the stall timeout (and `warn_after_s`
     more, for them to speak first) the batch wait is the stall only if no other wait
-    is past the soft deadline.
+    is past the soft deadline. Groups that finish but cannot be trained are progress
+    of another kind: `max_untrainable_groups` of them in a row stop the run.
     """
     t0 = time.perf_counter()
     finished, since = None, time.monotonic()
+    admitted = untrainable_before = None
     what = "a training batch (no group finished)"
     with self.deadlines.waiting(what, may_stall=False) as progress:
       while not self.stop.is_set():
@@ -244,7 +268,7 @@ class TrainLoop:
           raise self.deadlines.stall(what, waited)
         for r in rollouts:
           if (error := r.error()) is not None:
-            raise RolloutWorkerError(f"rollout worker failed:\n{error}")
+            raise RolloutWorkerError(f"rollout worker failed: {error}")
         groups = self.server.get_batch(timeout=_BATCH_POLL_S)
         if groups is not None:
           return groups, time.perf_counter() - t0
@@ -252,6 +276,13 @@ class TrainLoop:
         if m["admitted"] + m["rejected"] != finished:
           finished, since = m["admitted"] + m["rejected"], time.monotonic()
           progress()
+        untrainable = m["rejected"] + m["dropped"]
+        if m["admitted"] != admitted:
+          admitted, untrainable_before = m["admitted"], untrainable
+        elif 0 < self.max_untrainable_groups <= untrainable - untrainable_before:
+          raise NoTrainableGroupError(_untrainable_cause(
+              untrainable - untrainable_before, self.max_untrainable_groups, m,
+              [r.metrics() for r in rollouts]))
     return None, time.perf_counter() - t0
 
   def _train(self, groups, waited, rollouts, last):
@@ -276,12 +307,18 @@ class TrainLoop:
     rewards = np.array([t.reward for g in groups for t in g.trajectories])
     workers = [r.metrics() for r in rollouts]
     gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
+    reward_calls = sum(w["rewards"]["calls"] for w in workers)
+    reward_failures = sum(w["rewards"]["errors"] + w["rewards"]["timeouts"] for w in workers)
     metrics.update(
-        reward_mean=float(rewards.mean()), accuracy=float((rewards >= 1.0).mean()),
+        lr=float(self.learning_rate(max(self.applied_updates - 1, 0))),
+        reward_mean=float(rewards.mean()),
+        accuracy=float((rewards >= self.correct_threshold).mean()),
         time_wait_s=waited, time_publish_s=now - t0,
         skipped_steps=self.skipped_steps, updates=self.applied_updates,
         train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
         gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
+        reward_error_rate=((reward_failures - last["reward_failures"])
+                           / max(reward_calls - last["reward_calls"], 1)),
         prompts=[str(g.prompt_id) for g in groups],
         longest_unreported_wait_s=self.deadlines.longest_unreported_s,
         worker_restarts=sum(w.get("restarts", 0) for w in workers),
@@ -291,7 +328,8 @@ class TrainLoop:
     if metrics["worker_restarts"] > last["restarts"]:
       self.echo(f"WARNING: a rollout worker died and was restarted (worker_restarts="
                 f"{metrics['worker_restarts']}, lost_groups={server['lost_groups']})")
-    last.update(t=now, gen_tokens=gen_tokens, restarts=metrics["worker_restarts"])
+    last.update(t=now, gen_tokens=gen_tokens, restarts=metrics["worker_restarts"],
+                reward_calls=reward_calls, reward_failures=reward_failures)
     self.log.write(self.trainer.version, metrics)
     self.history.append(metrics)
     self.timeline.record("trainer", "log", logging_since, time.time())
@@ -328,7 +366,7 @@ class TrainLoop:
       return None
     self._last_eval = version, metrics
     self.log.write(version, {"eval": metrics})
-    self.echo(_eval_line(version, metrics))
+    self.echo(stamped(_eval_line(version, metrics)))
     return metrics
 
   def _checkpoint(self, wait=False):
@@ -393,5 +431,43 @@ def _line(version, m) -> str:
   return (f"v={version} reward={m['reward_mean']:.3f} acc={m['accuracy']:.3f} "
           f"stale={m['staleness_mean']:.2f}/{m['staleness_max']} "
           f"gen={m['gen_tokens_per_s']:.0f}tok/s train={m['train_tokens_per_s']:.0f}tok/s "
-          f"wait={m['time_wait_s']:.2f}s train={m['time_train_s']:.2f}s "
-          f"publish={m['time_publish_s']:.2f}s loss={m['loss']:.4f}")
+          f"wait={m['time_wait_s']:.2f}s update={m['time_train_s']:.2f}s "
+          f"publish={m['time_publish_s']:.2f}s loss={m['loss']:.4f} lr={m['lr']:.3g} "
+          f"reward_err={m['reward_error_rate']:.2f}")
+
+
+def _untrainable_cause(n, limit, server, workers) -> str:
+  """Why `n` groups in a row could not be trained, from the counts so far."""
+  counts = {k: sum(w["rollout"][k] for w in workers) for k in ("too_long", "failed", "filtered")}
+  reasons = [f"{counts['too_long']} had prompts longer than task.max_prompt_len",
+             f"{counts['failed']} failed to generate or score",
+             f"{counts['filtered']} were filtered as all rewards equal "
+             f"(rollout.dynamic_filter)",
+             f"{server['dropped']} were dropped as staler than staleness.max_staleness"]
+  return (f"{n} groups in a row finished and none could be trained (run."
+          f"max_untrainable_groups={limit}); of all groups so far, {'; '.join(reasons)}")
+
+
+def _samples(groups: Sequence[Group], decode, log_cfg: LogConfig,
+             correct_threshold: float) -> list[dict]:
+  """The first `log_cfg.num_samples` completions of a batch, with their prompts and
+  rewards, as text cut to `log_cfg.sample_chars`."""
+  trajs = [(g.prompt_id, t) for g in groups for t in g.trajectories][:log_cfg.num_samples]
+  clip = lambda ids: _clip(decode([int(i) for i in ids]), log_cfg.sample_chars)
+  return [{"prompt_id": str(prompt_id), "reward": float(t.reward),
+           "correct": bool(t.reward >= correct_threshold), "finish_reason": t.finish_reason,
+           "prompt": clip(t.prompt_P), "completion": clip(t.completion_C)}
+          for prompt_id, t in trajs]
+
+
+def _clip(text: str, limit: int) -> str:
+  """`text`, or when longer than `limit` its beginning and end around a count of the
+  characters cut: a prompt's question is at its end, a completion's answer too."""
+  if len(text) <= limit:
+    return text
+  keep = limit - len(_cut(len(text)))  # the count of those cut has no more digits
+  return text[:keep // 2] + _cut(len(text) - keep) + text[len(text) - (keep - keep // 2):]
+
+
+def _cut(n: int) -> str:
+  return f" [...{n} characters...] "

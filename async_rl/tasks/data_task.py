@@ -96,7 +96,7 @@ def load_rows(path: str) -> list[tuple[Where, Any]]:
       if not line.strip():
         continue
       try:
-        rows.append((Where(path, "line", line_no), json.loads(line)))
+        rows.append((Where(path, "line", line_no), json.loads(line.rstrip("\r\n"))))
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}, line {line_no}: invalid JSON: {e.msg} at column "
                          f"{e.colno}") from None

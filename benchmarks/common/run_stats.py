@@ -33,12 +33,12 @@ def measured_config(cfg: ExperimentConfig, steps: int) -> ExperimentConfig:
 
 def step_lines(workdir: str) -> list[dict]:
   """The step lines of `workdir/metrics.jsonl`, one per step (a resumed run removes
-  the lines its checkpoint superseded)."""
+  the lines its checkpoint superseded), not the evaluations' or the warm start's."""
   path = Path(workdir) / "metrics.jsonl"
   if not path.exists():
     return []
   lines = [json.loads(line) for line in path.read_text().splitlines()]
-  return [line for line in lines if "eval" not in line]
+  return [line for line in lines if "eval" not in line and "sft" not in line]
 
 
 def prompt_accounting(workdir: str, worker: int = 0) -> dict:

@@ -1,7 +1,9 @@
 r"""Asynchronous RL training binary.
 
-  python -m launch.train --config=configs/tiny.py --workdir=/tmp/async_rl_tiny \
+  async-rl-train --config=tiny --workdir=/tmp/async_rl_tiny \
       [--config.staleness.max_staleness=0] [--config.placement.kind=ray]
+
+(in a clone of the repository, also `python -m launch.train --config=configs/tiny.py ...`).
 
 Across hosts (`jax.distributed`): the same command on every host, with
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I; process 0 runs the
@@ -23,12 +25,11 @@ import threading
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import config
+from async_rl import config, launch
 from async_rl.rl.errors import ConfigError, RunError, WorkdirInUseError
 from async_rl.rl.signals import StopOnSignals
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, launch.CONFIG_HELP, lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "Multi-host trainer: jax.distributed coordinator "
@@ -69,5 +70,10 @@ def main(argv):
     sys.exit(signals.exit_status)
 
 
+def run():
+  """The console script `async-rl-train`."""
+  launch.run(main, __name__)
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=config.parse_flags)
+  run()

@@ -1,6 +1,8 @@
 r"""Exports a run's trained policy as a Hugging Face directory that `transformers` loads.
 
-  python -m launch.export_hf --workdir=/tmp/q15 --out=/tmp/q15_hf [--step=200]
+  async-rl-export --workdir=/tmp/q15 --out=/tmp/q15_hf [--step=200]
+
+(in a clone of the repository, also `python -m launch.export_hf ...`).
 
 Restores the params of the latest checkpoint in WORKDIR/checkpoints (or --step) with
 the run's model config (WORKDIR/config.json) and writes config.json,
@@ -8,8 +10,9 @@ model.safetensors and, if the run started from `--config.hf_model_dir`, its
 tokenizer and generation files. Needs the `hf` extra.
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from async_rl import launch
 from async_rl.rl.export import export_hf
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (config.json, checkpoints/).")
@@ -26,5 +29,10 @@ def main(argv):
   print(f"exported {_WORKDIR.value} to {_OUT.value}")
 
 
+def run():
+  """The console script `async-rl-export`."""
+  launch.run(main, __name__, has_config=False)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  run()

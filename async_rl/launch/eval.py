@@ -1,8 +1,10 @@
 r"""Scores a policy on its task's held-out set: a run's checkpoint, or a Hugging Face model.
 
-  python -m launch.eval --workdir=/tmp/run [--step=200] [--out=report.json]
-  python -m launch.eval --config=configs/qwen2_5_1_5b.py \
+  async-rl-eval --workdir=/tmp/run [--step=200] [--out=report.json]
+  async-rl-eval --config=qwen2_5_1_5b \
       --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task.name=math ...
+
+(in a clone of the repository, also `python -m launch.eval ...`).
 
 With --workdir, the run's own config (WORKDIR/config.json) and the params of its latest
 checkpoint (or --step); with --config, the params of `hf_model_dir` (or of a random
@@ -18,12 +20,12 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import config
+from async_rl import config, launch
 from async_rl.rl.errors import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "An experiment config file (with "
-                                          "--config.hf_model_dir for a Hugging Face model).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, launch.CONFIG_HELP + " With --config.hf_model_dir, a Hugging Face model.",
+    lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run's workdir (config.json, checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: eval's).")
@@ -65,5 +67,10 @@ def main(argv):
   print(json.dumps(report))
 
 
+def run():
+  """The console script `async-rl-eval`."""
+  launch.run(main, __name__)
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=config.parse_flags)
+  run()

@@ -100,15 +100,15 @@ def warm_params(cfg: ExperimentConfig, task, cache_dir: Optional[str] = None):
   on the host: every run of a benchmark's grid starts from them.
 
   With `cache_dir`, they are read from there when a warm start of the same settings
-  (model, warm start, micro-batch budget and rows, task, mesh, seed) was written
-  before, and written there otherwise: a long-sequence warm start costs more than the
-  runs it feeds.
+  (model, warm start, task, mesh, seed) was written before, and written there
+  otherwise: a long-sequence warm start costs more than the runs it feeds. How it packs
+  its micro-batches (`cfg.batching`) changes only the order of its sums, so a run with
+  other batching settings shares it.
   """
   path = None
   if cache_dir is not None:
     key = json.dumps([dataclasses.asdict(x) for x in (cfg.model, cfg.sft, cfg.task, cfg.mesh)]
-                     + [cfg.batching.max_tokens_per_mb, cfg.batching.row_buckets, cfg.seed],
-                     sort_keys=True)
+                     + [cfg.seed], sort_keys=True)
     path = Path(cache_dir) / f"warm_{hashlib.sha256(key.encode()).hexdigest()[:16]}.msgpack"
     if path.exists():
       return serialization.msgpack_restore(path.read_bytes())

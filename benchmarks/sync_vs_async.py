@@ -1,8 +1,8 @@
 r"""Synchronous vs asynchronous RL, measured end to end, and the simulator checked against it.
 
   python -m benchmarks.sync_vs_async --quick     # 30 steps per run instead of 120
-  python -m benchmarks.sync_vs_async --config=tiny:long_reasoning --etas=0,1,2,4,8 \
-      --frozen --sweep_steps=6 --runs=sync,async_retract --steps=6   # BENCHMARKS.md
+  python -m benchmarks.sync_vs_async --config=configs/tiny.py:long_reasoning \
+      --etas=0,1,2,4,8 --frozen --runs=sync,async_retract   # BENCHMARKS.md: the rest
 
 The same config (--config, by default configs/tiny.py), the same warm start and the
 same number of trained samples in every run. Named runs (--runs):

@@ -176,7 +176,8 @@ class OptimizerConfig:
   """AdamW with global-norm clipping and a warmup + constant/cosine schedule.
 
   Attributes:
-    learning_rate: the peak learning rate.
+    learning_rate: the peak learning rate; 0 keeps the params as they are (every
+      update is zero), for measuring throughput at a fixed policy.
     warmup_steps: optimizer updates of linear warmup from 0.
     schedule: after warmup, "constant" or "cosine" decay (`SCHEDULES`).
     decay_steps: the cosine schedule's length after warmup.
@@ -198,8 +199,8 @@ class OptimizerConfig:
 
   def __post_init__(self):
     _check_finite("optimizer", self)
-    if self.learning_rate <= 0:
-      fail("optimizer.learning_rate", self.learning_rate, "must be > 0")
+    if self.learning_rate < 0:
+      fail("optimizer.learning_rate", self.learning_rate, "must be >= 0")
     if self.warmup_steps < 0:
       fail("optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
     _check_choice("optimizer.schedule", self.schedule, SCHEDULES)

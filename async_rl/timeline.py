@@ -72,6 +72,47 @@ def busy_fraction(spans: Iterable[Span], lane: str, start: float, end: float) ->
   return covered / (end - start) if end > start else 0.0
 
 
+def _busy_intervals(spans: Iterable[Span], lane: str, start: float,
+                    end: float) -> list[tuple[float, float]]:
+  """The union of `lane`'s spans clipped to [start, end], as disjoint sorted intervals."""
+  out = []
+  for s in sorted((s for s in spans if s.lane == lane), key=lambda s: s.start):
+    lo, hi = max(s.start, start), min(s.end, end)
+    if hi <= lo:
+      continue
+    if out and lo <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], hi))
+    else:
+      out.append((lo, hi))
+  return out
+
+
+def overlap_shares(spans: Iterable[Span], a: str, b: str, start: float,
+                   end: float) -> dict[str, float]:
+  """Where the time of [start, end] went between lanes `a` and `b`: the shares during
+  which only `a` was busy, only `b`, both at once, and neither (waiting); they sum to 1.
+
+  A synchronous run has no `both`; an asynchronous one that overlaps perfectly has no
+  `neither`.
+  """
+  shares = {f"only_{a}": 0.0, f"only_{b}": 0.0, "both": 0.0, "neither": 0.0}
+  if end <= start:
+    return shares
+  spans = list(spans)
+  # Each lane's intervals are disjoint, so its state flips at each of their ends.
+  events = sorted((t, lane) for lane in (a, b)
+                  for iv in _busy_intervals(spans, lane, start, end) for t in iv)
+  busy, last = {a: False, b: False}, start
+  for t, lane in events + [(end, None)]:
+    key = ("both" if busy[a] and busy[b] else f"only_{a}" if busy[a]
+           else f"only_{b}" if busy[b] else "neither")
+    shares[key] += (t - last) / (end - start)
+    last = t
+    if lane is not None:
+      busy[lane] = not busy[lane]
+  return shares
+
+
 def chrome_trace(spans: Iterable[Span]) -> dict:
   """The spans as a Chrome trace-event document: one thread row per lane."""
   spans = sorted(spans, key=lambda s: s.start)

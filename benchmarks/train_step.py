@@ -58,13 +58,13 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from async_rl import batching, loss, sharding, train_step
 from async_rl.config import BatchingConfig, MeshConfig, ModelConfig, OptimizerConfig, model_preset
 from async_rl.models import flops
+from benchmarks.common.peak import matmul_peak
 from async_rl.trajectory import Trajectory
 
 _QUICK = flags.DEFINE_bool("quick", False, "Reduced run (about 2 minutes on a 2-core CPU).")
@@ -132,26 +132,6 @@ def workload_pack(trajs, adv_N):
   80-token sequences."""
   return pack(WORKLOAD_MODEL, trajs, adv_N, longest=WORKLOAD_PROMPT + WORKLOAD_COMPLETION,
               mb_tokens=BatchingConfig().max_tokens_per_mb)
-
-
-def matmul_peak(size=MATMUL, reps=10):
-  """Best float32 FLOP/s of a jitted [size, size] @ [size, size] over `reps` calls."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  f = _matmul(size)
-  best = float("inf")
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(f(a, a))
-    best = min(best, time.perf_counter() - start)
-  return 2 * size**3 / best
-
-
-@functools.cache
-def _matmul(size):
-  f = jax.jit(jnp.matmul)
-  a = jnp.ones((size, size), jnp.float32)
-  jax.block_until_ready(f(a, a))
-  return f
 
 
 def timed_rounds(fns, steps):

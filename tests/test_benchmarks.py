@@ -24,20 +24,28 @@ def _run(module, *args, timeout=600, config=("--config=configs/micro.py",)):
 def test_sync_vs_async_measures_both_modes_and_checks_the_simulator(tmp_path):
   pytest.importorskip("ray")
   cpus = sorted(os.sched_getaffinity(0))
-  stdout, summary = _run("benchmarks.sync_vs_async", "--steps=3", "--runs=sync,async_keep",
+  stdout, summary = _run("benchmarks.sync_vs_async", "--steps=3", "--runs=sync",
+                         "--etas=0,1", "--frozen", "--sweep_steps=2",
                          f"--trainer_cpus={cpus[0]}", f"--generator_cpus={cpus[-1]}",
                          f"--out_dir={tmp_path}")
-  assert set(summary["runs"]) == {"sync", "async_keep"}
-  for run in summary["runs"].values():
-    assert run["samples_per_s"] > 0 and run["predicted_samples_per_s"] > 0
-    assert 0 <= run["accuracy"] <= 1
-  assert summary["speedup_over_sync"]["async_keep"] > 0
-  for name in ("sync", "async_keep"):
+  assert set(summary["runs"]) == {"sync"} and set(summary["sweep"]) == {"0", "1"}
+  run = summary["runs"]["sync"]
+  assert run["samples_per_s"] > 0 and run["predicted_samples_per_s"] > 0
+  assert 0 <= run["accuracy"] <= 1
+  for eta, point in summary["sweep"].items():
+    assert point["trained_tokens_per_s"] > 0 and point["generated_tokens_per_s"] > 0
+    where = [point[k] for k in ("only_generator", "only_trainer", "both", "neither")]
+    assert sum(where) == pytest.approx(1, abs=1e-3)
+    assert point["sim_from_sync_samples_per_s_ratio"] > 0
+  assert summary["sweep"]["0"]["trained_tokens_per_s_ratio"] == 1
+  assert summary["sweep"]["1"]["trained_tokens_per_s_ratio"] > 0
+  assert summary["matmul_gflops"] > 0 and summary["frozen"]
+  for name in ("sync", "eta0", "eta1"):
     assert (tmp_path / f"timeline_{name}.png").stat().st_size > 0
     trace = json.loads((tmp_path / f"trace_{name}.json").read_text())
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert lanes == {"generator", "trainer"}
-  assert "sync " in stdout and "async_keep " in stdout  # the table
+  assert "sync " in stdout and "eta1 " in stdout  # the tables
 
 
 def test_staleness_ablation_runs_the_grid_and_resumes(tmp_path):

@@ -73,6 +73,7 @@ def test_conversion_types_and_defaults():
     ({"sft": {"steps": 10}, "generation": {"max_prompt_len": 20, "max_new_tokens": 20},
       "batching": {"max_tokens_per_mb": 64}}, "batching.max_tokens_per_mb"),
     ({"optimizer": {"learning_rate": "fast"}}, "optimizer.learning_rate"),
+    ({"optimizer": {"learning_rate": -1e-4}}, "optimizer.learning_rate must be >= 0"),
     ({"num_steps": True}, "num_steps"),
     ({"task": {"max_turns": 0}}, "task.max_turns"),
     ({"task": {"options": {"path": {1, 2}}}}, "task.options"),

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from async_rl.timeline import Span, Timeline, busy_fraction, chrome_trace
+from async_rl.timeline import Span, Timeline, busy_fraction, chrome_trace, overlap_shares
 
 
 def test_back_to_back_spans_merge_and_gaps_split():
@@ -69,3 +69,15 @@ def test_chrome_trace_has_a_row_per_lane_and_microsecond_times():
   x = [e for e in doc["traceEvents"] if e["ph"] == "X"]
   assert [(e["name"], e["tid"], e["ts"], e["dur"]) for e in x] == [
       ("decode", 0, 0.0, 500_000.0), ("train", 1, 250_000.0, 750_000.0)]
+
+
+def test_overlap_shares_split_the_window_between_the_two_lanes():
+  spans = [Span("g", "decode", 0, 4), Span("g", "swap", 3, 5), Span("g", "decode", 8, 12),
+           Span("t", "train", 2, 7), Span("t", "publish", 7, 8), Span("x", "other", 0, 10)]
+  shares = overlap_shares(spans, "g", "t", 0, 10)
+  # g: [0,5] + [8,10]; t: [2,8]. Only g [0,2] + [8,10], only t [5,8], both [2,5].
+  assert shares == pytest.approx({"only_g": 0.4, "only_t": 0.3, "both": 0.3, "neither": 0.0})
+  shares = overlap_shares(spans, "g", "t", 4, 14)
+  assert shares == pytest.approx({"only_g": 0.4, "only_t": 0.3, "both": 0.1, "neither": 0.2})
+  assert sum(overlap_shares(spans, "g", "t", 1, 1).values()) == 0
+

@@ -138,6 +138,15 @@ def test_all_empty_batch_is_a_finite_no_op_gradient():
   assert all(np.all(d == 0) for d in jax.tree.leaves(delta))
 
 
+def test_learning_rate_zero_leaves_the_params_as_they_are():
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  batch = _pack_dynamic(6, max_tokens_per_mb=32, num_shards=1, row_buckets=(32,))
+  tx = train_step.make_optimizer(OptimizerConfig(learning_rate=0.0, weight_decay=0.1))
+  delta, metrics, _ = _update(mesh, batch, tx)
+  assert float(metrics["loss"]) != 0.0 and int(metrics["skipped"]) == 0
+  assert all(np.all(d == 0) for d in jax.tree.leaves(delta))
+
+
 def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
   tx = train_step.make_optimizer(OptimizerConfig())

@@ -6,8 +6,13 @@ Used by the benchmarks that run the system end to end.
 """
 
 import dataclasses
+import hashlib
 import json
+import os
 from pathlib import Path
+from typing import Optional
+
+from flax import serialization
 
 from async_rl import sharding, timeline
 from async_rl.config import ExperimentConfig
@@ -90,11 +95,31 @@ def measure(cfg: ExperimentConfig, summary: dict) -> dict:
   }
 
 
-def warm_params(cfg: ExperimentConfig, task):
+def warm_params(cfg: ExperimentConfig, task, cache_dir: Optional[str] = None):
   """The params of `cfg`'s warm start on `task` (its initial params with `sft.steps` = 0),
-  on the host: every run of a benchmark's grid starts from them."""
-  return warm_start(task, cfg.model, cfg.sft, cfg.batching, sharding.make_mesh(cfg.mesh),
-                    seed=cfg.seed, echo=lambda _: None)
+  on the host: every run of a benchmark's grid starts from them.
+
+  With `cache_dir`, they are read from there when a warm start of the same settings
+  (model, warm start, task, mesh, seed) was written before, and written there
+  otherwise: a long-sequence warm start costs more than the runs it feeds. How it packs
+  its micro-batches (`cfg.batching`) changes only the order of its sums, so a run with
+  other batching settings shares it.
+  """
+  path = None
+  if cache_dir is not None:
+    key = json.dumps([dataclasses.asdict(x) for x in (cfg.model, cfg.sft, cfg.task, cfg.mesh)]
+                     + [cfg.seed], sort_keys=True)
+    path = Path(cache_dir) / f"warm_{hashlib.sha256(key.encode()).hexdigest()[:16]}.msgpack"
+    if path.exists():
+      return serialization.msgpack_restore(path.read_bytes())
+  params = warm_start(task, cfg.model, cfg.sft, cfg.batching, sharding.make_mesh(cfg.mesh),
+                      seed=cfg.seed, echo=lambda _: None)
+  if path is not None:
+    os.makedirs(cache_dir, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(serialization.msgpack_serialize(params))
+    partial.replace(path)  # a reader never sees half a file
+  return params
 
 
 def longest_heldout(cfg: ExperimentConfig, n: int, longest: int):

@@ -41,7 +41,7 @@ from absl import app, flags
 from async_rl import models
 from async_rl.config import model_preset
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, paged
-from benchmarks.train_step import matmul_peak
+from benchmarks.common.peak import matmul_peak
 
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "1024", "4096", "16384"],
                              "Cache lengths T (positions per slot).")

@@ -47,7 +47,7 @@ from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.generation.sampling import SlotSampling
 from async_rl.rl.episodes import EpisodeRunner
 from async_rl.tasks.workflow import MultiTurn
-from benchmarks.train_step import matmul_peak
+from benchmarks.common.peak import matmul_peak
 
 _GROUPS = flags.DEFINE_integer("groups", 96, "Prompt groups of part 2 (8 episodes each).")
 _TURN_STOPS = flags.DEFINE_integer("turn_stops", 4, "Token ids that end a turn in part 2.")

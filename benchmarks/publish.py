@@ -42,7 +42,7 @@ from jax.sharding import Mesh  # noqa: E402
 from async_rl import sharding, train_step  # noqa: E402
 from async_rl.config import MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine  # noqa: E402
-from benchmarks.train_step import matmul_peak  # noqa: E402
+from benchmarks.common.peak import matmul_peak  # noqa: E402
 
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed publishes per variant.")
 _CROSS = flags.DEFINE_bool("cross_process", True, "Also time the publish through Ray actors.")

@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 
 from async_rl.rewards import isolation, run_sandboxed
-from benchmarks.train_step import matmul_peak
+from benchmarks.common.peak import matmul_peak
 
 _RUNS = flags.DEFINE_integer("runs", 50, "Timed runs per variant.")
 _BEFORE = flags.DEFINE_string("before", "", "A git commit whose sandbox to time too.")

@@ -13,7 +13,8 @@ import os
 import sys
 
 PROCESS_ID, NUM_PROCESSES, PORT, DEVICES, OUT = sys.argv[1:6]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={DEVICES}")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

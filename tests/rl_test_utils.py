@@ -3,6 +3,7 @@ as `rl.build.run` builds them, for loop tests."""
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from async_rl.config import from_dict
@@ -11,6 +12,11 @@ from async_rl.tasks.registry import make_task
 from benchmarks.common.run_stats import prompt_accounting
 
 MICRO = Path(__file__).parents[1] / "configs" / "micro.py"
+
+
+def fake_devices(n: int) -> str:
+  """XLA_FLAGS for a subprocess with `n` fake CPU devices and this session's other flags."""
+  return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
 
 
 def small_config(**overrides):

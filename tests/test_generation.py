@@ -127,7 +127,7 @@ def test_insert_samples_draws_as_prefill_does_and_touches_only_its_slots(params)
 def _stacked(cache):
   """The per-layer paged cache as [L, S, K, M Z, E] arrays: each slot's blocks in table
   order, zeros where its table has no block."""
-  N, Z = cache.num_blocks, cache.block_size
+  Z = cache.block_size
   tables_SM = np.asarray(cache.tables_SM)
 
   def dense(pools):

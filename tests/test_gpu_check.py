@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rl_test_utils import fake_devices
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -38,7 +40,7 @@ def test_gpu_check_splits_several_devices_between_trainer_and_replicas():
   if bash is None:
     pytest.skip("gpu_check.sh needs bash")
   env = dict(os.environ, PYTHONPATH=str(ROOT), GPU_CHECK_CONFIG="configs/micro.py",
-             GPU_CHECK_STEPS="3", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             GPU_CHECK_STEPS="3", XLA_FLAGS=fake_devices(4))
   out = subprocess.run([bash, "benchmarks/gpu_check.sh", "--config.eval.num_prompts=2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]

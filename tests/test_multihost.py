@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rl_test_utils import fake_devices
+
 _CHECK = Path(__file__).with_name("multihost_check.py")
 _TIMEOUT_S = 600
 
@@ -51,7 +53,7 @@ def _train(workdir, num_processes, devices_per_process, steps, *overrides):
   and outputs."""
   root = _CHECK.parent.parent
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(_CHECK.parent)]),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+             XLA_FLAGS=fake_devices(devices_per_process))
   port = str(_free_port())
   distributed = ([f"--coordinator_address=127.0.0.1:{port}",
                   f"--num_processes={num_processes}"] if num_processes > 1 else [])

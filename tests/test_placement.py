@@ -20,6 +20,7 @@ from async_rl.rl import build
 from async_rl.rl.errors import ConfigError
 from async_rl.timeline import Timeline
 from async_rl.trajectory import Trajectory
+from rl_test_utils import fake_devices
 
 
 def _ids(devices):
@@ -170,7 +171,7 @@ def test_updates_reach_every_replica_and_the_version_is_the_oldest():
 
 
 def test_tensor_parallel_generation_and_a_run_on_split_devices(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=fake_devices(8),
              PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
                                          str(Path(__file__).parent)]))
   out = subprocess.run([sys.executable, str(Path(__file__).with_name("placement_check.py")),

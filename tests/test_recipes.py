@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rl_test_utils import fake_devices
+
 ROOT = Path(__file__).parents[1]
 RECIPES = ROOT / "launch" / "recipes"
 
@@ -65,7 +67,7 @@ def test_the_jax_recipe_trains_across_two_processes(bash, tmp_path):
   env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
              PYTHONPATH=str(ROOT), HEAD_NODE="127.0.0.1", PORT=str(port), SLURM_NTASKS="2",
              WORKDIR=str(workdir), CONFIG="configs/micro.py",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=fake_devices(2))
   out = subprocess.run([bash, str(RECIPES / "slurm_jax.sbatch"), "--config.num_steps=2"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rl_test_utils import fake_devices
+
 
 def test_sharded_update_matches_single_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=fake_devices(8),
              PYTHONPATH=str(Path(__file__).parents[1]))
   out = subprocess.run([sys.executable, str(Path(__file__).with_name("sharded_update_check.py"))],
                        env=env, capture_output=True, text=True, timeout=600)

@@ -8,7 +8,6 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from async_rl import sharding
 from async_rl.config import ArithmeticConfig

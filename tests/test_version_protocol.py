@@ -3,7 +3,6 @@ about, the version still advances, and too many in a row stop the run."""
 
 import dataclasses
 import json
-from pathlib import Path
 
 import jax
 import numpy as np

@@ -13,8 +13,10 @@ import os
 import sys
 
 PROCESS_ID, NUM_PROCESSES, PORT, DEVICES, OUT = sys.argv[1:6]
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={DEVICES}")
+# Only the device count: the comparison is of the programs users run, compiled with
+# XLA's default optimisations, not the test session's faster-to-compile ones, whose
+# rounding differs between the two meshes by a few ulps more.
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

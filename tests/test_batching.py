@@ -190,8 +190,9 @@ def test_pack_hand_case():
       loss_mask=([0, 0, 1, 1, 0, 1, 1, 0], np.float32),
       behav_logp=([0, 0, -0.5, -0.25, 0, -1, -2, 0], np.float32),
       advantages=([0, 0, 1.5, 1.5, 0, -2, -2, 0], np.float32))
-  assert set(expected) | {"versions"} == set(vars(batch)), "only what the device reads"
+  assert set(expected) | {"versions", "ref_logp"} == set(vars(batch)), "only what the device reads"
   assert batch.versions is None, "versions are packed only for the log-linear estimate"
+  assert batch.ref_logp is None, "the trainer adds reference log-probs, packing does not"
   for name, (row, dtype) in expected.items():
     got = getattr(batch, name)
     assert got.dtype == dtype, name

@@ -158,7 +158,8 @@ def test_print_config_lists_every_key_as_the_binary_would_run_it():
   assert "optimizer.learning_rate: float = 0.5  (default 0.0001)" in lines
   assert "staleness.max_staleness: int | None = None  (default 4)" in lines
   assert "seed: int = 0" in lines  # a default value shows no default beside it
-  assert "    the peak learning rate." in lines
+  assert ("    the peak learning rate; 0 keeps the params as they are (every update is zero), "
+          "for measuring throughput at a fixed policy.") in lines
 
 
 def test_print_config_of_a_bad_value_is_one_line_and_status_2():

@@ -73,7 +73,7 @@ def main(argv):
   median = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
   print(f"interpreter {iso.python} as uid {iso.user}; seccomp filter: {iso.seccomp}; "
         f"float32 1024^3 matmul: {gflops:.1f} GFLOP/s\n")
-  print(f"| variant | median ms | fastest ms | of floor |\n|---|---|---|---|")
+  print("| variant | median ms | fastest ms | of floor |\n|---|---|---|---|")
   floor = median["python -I -S (floor)"]
   for name, ts in times.items():
     print(f"| {name} | {median[name]:.1f} | {1e3 * min(ts):.1f} | "

@@ -303,6 +303,45 @@ def test_calls_cancelled_as_the_run_closes_free_their_group_without_an_error():
   assert isinstance(controller.error, CancelledError) and server.rejected == [1]
 
 
+class ClosingRewards(FakeRewards):
+  """Refuses every call, as a closed executor does, once `closed` is set."""
+
+  def __init__(self):
+    super().__init__({})
+    self.called, self.closed = threading.Event(), threading.Event()
+
+  def submit(self, task):
+    self.called.set()
+    self.closed.wait(10)
+    raise RuntimeError("cannot schedule new futures after shutdown")
+
+
+def test_a_group_scored_as_the_run_closes_frees_its_capacity_without_an_error():
+  server = FakeServer(1)
+  controller = _controller(server, FakePool({}), {})
+  controller.rewards = rewards = ClosingRewards()
+  controller.start()
+  assert rewards.called.wait(10)  # its generation is done; the run now closes under it
+  controller.stop()
+  rewards.closed.set()
+  deadline = time.time() + 10
+  while not server.rejected and time.time() < deadline:
+    time.sleep(0.01)
+  assert controller.error is None
+  assert server.rejected == [1] and controller.metrics()["failed"] == 1
+  # Before the stop, the same refusal is a failure.
+  server = FakeServer(1)
+  controller = _controller(server, FakePool({}), {})
+  controller.rewards = rewards = ClosingRewards()
+  rewards.closed.set()
+  controller.start()
+  deadline = time.time() + 10
+  while controller.error is None and time.time() < deadline:
+    time.sleep(0.01)
+  controller.stop()
+  assert isinstance(controller.error, RuntimeError) and server.rejected == [1]
+
+
 def test_waits_name_a_reward_service_that_never_answers():
   server = FakeServer(1)
   controller = _controller(server, FakePool({}), {})

@@ -283,14 +283,18 @@ class RolloutController:
 
   def _guarded(self, ticket, callback, *args):
     """`callback(ticket, *args, future)` as a future's done-callback; an exception
-    there would otherwise be swallowed and leave the ticket running for ever. Calls
-    cancelled once the controller stops (the reward service cancels its queue as the
-    run closes) only free their group: the run is ending, nothing failed."""
+    there would otherwise be swallowed and leave the ticket running for ever. Once the
+    controller stops, an error only frees its group: the run is ending and the services
+    are closing under the callbacks still in flight (the reward service cancels its
+    queue, or refuses a group whose generation finished as the run closed)."""
     def run(future):
       try:
         callback(ticket, *args, future)
       except BaseException as e:  # noqa: BLE001 - reported, and the run stops.
-        if not (isinstance(e, futures.CancelledError) and self._stop.is_set()):
+        if self._stop.is_set():
+          logging.debug("rollout controller of worker %d: group %d ended with the run: %r",
+                        self._worker, ticket, e)
+        else:
           self._fail(e)
         self._release(ticket)
     return run

@@ -9,8 +9,8 @@ side in one run:
     cache of T = 128, 1024, 4096 and 16384 positions per slot (`models.decode`: every
     step attends over all T, masked) and on a paged cache (`generation.paged.decode`)
     whose tables have T / --block_size columns and whose pool holds what the live
-    tokens need plus one block per slot to grow into, read up to the bucket of table
-    columns the live tokens need (`paged.bucket`). ms per step (one token for each
+    tokens need plus one block per slot to grow into, read as `paged.step_reads`
+    chooses for those tables. ms per step (one token for each
     slot), KV bytes allocated.
   * pool: the same short requests (--pool_samples samples in groups of 8, 16-token
     prompts, 32 new tokens each, no stop id) through the public `GeneratorPool` on an
@@ -95,9 +95,9 @@ def _paged_step(params, cfg, T, tokens_S, positions_S):
                         for _ in range(S)])
   cache = paged.init_cache(cfg, num_slots=S, num_blocks=allocator.num_blocks, block_size=Z,
                            max_blocks=M).replace(tables_SM=jnp.asarray(tables_SM))
-  blocks = paged.bucket(need, M)
+  reads = paged.step_reads(tables_SM, allocator.num_blocks, Z)
   step = jax.jit(lambda cache: paged.decode(params, cfg, cache, tokens_S, positions_S,
-                                            blocks=blocks), donate_argnums=0)
+                                            reads=reads), donate_argnums=0)
   return _nbytes(cache), _time_steps(step, cache, _STEPS.value, _REPEATS.value)
 
 

@@ -186,7 +186,8 @@ def generator(cfg, devices) -> dict:
   g = cfg.generation
   blocks = paged.bucket(g.kv_cache_blocks, g.num_slots * g.sequence_blocks)
   prefill = engine.lower_prefill(params, g.max_length).compile().memory_analysis()
-  decode = engine.lower_generate_chunk(params, blocks).compile().memory_analysis()
+  decode = engine.lower_generate_chunk(params, paged.Reads("ragged", blocks)).compile(
+  ).memory_analysis()
   return dict(params=gib_per_device(params, cfg.model.param_dtype),
               kv=gib_per_device((pools.k, pools.v), cfg.model.dtype),
               prefill=(prefill.temp_size_in_bytes + prefill.output_size_in_bytes) / GIB,

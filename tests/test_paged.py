@@ -25,7 +25,7 @@ _TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 _dense_decode = jax.jit(models.decode, static_argnums=1)
-_paged_decode = jax.jit(paged.decode, static_argnames=("cfg", "blocks", "attend"))
+_paged_decode = jax.jit(paged.decode, static_argnames=("cfg", "reads", "attend"))
 
 
 def _cfg(**kw):
@@ -43,12 +43,14 @@ def _shuffle(allocator, seed):
 class _Both:
   """One workload on a dense cache and on a paged one: prompts of random lengths in
   groups of 3, 1 and 2 samples (a group shares its prompt's full blocks), then decode
-  steps of random tokens; slot S - 1 stays idle."""
+  steps of random tokens; slot S - 1 stays idle. Attention reads as `layout` says, or
+  as `paged.step_reads` chooses when it is None."""
 
   T = 64
   GROUPS = (3, 1, 2)
 
-  def __init__(self, block_size, seed):
+  def __init__(self, block_size, seed, layout=None):
+    self.layout = layout
     self.cfg = cfg = _cfg(qk_norm=True)
     self.params = models.init_params(cfg, jax.random.key(seed))
     self.rng = rng = np.random.default_rng(seed)
@@ -77,28 +79,33 @@ class _Both:
     self.live = slot
 
   def grow(self):
-    """Gives each live slot the block its next position needs; returns `attention`'s
-    static size for the tables."""
+    """Gives each live slot the block its next position needs; returns what attention
+    reads for the tables."""
     for s in range(self.live):
       assert self.slot_blocks.grow(s, self.positions_S[s] + 1)
     tables_SM = self.slot_blocks.table(range(self.live))
     self.cache = self.cache.replace(tables_SM=jnp.asarray(tables_SM))
-    return paged.step_blocks(tables_SM, 48)
+    return self.reads(self.layout)
 
-  def columns(self):
-    """The Pallas kernel's static size: the bucket of the fullest table's columns."""
-    return paged.bucket(max(len(b) for b in self.blocks), self.M)
+  def reads(self, layout):
+    """The smallest reads of `layout` that hold the tables (None: `step_reads`' choice)."""
+    tables_SM = np.asarray(self.cache.tables_SM)
+    if layout is None:
+      return paged.step_reads(tables_SM, 48, self.Z)
+    if layout == "columns":  # also the Pallas kernel's static size
+      return paged.Reads(layout, paged.bucket(max(len(b) for b in self.blocks), self.M))
+    return paged.Reads(layout, paged.bucket(sum(len(b) for b in self.blocks), self.S * self.M))
 
   def step(self):
     tokens_S = self.rng.integers(0, self.cfg.vocab_size, self.S).astype(np.int32)
-    blocks = self.grow()
+    reads = self.grow()
     # A copy: on CPU a jitted call may read a NumPy argument in place, after this
     # method has gone on to advance the positions.
     positions_S = jnp.array(self.positions_S)
     dense_SV, self.dense = _dense_decode(self.params, self.cfg, self.dense, tokens_S,
                                          positions_S)
     paged_SV, self.cache = _paged_decode(self.params, self.cfg, self.cache, tokens_S,
-                                         positions_S, blocks=blocks)
+                                         positions_S, reads=reads)
     self.positions_S[:self.live] += 1
     return dense_SV[:self.live], paged_SV[:self.live]
 
@@ -110,9 +117,10 @@ class _Both:
             for s in range(self.live)]
 
 
-@pytest.mark.parametrize("block_size, seed", [(4, 0), (4, 1), (16, 2)])
-def test_paged_decode_equals_dense_decode(block_size, seed):
-  both = _Both(block_size, seed)
+@pytest.mark.parametrize("block_size, seed, layout", [
+    (4, 0, None), (4, 1, "columns"), (4, 1, "ragged"), (16, 2, None)])
+def test_paged_decode_equals_dense_decode(block_size, seed, layout):
+  both = _Both(block_size, seed, layout)
   # The group's 3 samples hold its prompt's full blocks once, and each its own last one.
   full = int(both.lengths_B[0]) // block_size
   assert both.blocks[0][:full] == both.blocks[1][:full] == both.blocks[2][:full]
@@ -129,26 +137,28 @@ def test_paged_decode_equals_dense_decode(block_size, seed):
         np.testing.assert_allclose(kv_KpE, dense[s, :, :both.positions_S[s]], **_TOL)
 
 
-def test_only_live_blocks_matter():
-  """A larger static size, and garbage in every block no slot holds, change nothing."""
-  both = _Both(4, seed=3)
+@pytest.mark.parametrize("layout", ["columns", "ragged"])
+def test_only_live_blocks_matter(layout):
+  """Reading more, and garbage in every block no slot holds, change nothing."""
+  both = _Both(4, seed=3, layout=layout)
   for _ in range(3):
     both.step()
-  blocks = both.grow()
-  largest = paged.step_buckets(both.S, both.M)[-1]
-  assert blocks < largest
+  reads = both.grow()
+  largest = paged.Reads(layout, both.M if layout == "columns" else both.S * both.M)
+  assert reads.blocks < largest.blocks
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
-  step = lambda cache, blocks: _paged_decode(both.params, both.cfg, cache, tokens_S,
-                                             both.positions_S, blocks=blocks)[0][:both.live]
-  reference = step(both.cache, blocks)
+  step = lambda cache, reads: _paged_decode(both.params, both.cfg, cache, tokens_S,
+                                            both.positions_S, reads=reads)[0][:both.live]
+  reference = step(both.cache, reads)
   held = [b for b in range(48) if both.allocator.refcount(b)]
   garbage = lambda pages: pages.at[:, np.setdiff1d(np.arange(48), held)].set(1e3)
   noisy = both.cache.replace(k=tuple(map(garbage, both.cache.k)),
                              v=tuple(map(garbage, both.cache.v)))
-  np.testing.assert_allclose(step(noisy, blocks), reference, **_TOL)
+  np.testing.assert_allclose(step(noisy, reads), reference, **_TOL)
   np.testing.assert_allclose(step(both.cache, largest), reference, **_TOL)
-  # A size short of the live slots' blocks does change their logits: the test can fail.
-  assert not np.allclose(step(both.cache, blocks // 2), reference, **_TOL)
+  # Reading short of the live slots' blocks does change their logits: the test can fail.
+  short = paged.Reads(layout, reads.blocks // 2)
+  assert not np.allclose(step(both.cache, short), reference, **_TOL)
 
 
 def test_idle_and_blockless_slots_write_nowhere():
@@ -221,17 +231,18 @@ def _dense_reference(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S):
 def test_ragged_and_interpreted_pallas_attention_equal_the_reference(Z, M, columns):
   q, k, v, tables_SM, lengths_S = _random_pages(5, S=3, H=4, K=2, E=8, N=32, Z=Z, M=M)
   reference = _dense_reference(q, k, v, tables_SM, lengths_S)
+  # float32 dot products of 8 terms and softmax over at most 32 positions against a
+  # float64 reference.
+  tol = dict(atol=2e-6, rtol=2e-6)
   # The blocks of all slots together, padded up to a larger static size.
   held = int(np.sum(np.asarray(tables_SM) < 32))
   for blocks in (held, held + 5):
     ragged = paged.ragged_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
-    # float32 dot products of 8 terms and softmax over at most 32 positions against a
-    # float64 reference.
-    np.testing.assert_allclose(ragged, reference, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(ragged, reference, **tol)
   pallas = paged.pallas_attention(q, k, v, tables_SM, lengths_S, blocks=columns,
                                   interpret=True)
   # The kernel's online softmax rescales once per step of blocks.
-  np.testing.assert_allclose(pallas, reference, atol=2e-6, rtol=2e-6)
+  np.testing.assert_allclose(pallas, reference, **tol)
 
 
 def test_ragged_attention_reads_only_each_slots_blocks_up_to_its_length():
@@ -253,13 +264,13 @@ def test_interpreted_pallas_decode_step_equals_the_xla_step():
   both = _Both(4, seed=6)
   for _ in range(2):
     both.step()
-  blocks = both.grow()
+  both.grow()
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
-  run = lambda attend, blocks: paged.decode(both.params, both.cfg, both.cache, tokens_S,
-                                            both.positions_S, blocks=blocks, attend=attend)
-  xla_SV, xla_cache = run(paged.ragged_attention, blocks)
+  run = lambda attend, reads: paged.decode(both.params, both.cfg, both.cache, tokens_S,
+                                           both.positions_S, reads=reads, attend=attend)
+  xla_SV, xla_cache = run(paged.ragged_attention, both.reads("ragged"))
   pallas_SV, pallas_cache = run(functools.partial(paged.pallas_attention, interpret=True),
-                                both.columns())
+                                both.reads("columns"))
   np.testing.assert_allclose(pallas_SV[:both.live], xla_SV[:both.live], **_TOL)
   jax.tree.map(functools.partial(np.testing.assert_allclose, **_TOL), pallas_cache, xla_cache)
 
@@ -272,7 +283,7 @@ def test_pallas_decode_step_lowers_for_cuda():
   cache = jax.eval_shape(lambda: paged.init_cache(cfg, num_slots=8, num_blocks=64,
                                                   block_size=16, max_blocks=32))
   ints = jax.ShapeDtypeStruct((8,), jnp.int32)
-  step = jax.jit(functools.partial(paged.decode, cfg=cfg, blocks=4,
+  step = jax.jit(functools.partial(paged.decode, cfg=cfg, reads=paged.Reads("columns", 4),
                                    attend=paged.pallas_attention))
   lowered = step.trace(params, cache=cache, tokens_S=ints,
                        positions_S=ints).lower(lowering_platforms=("cuda",))
@@ -286,16 +297,17 @@ def test_pallas_decode_step_lowers_for_cuda():
 def test_decode_compiles_once_per_bucket():
   both = _Both(4, seed=7)
   # A function of its own: jit wrappers of one function share their compile cache.
-  step = jax.jit(lambda cache, tokens_S, positions_S, blocks: paged.decode(
-      both.params, both.cfg, cache, tokens_S, positions_S, blocks=blocks),
-                 static_argnames="blocks", donate_argnums=0)
+  step = jax.jit(lambda cache, tokens_S, positions_S, reads: paged.decode(
+      both.params, both.cfg, cache, tokens_S, positions_S, reads=reads),
+                 static_argnames="reads", donate_argnums=0)
   sizes = []
-  for blocks in (4, 4, 8, 4, 8):
+  four, eight = paged.Reads("ragged", 4), paged.Reads("ragged", 8)
+  for reads in (four, four, eight, four, eight, paged.Reads("columns", 8)):
     tokens_S = jnp.asarray(both.rng.integers(0, 61, both.S), jnp.int32)
-    _, both.cache = step(both.cache, tokens_S, jnp.array(both.positions_S), blocks)
+    _, both.cache = step(both.cache, tokens_S, jnp.array(both.positions_S), reads)
     both.positions_S[:both.live] += 1
     sizes.append(step._cache_size())
-  assert sizes == [1, 1, 2, 2, 2]
+  assert sizes == [1, 1, 2, 2, 2, 3]
 
 
 def test_bucket_is_the_next_power_of_two_up_to_the_table():
@@ -303,18 +315,34 @@ def test_bucket_is_the_next_power_of_two_up_to_the_table():
   assert paged.bucket(40, 48) == 48
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's sizes")
-def test_step_blocks_take_one_of_the_step_buckets():
-  # On the CPU, the blocks of all rows together, a shared block once per row: more
-  # than the pool's 20 when the rows share.
-  assert paged.step_buckets(4, 16) == (1, 2, 4, 8, 16, 32, 64)
-  assert paged.step_buckets(6, 16) == (1, 2, 4, 8, 16, 32, 64, 96)
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
+def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
+  buckets = paged.step_buckets(6, 16)
+  assert [r.blocks for r in buckets if r.layout == "ragged"] == [1, 2, 4, 8, 16, 32, 64, 96]
+  assert [r.blocks for r in buckets if r.layout == "columns"] == [1, 2, 4, 8, 16]
+  assert buckets[-1] == paged.Reads("columns", 16)  # every column of every table
   rng = np.random.default_rng(0)
   for _ in range(50):
     held_S = rng.integers(0, 17, 6)
     tables_SM = np.where(np.arange(16)[None] < held_S[:, None], 3, 20)
-    blocks = paged.step_blocks(tables_SM, 20)
-    assert blocks in paged.step_buckets(6, 16) and blocks >= held_S.sum()
+    reads = paged.step_reads(tables_SM, 20, 16)
+    # Ragged: the blocks of all rows together, a shared block once per row (more than
+    # the pool's 20 when the rows share).
+    need = held_S.max() if reads.layout == "columns" else held_S.sum()
+    assert reads in buckets and reads.blocks >= need
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
+def test_step_reads_take_columns_for_even_slots_and_the_list_for_a_long_tail():
+  S, M, N, Z = 64, 256, 64 * 256, 16
+  # 64 slots of 5 blocks each: 64 x 8 columns cost less than a list of 512 blocks with
+  # its per-slot softmax over the list.
+  even = np.where(np.arange(M)[None] < 5, 0, N).repeat(S, axis=0)
+  assert paged.step_reads(even, N, Z) == paged.Reads("columns", 8)
+  # One slot at 120 blocks, the rest at 5: 64 x 128 columns against a list of 512.
+  tail = even.copy()
+  tail[0, :120] = 0
+  assert paged.step_reads(tail, N, Z) == paged.Reads("ragged", 512)
 
 
 def test_allocator_errors_leave_it_unchanged():

@@ -155,7 +155,7 @@ def extend(params, state, tokens_P, count, slot, start, sampling, table_M, *, cf
   def feed(i, carry):
     one, _ = carry
     logits_1V, one = paged.decode(params, cfg, one, tokens_P[i][None], (start + i)[None],
-                                  blocks=table_M.shape[0])
+                                  reads=paged.Reads("columns", table_M.shape[0]))
     return one, logits_1V
 
   one, logits_1V = jax.lax.fori_loop(
@@ -171,20 +171,22 @@ def extend(params, state, tokens_P, count, slot, start, sampling, table_M, *, cf
   return new_state, ResultTokens(tokens_1, logp_1, position[None])
 
 
-def live(state: DecodeState) -> jax.Array:
-  """Bool [S]: the slots whose sample goes on, i.e. that hold a block, whose last token
-  is not a stop id and is not at the last allowed position. Idle slots are not live,
-  nor are slots the host took every block from (a finished or preempted sample)."""
+def live(state: DecodeState, num_blocks: int) -> jax.Array:
+  """Bool [S]: the slots whose sample goes on, i.e. that hold a block of the pool of
+  `num_blocks`, whose last token is not a stop id and is not at the last allowed
+  position. Idle slots are not live, nor are slots the host took every block from (a
+  finished or preempted sample)."""
   stopped_S = jnp.any(state.tokens_S[:, None] == state.sampling_S.stop_ids, axis=1)
-  has_blocks_S = state.cache.tables_SM[:, 0] < state.cache.num_blocks
+  has_blocks_S = state.cache.tables_SM[:, 0] < num_blocks
   return (state.positions_S + 1 < state.end_S) & ~stopped_S & has_blocks_S
 
 
-def generate(params, state, *, cfg, blocks):
-  """One decode step of every slot, as JetStream's `generate`: no slot stops. `blocks`
-  (`paged.attention`'s static size) must hold every table."""
+def generate(params, state, *, cfg):
+  """One decode step of every slot, as JetStream's `generate`: no slot stops; attention
+  reads every column of every table."""
+  reads = paged.Reads("columns", state.cache.tables_SM.shape[1])
   logits_SV, cache = paged.decode(params, cfg, state.cache, state.tokens_S, state.positions_S,
-                                  blocks=blocks)
+                                  reads=reads)
   # Idle slots stay parked past the tables instead of counting up.
   positions_S = jnp.minimum(state.positions_S + 1, _past_tables(state.cache))
   tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
@@ -192,41 +194,44 @@ def generate(params, state, *, cfg, blocks):
   return new_state, ResultTokens(tokens_S, logp_S, positions_S)
 
 
-def generate_chunk(params, state, tables_SM, *, cfg, steps, blocks):
+def generate_chunk(params, state, tables_SM, *, cfg, steps, reads):
   """Up to `steps` decode steps of the live slots in one `while_loop`, with the block
   tables `tables_SM`.
 
-  `blocks`, `paged.attention`'s static size, must hold the tables
-  (`paged.step_blocks`). A slot stops for good at a stop id or at its token budget,
+  `reads`, what `paged.attention` reads (static), must hold the tables
+  (`paged.step_reads`). A slot stops for good at a stop id or at its token budget,
   and the loop exits early once no slot is live. Keys depend only on (seed, sample
-  index, position), so the tokens do not depend on `steps` or `blocks`.
+  index, position), so the tokens do not depend on `steps` or `reads`.
   """
-  state = state.replace(cache=state.cache.replace(tables_SM=tables_SM))
-  S, nowhere = state.tokens_S.shape[0], _past_tables(state.cache)
+  cache = state.cache.replace(tables_SM=tables_SM)
+  kv, decode, finish = paged.decoder(params, cfg, cache, reads=reads)
+  # The loop carries the cache as `kv` only, so that its buffers have one holder and
+  # are updated in place.
+  state = state.replace(cache=cache.replace(k=None, v=None))
+  S, N, nowhere = state.tokens_S.shape[0], cache.num_blocks, _past_tables(cache)
 
   def cond(carry):
-    step, state, _ = carry
-    return (step < steps) & jnp.any(live(state))
+    step, state, _, _ = carry
+    return (step < steps) & jnp.any(live(state, N))
 
   def body(carry):
-    step, state, (tokens_TS, logp_TS) = carry
-    live_S = live(state)
+    step, state, kv, (tokens_TS, logp_TS) = carry
+    live_S = live(state, N)
     # A stopped slot writes nowhere and keeps its token and position, so it stays
     # stopped until `insert` gives the slot a new sample.
     write_S = jnp.where(live_S, state.positions_S, nowhere)
-    logits_SV, cache = paged.decode(params, cfg, state.cache, state.tokens_S, write_S,
-                                    blocks=blocks)
+    logits_SV, kv = decode(kv, state.tokens_S, write_S)
     positions_S = jnp.where(live_S, state.positions_S + 1, state.positions_S)
     tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
-    state = state.replace(cache=cache, tokens_S=jnp.where(live_S, tokens_S, state.tokens_S),
+    state = state.replace(tokens_S=jnp.where(live_S, tokens_S, state.tokens_S),
                           positions_S=positions_S)
-    return step + 1, state, (tokens_TS.at[step].set(tokens_S), logp_TS.at[step].set(logp_S))
+    return step + 1, state, kv, (tokens_TS.at[step].set(tokens_S), logp_TS.at[step].set(logp_S))
 
   start_S = state.positions_S
   out = (jnp.zeros((steps, S), jnp.int32), jnp.zeros((steps, S), jnp.float32))
-  ran, state, (tokens_TS, logp_TS) = jax.lax.while_loop(cond, body, (0, state, out))
-  return state, ChunkTokens(tokens_ST=tokens_TS.T, logp_ST=logp_TS.T,
-                            count_S=state.positions_S - start_S, steps=ran)
+  ran, state, kv, (tokens_TS, logp_TS) = jax.lax.while_loop(cond, body, (0, state, kv, out))
+  return state.replace(cache=finish(kv)), ChunkTokens(
+      tokens_ST=tokens_TS.T, logp_ST=logp_TS.T, count_S=state.positions_S - start_S, steps=ran)
 
 
 def init_decode_state(*, cfg, num_slots, num_blocks, block_size, max_blocks):

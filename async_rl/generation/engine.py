@@ -26,15 +26,16 @@ cache splits the same way (`sharding.prefix_cache_sharding`).
 host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
 loop, and a slot stops inside it at a stop id or its token budget. Its attention reads
 only the blocks that hold the live slots' positions (`paged.attention`), within a
-static size that is a power of two (`paged.step_blocks`), so a step's cost follows the
-tokens in flight, not the longest allowed sequence. The keys of a draw depend only on (seed, sample index, position), so a chunk
-draws the tokens that as many single steps would.
+static size that is a power of two (`paged.step_reads`), so a step's cost follows the
+tokens in flight, not the longest allowed sequence. The keys of a draw depend only on
+(seed, sample index, position), so a chunk draws the tokens that as many single steps
+would.
 
 Compilation is bounded: prefill and insert compile once per length bucket (powers of
 two from 16, then `max_target_length`), prefill_many's batched prefill and
 insert_samples once per bucket a prompt can take and prefix size (1 or
 `PREFILL_ROWS` prompts), extend once per bucket a prompt can take, generate_chunk once
-per attention size (`decode_buckets`), generate once. Slot indices, blocks, sample
+per attention read (`decode_buckets`), generate once. Slot indices, blocks, sample
 counts and extension lengths are traced, so filling different slots never recompiles.
 
 A CPU-only variant (`cpu.SlotGroupEngine`) splits the slots among several of these
@@ -150,12 +151,11 @@ class Engine:
     self._draw_fn = jax.jit(ds.draw, out_shardings=replicated)
     self._extend_fn = jax.jit(functools.partial(ds.extend, cfg=cfg, max_len=T),
                               donate_argnums=(1,), out_shardings=(state_sharding, replicated))
-    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg,
-                                                  blocks=self.decode_buckets[-1]),
+    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg),
                                 donate_argnums=(1,), out_shardings=(state_sharding, replicated))
     self._generate_chunk_fn = jax.jit(
         functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call),
-        static_argnames="blocks", donate_argnums=(1,), out_shardings=(state_sharding, replicated))
+        static_argnames="reads", donate_argnums=(1,), out_shardings=(state_sharding, replicated))
     self._init_fn = jax.jit(init, out_shardings=state_sharding)
     self._state_sharding = state_sharding
 
@@ -231,12 +231,12 @@ class Engine:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         abstract, jax.tree.broadcast(self._state_sharding, abstract))
 
-  def lower_generate_chunk(self, params, blocks: int) -> jax.stages.Lowered:
-    """`generate_chunk` at attention size `blocks` (one of `decode_buckets`) over this
-    engine's decode state, lowered as `lower_prefill`."""
+  def lower_generate_chunk(self, params, reads: paged.Reads) -> jax.stages.Lowered:
+    """`generate_chunk` reading `reads` (one of `decode_buckets`) over this engine's
+    decode state, lowered as `lower_prefill`."""
     tables_SM = np.zeros((self._num_slots, self.max_blocks), np.int32)
     return self._generate_chunk_fn.lower(params, self.abstract_decode_state(), tables_SM,
-                                         blocks=blocks)
+                                         reads=reads)
 
   def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
     """Right-pads `tokens` with zeros to the smallest bucket; returns (padded, length)."""
@@ -353,16 +353,17 @@ class Engine:
 
     `tables_SM` [S, M] lists the blocks of the slots to decode (N: no block), each
     enough for the positions the chunk writes; other slots' rows are empty, and they do
-    not decode. Attention's static size is the smallest of `decode_buckets` that holds
-    the tables (`paged.step_blocks`).
+    not decode. What attention reads is the cheaper of `decode_buckets` that hold the
+    tables (`paged.step_reads`).
     """
-    return self._generate_chunk_fn(params, decode_state, tables_SM,
-                                   blocks=paged.step_blocks(tables_SM, self.num_blocks))
+    return self._generate_chunk_fn(
+        params, decode_state, tables_SM,
+        reads=paged.step_reads(tables_SM, self.num_blocks, self.block_size))
 
   def warmup(self, params) -> None:
     """Compiles every call the pool makes: prefill and insert for every bucket,
     prefill_many, insert_samples and extend for every bucket a prompt can take (one
-    and `PREFILL_ROWS` prompts), generate, and generate_chunk for every attention size.
+    and `PREFILL_ROWS` prompts), generate, and generate_chunk for every attention read.
 
     `params` go through `load_params` first, as the pool's do: compiled code is
     specific to the shardings of its inputs, so warming up on params placed
@@ -386,10 +387,12 @@ class Engine:
                                np.zeros(min(bucket, self.max_prefill_length), np.int32), 0,
                                sampling, every)
     state, result = self.generate(params, state)
-    for blocks in self.decode_buckets:
-      # `blocks` blocks, row by row: that bucket by either count of `paged.step_blocks`.
+    for reads in self.decode_buckets:
+      # Tables that `reads` holds: its blocks, row by row.
       held_SM = np.arange(self._num_slots * self.max_blocks).reshape(-1, self.max_blocks)
-      tables_SM = np.where(held_SM < blocks, held_SM % self.num_blocks,
+      if reads.layout == "columns":
+        held_SM = held_SM % self.max_blocks
+      tables_SM = np.where(held_SM < reads.blocks, held_SM % self.num_blocks,
                            self.num_blocks).astype(np.int32)
-      state, chunk = self.generate_chunk(params, state, tables_SM)
+      state, chunk = self._generate_chunk_fn(params, state, tables_SM, reads=reads)
     jax.block_until_ready((result, chunk))

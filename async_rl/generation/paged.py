@@ -8,17 +8,23 @@ so that the samples of a group share their prompt's blocks.
 
 Shapes: S slots, L layers, K kv heads, H query heads, E head dim, N blocks in the pool,
 Z tokens per block, M block-table columns (the most blocks one slot may hold), B
-prompts, P their padded length, J = ceil(P / Z) blocks of a padded prompt. A decode
-step's attention has a static size (`step_blocks`): on GPU the table columns the
-Pallas kernel reads for every slot, which skips the blocks past a slot's length;
-elsewhere the blocks of all slots laid end to end (`ragged_attention`), so that its
-work follows the tokens in flight.
+prompts, P their padded length, J = ceil(P / Z) blocks of a padded prompt. What a
+decode step's attention reads is static (`Reads`, chosen by `step_reads`): the first
+table columns of every slot, enough for the fullest (on GPU the Pallas kernel, which
+skips the blocks past each slot's length; elsewhere a dense `window` gathered once per
+run of steps), or, on a CPU, the blocks of all slots laid end to end
+(`ragged_attention`), whichever costs less for the tables at hand: the first when the
+slots hold about as many blocks each, the second for a long tail, so that the work
+follows the tokens in flight.
 
 Slot s's token at position p lives in block `tables_SM[s, p // Z]`, at offset `p % Z`.
 A table entry N (one past the pool) means no block: a write there is dropped, a read
 is clamped into the pool and masked by length. Each layer's pool is [K, N, Z, E], the
 layout `jax.experimental.pallas.ops.gpu.paged_attention` reads.
 """
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +108,13 @@ def insert(cache: PagedCache, prompt, row, slot, table_M, shared) -> PagedCache:
                        tables_SM=cache.tables_SM.at[slot].set(table_M))
 
 
+class Reads(NamedTuple):
+  """What a decode step's attention reads (static): `blocks` table columns of every slot
+  (layout "columns") or `blocks` blocks of all slots laid end to end ("ragged")."""
+  layout: str
+  blocks: int
+
+
 def ragged_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
   """Plain XLA over the blocks that hold the slots' positions, all slots' laid end to
   end: the work follows the tokens in flight, not the longest slot.
@@ -175,59 +188,122 @@ def pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks,
                                       interpret=interpret)
 
 
-def attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, blocks):
+def attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, reads: Reads):
   """Decode attention of each slot to its first `lengths_S[s]` positions, in the blocks
-  its table lists: the Pallas kernel on GPU (`blocks`: the table columns it reads),
-  `ragged_attention` elsewhere (`blocks`: the blocks all slots read together).
-  `step_blocks` gives `blocks` for a set of tables.
+  its table lists, reading what `reads` says: on GPU the Pallas kernel over
+  `reads.blocks` table columns, elsewhere `ragged_attention` over `reads.blocks` blocks
+  laid end to end (off GPU, table columns are read through a dense `window`: `decoder`).
 
   Returns [S, H, E] in the queries' dtype.
   """
-  if jax.default_backend() == "gpu":
-    return pallas_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=blocks)
-  return ragged_attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=blocks)
+  on_gpu = jax.default_backend() == "gpu"
+  if reads.layout != ("columns" if on_gpu else "ragged"):
+    raise ValueError(f"{reads} is not read by `attention` on {jax.default_backend()}")
+  attend = pallas_attention if on_gpu else ragged_attention
+  return attend(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=reads.blocks)
 
 
-def step_blocks(tables_SM: np.ndarray, num_blocks: int) -> int:
-  """`attention`'s static `blocks` for the block tables `tables_SM` (host, [S, M]) of a
-  pool of `num_blocks`: on GPU the bucket of the columns of the fullest row, elsewhere
-  the bucket of the blocks of all rows together (a block that several rows share, a
-  prompt's, counts once per row)."""
-  held_S = np.sum(tables_SM < num_blocks, axis=1)
-  if jax.default_backend() == "gpu":
-    return bucket(int(held_S.max()), tables_SM.shape[1])
-  return bucket(int(held_S.sum()), tables_SM.size)
+def step_reads(tables_SM: np.ndarray, num_blocks: int, block_size: int) -> Reads:
+  """What `attention` reads for the block tables `tables_SM` (host, [S, M]) of a pool of
+  `num_blocks` blocks of `block_size` tokens: the bucket of the columns of the fullest row, or, on a CPU when it
+  costs less, the bucket of the blocks of all rows together (a block that several rows
+  share, a prompt's, counts once per row).
 
-
-def step_buckets(num_slots: int, max_blocks: int) -> tuple[int, ...]:
-  """Every value `step_blocks` can take for S slots and M columns; the last covers
-  every table."""
-  limit = max_blocks if jax.default_backend() == "gpu" else num_slots * max_blocks
-  return tuple(b for b in (1 << i for i in range(limit.bit_length())) if b < limit) + (limit,)
-
-
-def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *,
-           blocks: int, attend=attention):
-  """`models.decode` on a paged cache: one token per slot, written at `positions_S`,
-  attending to positions <= it; returns (logits [S, V] float32, updated cache).
-
-  Attention reads each slot's blocks up to its position, within `blocks` (static, as
-  `attention` takes it: `step_blocks`), which must hold every live slot's; slots past
-  their table (idle) write nowhere. `attend` is `attention` or one of its
-  implementations.
+  The cost model counts multiply-adds per query element: reading C columns of S slots
+  costs 2 S C Z (scores and values), reading P blocks end to end P (2 Z + S), their
+  per-slot softmax reductions over the list adding S per block. Measured on a CPU, it
+  picks the faster in both regimes: 64 slots of ~5 blocks each (columns 1.5x faster per
+  decode chunk) and a long tail of 32 slots (ragged 2x faster).
   """
-  lengths_S = positions_S + 1
+  S, M = tables_SM.shape
+  held_S = np.sum(tables_SM < num_blocks, axis=1)
+  columns = Reads("columns", bucket(int(held_S.max()), M))
+  if jax.default_backend() == "gpu":
+    return columns
+  ragged = Reads("ragged", bucket(int(held_S.sum()), S * M))
+  if ragged.blocks * (2 * block_size + S) < 2 * S * columns.blocks * block_size:
+    return ragged
+  return columns
 
-  def attend_layer(q_S1HE, k_S1KE, v_S1KE, pages):
-    k_KNZE = write_token(pages[0], k_S1KE[:, 0], cache.tables_SM, positions_S)
-    v_KNZE = write_token(pages[1], v_S1KE[:, 0], cache.tables_SM, positions_S)
-    out_SHE = attend(q_S1HE[:, 0], k_KNZE, v_KNZE, cache.tables_SM, lengths_S, blocks=blocks)
-    return out_SHE[:, None], (k_KNZE, v_KNZE)
 
-  logits_SV, pages = models.decode_layers(params, cfg, tuple(zip(cache.k, cache.v)),
-                                          tokens_S, positions_S, attend_layer)
-  k, v = zip(*pages)
-  return logits_SV, cache.replace(k=tuple(k), v=tuple(v))
+def step_buckets(num_slots: int, max_blocks: int) -> tuple[Reads, ...]:
+  """Every value `step_reads` can take for S slots and M columns; the last reads every
+  column of every table."""
+  def powers(limit):
+    return tuple(b for b in (1 << i for i in range(limit.bit_length())) if b < limit) + (limit,)
+  columns = tuple(Reads("columns", b) for b in powers(max_blocks))
+  if jax.default_backend() == "gpu":
+    return columns
+  return tuple(Reads("ragged", b) for b in powers(num_slots * max_blocks)) + columns
+
+
+def window(cache: PagedCache, columns: int) -> dict:
+  """The blocks of the first `columns` table columns of every slot, gathered into a dense
+  cache of `columns` Z positions per slot (`models.init_cache`'s layout: k and v, L
+  arrays [S, K, columns Z, E]). Past a slot's blocks it holds some other block, which
+  attention masks by position."""
+  def gather(pages_KNZE):
+    K, N, Z, E = pages_KNZE.shape
+    blocks_SC = jnp.minimum(cache.tables_SM[:, :columns], N - 1)
+    return jnp.swapaxes(pages_KNZE[:, blocks_SC], 0, 1).reshape(-1, K, columns * Z, E)
+  return {"k": tuple(map(gather, cache.k)), "v": tuple(map(gather, cache.v))}
+
+
+def write_back(cache: PagedCache, dense: dict) -> PagedCache:
+  """Writes a `window` back into the blocks it was gathered from. A block that several
+  slots hold, a prompt's, gets the same values from each: none of them writes it."""
+  def put(pages_KNZE, dense_SKTE):
+    S, K, T, E = dense_SKTE.shape
+    Z = pages_KNZE.shape[2]
+    blocks_KSCZE = jnp.swapaxes(dense_SKTE.reshape(S, K, T // Z, Z, E), 0, 1)
+    return pages_KNZE.at[:, cache.tables_SM[:, :T // Z]].set(
+        blocks_KSCZE.astype(pages_KNZE.dtype), mode="drop")
+  return cache.replace(k=tuple(map(put, cache.k, dense["k"])),
+                       v=tuple(map(put, cache.v, dense["v"])))
+
+
+def decoder(params, cfg, cache: PagedCache, *, reads: Reads, attend=None):
+  """(kv, step, finish) for decode steps over `cache` with fixed tables, reading as
+  `reads` (static: `step_reads`) says, which must hold every live slot's blocks:
+  `step(kv, tokens_S, positions_S) -> (logits [S, V] float32, kv)` is `models.decode`'s
+  step, one token per slot written at `positions_S` and attending to positions <= it
+  (slots past their table, idle, write nowhere); `finish(kv)` is the updated cache.
+
+  Off GPU, table columns are gathered once into a dense `window` that every step decodes
+  on as `models.decode` does, and written back by `finish`: a decode step is then the
+  dense cache's, without a gather per step and layer. Otherwise each step reads the
+  pools in every layer, with `attention`, or with `attend` when given (one of its
+  implementations, called with `blocks=reads.blocks`).
+  """
+  if attend is None and reads.layout == "columns" and jax.default_backend() != "gpu":
+    step = functools.partial(models.decode, params, cfg)
+    return window(cache, reads.blocks), step, functools.partial(write_back, cache)
+
+  def step(pools, tokens_S, positions_S):
+    def attend_layer(q_S1HE, k_S1KE, v_S1KE, pages):
+      k_KNZE = write_token(pages[0], k_S1KE[:, 0], cache.tables_SM, positions_S)
+      v_KNZE = write_token(pages[1], v_S1KE[:, 0], cache.tables_SM, positions_S)
+      args = (q_S1HE[:, 0], k_KNZE, v_KNZE, cache.tables_SM, positions_S + 1)
+      out_SHE = (attention(*args, reads=reads) if attend is None
+                 else attend(*args, blocks=reads.blocks))
+      return out_SHE[:, None], (k_KNZE, v_KNZE)
+
+    return models.decode_layers(params, cfg, pools, tokens_S, positions_S, attend_layer)
+
+  def finish(pools):
+    k, v = zip(*pools)
+    return cache.replace(k=tuple(k), v=tuple(v))
+
+  return tuple(zip(cache.k, cache.v)), step, finish
+
+
+def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *, reads: Reads,
+           attend=None):
+  """`models.decode` on a paged cache: one step of `decoder`; returns (logits [S, V]
+  float32, updated cache)."""
+  kv, step, finish = decoder(params, cfg, cache, reads=reads, attend=attend)
+  logits_SV, kv = step(kv, tokens_S, positions_S)
+  return logits_SV, finish(kv)
 
 
 def bucket(live_blocks: int, max_blocks: int) -> int:

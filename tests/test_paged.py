@@ -317,8 +317,9 @@ def test_bucket_is_the_next_power_of_two_up_to_the_table():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
 def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
-  buckets = paged.step_buckets(6, 16)
-  assert [r.blocks for r in buckets if r.layout == "ragged"] == [1, 2, 4, 8, 16, 32, 64, 96]
+  buckets = paged.step_buckets(6, 16, 16)
+  # A list of 64 blocks or more costs more than 6 rows of 16 columns: never taken.
+  assert [r.blocks for r in buckets if r.layout == "ragged"] == [1, 2, 4, 8, 16, 32]
   assert [r.blocks for r in buckets if r.layout == "columns"] == [1, 2, 4, 8, 16]
   assert buckets[-1] == paged.Reads("columns", 16)  # every column of every table
   rng = np.random.default_rng(0)
@@ -326,7 +327,7 @@ def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
     held_S = rng.integers(0, 17, 6)
     tables_SM = np.where(np.arange(16)[None] < held_S[:, None], 3, 20)
     reads = paged.step_reads(tables_SM, 20, 16)
-    # Ragged: the blocks of all rows together, a shared block once per row (more than
+    # Listed: the blocks of all rows together, a shared block once per row (more than
     # the pool's 20 when the rows share).
     need = held_S.max() if reads.layout == "columns" else held_S.sum()
     assert reads in buckets and reads.blocks >= need

@@ -204,37 +204,52 @@ def attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, reads: Reads):
 
 
 def step_reads(tables_SM: np.ndarray, num_blocks: int, block_size: int) -> Reads:
-  """What `attention` reads for the block tables `tables_SM` (host, [S, M]) of a pool of
-  `num_blocks` blocks of `block_size` tokens: the bucket of the columns of the fullest row, or, on a CPU when it
-  costs less, the bucket of the blocks of all rows together (a block that several rows
-  share, a prompt's, counts once per row).
+  """What a decode chunk reads for the block tables `tables_SM` (host, [S, M]) of a pool
+  of `num_blocks` blocks of `block_size` tokens: the bucket of the columns of the
+  fullest row, or, on a CPU when it costs less, the bucket of the blocks of all rows
+  together (a block that several rows share, a prompt's, counts once per row).
 
   The cost model counts multiply-adds per query element: reading C columns of S slots
   costs 2 S C Z (scores and values), reading P blocks end to end P (2 Z + S), their
-  per-slot softmax reductions over the list adding S per block. Measured on a CPU, it
-  picks the faster in both regimes: 64 slots of ~5 blocks each (columns 1.5x faster per
-  decode chunk) and a long tail of 32 slots (ragged 2x faster).
+  per-slot softmax reductions over the list adding S per block, and half as much again
+  for the list's gathers and masks. On a CPU it picks the
+  faster of the two in both regimes of BENCHMARKS.md: slots of about one length (the
+  columns) and a long tail (the list).
   """
   S, M = tables_SM.shape
   held_S = np.sum(tables_SM < num_blocks, axis=1)
   columns = Reads("columns", bucket(int(held_S.max()), M))
-  if jax.default_backend() == "gpu":
-    return columns
   ragged = Reads("ragged", bucket(int(held_S.sum()), S * M))
-  if ragged.blocks * (2 * block_size + S) < 2 * S * columns.blocks * block_size:
+  if jax.default_backend() != "gpu" and _list_costs_less(ragged.blocks, columns.blocks, S,
+                                                         block_size):
     return ragged
   return columns
 
 
-def step_buckets(num_slots: int, max_blocks: int) -> tuple[Reads, ...]:
-  """Every value `step_reads` can take for S slots and M columns; the last reads every
-  column of every table."""
+# What a listed block costs on a CPU beyond its multiply-adds, as a factor: its gathers
+# of queries and lengths and its mask (fitted to decode chunks of 16, 32 and 64 slots).
+_LIST_OVERHEAD = 1.5
+
+
+def _list_costs_less(listed: int, columns: int, slots: int, block_size: int) -> bool:
+  """`step_reads`' cost model: reading `listed` blocks end to end costs less than
+  `columns` table columns of each of `slots` slots."""
+  return (_LIST_OVERHEAD * listed * (2 * block_size + slots)
+          < 2 * slots * columns * block_size)
+
+
+def step_buckets(num_slots: int, max_blocks: int, block_size: int) -> tuple[Reads, ...]:
+  """Every value `step_reads` can take for S slots, M columns and blocks of Z tokens; the
+  last reads every column of every table. A list of P blocks is taken only when its
+  fullest row could hold min(P, M) of them and the list costs less than that row's
+  columns, so longer lists are left out."""
   def powers(limit):
     return tuple(b for b in (1 << i for i in range(limit.bit_length())) if b < limit) + (limit,)
   columns = tuple(Reads("columns", b) for b in powers(max_blocks))
   if jax.default_backend() == "gpu":
     return columns
-  return tuple(Reads("ragged", b) for b in powers(num_slots * max_blocks)) + columns
+  return tuple(Reads("ragged", p) for p in powers(num_slots * max_blocks) if _list_costs_less(
+      p, bucket(min(p, max_blocks), max_blocks), num_slots, block_size)) + columns
 
 
 def window(cache: PagedCache, columns: int) -> dict:

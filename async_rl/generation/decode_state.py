@@ -230,8 +230,9 @@ def generate_chunk(params, state, tables_SM, *, cfg, steps, reads):
   start_S = state.positions_S
   out = (jnp.zeros((steps, S), jnp.int32), jnp.zeros((steps, S), jnp.float32))
   ran, state, kv, (tokens_TS, logp_TS) = jax.lax.while_loop(cond, body, (0, state, kv, out))
-  return state.replace(cache=finish(kv)), ChunkTokens(
-      tokens_ST=tokens_TS.T, logp_ST=logp_TS.T, count_S=state.positions_S - start_S, steps=ran)
+  count_S = state.positions_S - start_S
+  return state.replace(cache=finish(kv, start_S, count_S, steps)), ChunkTokens(
+      tokens_ST=tokens_TS.T, logp_ST=logp_TS.T, count_S=count_S, steps=ran)
 
 
 def init_decode_state(*, cfg, num_slots, num_blocks, block_size, max_blocks):

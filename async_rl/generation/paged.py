@@ -264,15 +264,22 @@ def window(cache: PagedCache, columns: int) -> dict:
   return {"k": tuple(map(gather, cache.k)), "v": tuple(map(gather, cache.v))}
 
 
-def write_back(cache: PagedCache, dense: dict) -> PagedCache:
-  """Writes a `window` back into the blocks it was gathered from. A block that several
-  slots hold, a prompt's, gets the same values from each: none of them writes it."""
+def write_back(cache: PagedCache, dense: dict, start_S, count_S, steps: int) -> PagedCache:
+  """Writes positions `start_S[s]` .. `start_S[s] + count_S[s] - 1` of each slot's
+  `window` back into its blocks: the ones its decode steps wrote, at most `steps`
+  (static) per slot. Other positions of the window hold what the blocks hold."""
+  N, Z = cache.num_blocks, cache.block_size
+  positions_SI = start_S[:, None] + jnp.arange(steps)[None, :]
+  block_SI = jnp.take_along_axis(cache.tables_SM, positions_SI // Z, axis=1, mode="fill",
+                                 fill_value=N)
+  block_SI = jnp.where(jnp.arange(steps)[None, :] < count_S[:, None], block_SI, N)
+  slots_S1 = jnp.arange(start_S.shape[0])[:, None]
+
   def put(pages_KNZE, dense_SKTE):
-    S, K, T, E = dense_SKTE.shape
-    Z = pages_KNZE.shape[2]
-    blocks_KSCZE = jnp.swapaxes(dense_SKTE.reshape(S, K, T // Z, Z, E), 0, 1)
-    return pages_KNZE.at[:, cache.tables_SM[:, :T // Z]].set(
-        blocks_KSCZE.astype(pages_KNZE.dtype), mode="drop")
+    at_SI = jnp.minimum(positions_SI, dense_SKTE.shape[2] - 1)
+    new_KSIE = jnp.moveaxis(dense_SKTE[slots_S1, :, at_SI], 2, 0)
+    return pages_KNZE.at[:, block_SI, positions_SI % Z].set(new_KSIE.astype(pages_KNZE.dtype),
+                                                            mode="drop")
   return cache.replace(k=tuple(map(put, cache.k, dense["k"])),
                        v=tuple(map(put, cache.v, dense["v"])))
 
@@ -282,13 +289,15 @@ def decoder(params, cfg, cache: PagedCache, *, reads: Reads, attend=None):
   `reads` (static: `step_reads`) says, which must hold every live slot's blocks:
   `step(kv, tokens_S, positions_S) -> (logits [S, V] float32, kv)` is `models.decode`'s
   step, one token per slot written at `positions_S` and attending to positions <= it
-  (slots past their table, idle, write nowhere); `finish(kv)` is the updated cache.
+  (slots past their table, idle, write nowhere); `finish(kv, start_S, count_S, steps)`
+  is the updated cache, where slot s wrote positions `start_S[s]` onwards in its first
+  `count_S[s]` of at most `steps` (static) steps.
 
   Off GPU, table columns are gathered once into a dense `window` that every step decodes
-  on as `models.decode` does, and written back by `finish`: a decode step is then the
-  dense cache's, without a gather per step and layer. Otherwise each step reads the
-  pools in every layer, with `attention`, or with `attend` when given (one of its
-  implementations, called with `blocks=reads.blocks`).
+  on as `models.decode` does, and `finish` writes back the positions written: a decode
+  step is then the dense cache's, without a gather per step and layer. Otherwise each
+  step reads the pools in every layer, with `attention`, or with `attend` when given
+  (one of its implementations, called with `blocks=reads.blocks`).
   """
   if attend is None and reads.layout == "columns" and jax.default_backend() != "gpu":
     step = functools.partial(models.decode, params, cfg)
@@ -305,7 +314,7 @@ def decoder(params, cfg, cache: PagedCache, *, reads: Reads, attend=None):
 
     return models.decode_layers(params, cfg, pools, tokens_S, positions_S, attend_layer)
 
-  def finish(pools):
+  def finish(pools, *_):  # the steps wrote into the pools
     k, v = zip(*pools)
     return cache.replace(k=tuple(k), v=tuple(v))
 
@@ -318,7 +327,7 @@ def decode(params, cfg, cache: PagedCache, tokens_S, positions_S, *, reads: Read
   float32, updated cache)."""
   kv, step, finish = decoder(params, cfg, cache, reads=reads, attend=attend)
   logits_SV, kv = step(kv, tokens_S, positions_S)
-  return logits_SV, finish(kv)
+  return logits_SV, finish(kv, positions_S, jnp.ones_like(positions_S), 1)
 
 
 def bucket(live_blocks: int, max_blocks: int) -> int:

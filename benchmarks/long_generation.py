@@ -95,7 +95,7 @@ def _paged_step(params, cfg, T, tokens_S, positions_S):
                         for _ in range(S)])
   cache = paged.init_cache(cfg, num_slots=S, num_blocks=allocator.num_blocks, block_size=Z,
                            max_blocks=M).replace(tables_SM=jnp.asarray(tables_SM))
-  reads = paged.step_reads(tables_SM, allocator.num_blocks)
+  reads = paged.step_reads(tables_SM, allocator.num_blocks, Z)
   step = jax.jit(lambda cache: paged.decode(params, cfg, cache, tokens_S, positions_S,
                                             reads=reads), donate_argnums=0)
   return _nbytes(cache), _time_steps(step, cache, _STEPS.value, _REPEATS.value)

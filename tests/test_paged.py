@@ -91,7 +91,7 @@ class _Both:
     """The smallest reads of `layout` that hold the tables (None: `step_reads`' choice)."""
     tables_SM = np.asarray(self.cache.tables_SM)
     if layout is None:
-      return paged.step_reads(tables_SM, 48)
+      return paged.step_reads(tables_SM, 48, self.Z)
     if layout == "columns":  # also the Pallas kernel's static size
       return paged.Reads(layout, paged.bucket(max(len(b) for b in self.blocks), self.M))
     return paged.Reads(layout, paged.bucket(sum(len(b) for b in self.blocks), self.S * self.M))
@@ -317,7 +317,7 @@ def test_bucket_is_the_next_power_of_two_up_to_the_table():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
 def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
-  buckets = paged.step_buckets(6, 16)
+  buckets = paged.step_buckets(6, 16, 16)
   # A list of 64 blocks or more costs more than 6 rows of 16 columns: never taken.
   assert [r.blocks for r in buckets if r.layout == "ragged"] == [1, 2, 4, 8, 16, 32]
   assert [r.blocks for r in buckets if r.layout == "columns"] == [1, 2, 4, 8, 16]
@@ -326,7 +326,7 @@ def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
   for _ in range(50):
     held_S = rng.integers(0, 17, 6)
     tables_SM = np.where(np.arange(16)[None] < held_S[:, None], 3, 20)
-    reads = paged.step_reads(tables_SM, 20)
+    reads = paged.step_reads(tables_SM, 20, 16)
     # Listed: the blocks of all rows together, a shared block once per row (more than
     # the pool's 20 when the rows share).
     need = held_S.max() if reads.layout == "columns" else held_S.sum()
@@ -335,14 +335,15 @@ def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
 def test_step_reads_take_columns_for_even_slots_and_the_list_for_a_long_tail():
-  S, M, N = 64, 256, 64 * 256
-  # 64 slots of 5 blocks each: 64 x 8 columns cost less than a list of 512 blocks.
+  S, M, N, Z = 64, 256, 64 * 256, 16
+  # 64 slots of 5 blocks each: 64 x 8 columns cost less than a list of 512 blocks with
+  # its per-slot softmax over the list.
   even = np.where(np.arange(M)[None] < 5, 0, N).repeat(S, axis=0)
-  assert paged.step_reads(even, N) == paged.Reads("columns", 8)
+  assert paged.step_reads(even, N, Z) == paged.Reads("columns", 8)
   # One slot at 120 blocks, the rest at 5: 64 x 128 columns against a list of 512.
   tail = even.copy()
   tail[0, :120] = 0
-  assert paged.step_reads(tail, N) == paged.Reads("ragged", 512)
+  assert paged.step_reads(tail, N, Z) == paged.Reads("ragged", 512)
 
 
 def test_allocator_errors_leave_it_unchanged():

@@ -119,7 +119,7 @@ class Engine:
     # The buckets a prompt of at most max_prefill_length tokens can take.
     self.prompt_buckets = tuple(b for b in self.prefill_buckets if b < max_prefill_length) + (
         next(b for b in self.prefill_buckets if b >= max_prefill_length),)
-    self.decode_buckets = paged.step_buckets(max_concurrent_decodes, max_blocks)
+    self.decode_buckets = paged.step_buckets(max_concurrent_decodes, max_blocks, kv_block_size)
     if mesh is None:
       mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self._mesh = mesh
@@ -358,7 +358,7 @@ class Engine:
     """
     return self._generate_chunk_fn(
         params, decode_state, tables_SM,
-        reads=paged.step_reads(tables_SM, self.num_blocks))
+        reads=paged.step_reads(tables_SM, self.num_blocks, self.block_size))
 
   def warmup(self, params) -> None:
     """Compiles every call the pool makes: prefill and insert for every bucket,

@@ -203,41 +203,44 @@ def attention(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, *, reads: Reads):
   return attend(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S, blocks=reads.blocks)
 
 
-def step_reads(tables_SM: np.ndarray, num_blocks: int) -> Reads:
+def step_reads(tables_SM: np.ndarray, num_blocks: int, block_size: int) -> Reads:
   """What a decode chunk reads for the block tables `tables_SM` (host, [S, M]) of a pool
-  of `num_blocks` blocks: the bucket of the columns of the fullest row, or, on a CPU
-  when it costs less, the bucket of the blocks of all rows together (a block that
-  several rows share, a prompt's, counts once per row).
+  of `num_blocks` blocks of `block_size` tokens: the bucket of the columns of the
+  fullest row, or, on a CPU when it costs less, the bucket of the blocks of all rows
+  together (a block that several rows share, a prompt's, counts once per row).
 
-  The cost model counts blocks read: S C for C columns of S slots, and twice P for P
-  blocks end to end (`_LIST_COST`). On a CPU it picks the faster of the two in both
-  regimes of BENCHMARKS.md: slots of about one length (the columns) and a long tail
-  (the list).
+  The cost model counts multiply-adds per query element: reading C columns of S slots
+  costs 2 S C Z (scores and values), reading P blocks end to end P (2 Z + S), their
+  per-slot softmax reductions over the list adding S per block, and half as much again
+  for the list's gathers and masks. On a CPU it picks the
+  faster of the two in both regimes of BENCHMARKS.md: slots of about one length (the
+  columns) and a long tail (the list).
   """
   S, M = tables_SM.shape
   held_S = np.sum(tables_SM < num_blocks, axis=1)
   columns = Reads("columns", bucket(int(held_S.max()), M))
   ragged = Reads("ragged", bucket(int(held_S.sum()), S * M))
-  if jax.default_backend() != "gpu" and _list_costs_less(ragged.blocks, columns.blocks, S):
+  if jax.default_backend() != "gpu" and _list_costs_less(ragged.blocks, columns.blocks, S,
+                                                         block_size):
     return ragged
   return columns
 
 
-# What a block read in the list costs on a CPU, in blocks read as table columns (its
-# gathers of queries and lengths, its mask and its slot's softmax over the list;
-# measured on decode chunks of 16, 32 and 64 slots: 2.1-2.2).
-_LIST_COST = 2
+# What a listed block costs on a CPU beyond its multiply-adds, as a factor: its gathers
+# of queries and lengths and its mask (fitted to decode chunks of 16, 32 and 64 slots).
+_LIST_OVERHEAD = 1.5
 
 
-def _list_costs_less(listed: int, columns: int, slots: int) -> bool:
+def _list_costs_less(listed: int, columns: int, slots: int, block_size: int) -> bool:
   """`step_reads`' cost model: reading `listed` blocks end to end costs less than
   `columns` table columns of each of `slots` slots."""
-  return _LIST_COST * listed < slots * columns
+  return (_LIST_OVERHEAD * listed * (2 * block_size + slots)
+          < 2 * slots * columns * block_size)
 
 
-def step_buckets(num_slots: int, max_blocks: int) -> tuple[Reads, ...]:
-  """Every value `step_reads` can take for S slots and M columns; the last reads every
-  column of every table. A list of P blocks is taken only when its
+def step_buckets(num_slots: int, max_blocks: int, block_size: int) -> tuple[Reads, ...]:
+  """Every value `step_reads` can take for S slots, M columns and blocks of Z tokens; the
+  last reads every column of every table. A list of P blocks is taken only when its
   fullest row could hold min(P, M) of them and the list costs less than that row's
   columns, so longer lists are left out."""
   def powers(limit):
@@ -246,7 +249,7 @@ def step_buckets(num_slots: int, max_blocks: int) -> tuple[Reads, ...]:
   if jax.default_backend() == "gpu":
     return columns
   return tuple(Reads("ragged", p) for p in powers(num_slots * max_blocks) if _list_costs_less(
-      p, bucket(min(p, max_blocks), max_blocks), num_slots)) + columns
+      p, bucket(min(p, max_blocks), max_blocks), num_slots, block_size)) + columns
 
 
 def window(cache: PagedCache, columns: int) -> dict:

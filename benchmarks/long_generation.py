@@ -40,7 +40,7 @@ from absl import app, flags
 
 from async_rl import models
 from async_rl.config import model_preset
-from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, paged
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, blocks, paged
 from benchmarks.common.peak import matmul_peak
 
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "1024", "4096", "16384"],
@@ -89,7 +89,7 @@ def _dense_step(params, cfg, T, tokens_S, positions_S):
 def _paged_step(params, cfg, T, tokens_S, positions_S):
   S, Z, live = tokens_S.shape[0], _BLOCK.value, _LIVE.value
   need = -(-(live + 1) // Z)
-  allocator = paged.BlockAllocator(S * (need + 1), Z)
+  allocator = blocks.BlockAllocator(S * (need + 1), Z)
   M = T // Z
   tables_SM = np.stack([allocator.table(allocator.allocate(need), M)
                         for _ in range(S)])

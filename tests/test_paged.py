@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from async_rl import models
 from async_rl.config import ModelConfig, model_preset
 from async_rl.generation import paged
+from async_rl.generation.blocks import BlockAllocator, OutOfBlocks, SlotBlocks
 
 # The decode steps compared below run the same ops on both caches; what differs is the
 # number of masked positions each softmax and reduction runs over (T = 64 dense, the
@@ -59,7 +60,7 @@ class _Both:
     tokens_BP = rng.integers(0, cfg.vocab_size, (len(self.GROUPS), 20)).astype(np.int32)
     _, prompt = models.prefill(self.params, cfg, tokens_BP, self.lengths_B)
     self.dense = models.init_cache(cfg, self.S, self.T)
-    self.slot_blocks = paged.SlotBlocks([0] * self.S, num_blocks=48, block_size=block_size,
+    self.slot_blocks = SlotBlocks([0] * self.S, num_blocks=48, block_size=block_size,
                                         max_blocks=self.M)
     self.allocator = _shuffle(self.slot_blocks.allocators[0], seed)
     self.blocks = self.slot_blocks.blocks
@@ -202,7 +203,7 @@ def _random_pages(seed, S, H, K, E, N, Z, M):
   q = jnp.asarray(rng.normal(size=(S, H, E)), jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(K, N, Z, E)), jnp.float32) for _ in range(2))
   lengths_S = rng.integers(1, M * Z + 1, S).astype(np.int32)
-  allocator = _shuffle(paged.BlockAllocator(N, Z), seed)
+  allocator = _shuffle(BlockAllocator(N, Z), seed)
   tables_SM = np.stack([allocator.table(allocator.allocate(allocator.blocks_for(n)), M)
                         for n in lengths_S])
   return q, k, v, jnp.asarray(tables_SM), jnp.asarray(lengths_S)
@@ -347,9 +348,9 @@ def test_step_reads_take_columns_for_even_slots_and_the_list_for_a_long_tail():
 
 
 def test_allocator_errors_leave_it_unchanged():
-  allocator = paged.BlockAllocator(4, 16)
+  allocator = BlockAllocator(4, 16)
   a = allocator.allocate(3)
-  with pytest.raises(paged.OutOfBlocks, match="2 blocks asked for, 1 of 4 free"):
+  with pytest.raises(OutOfBlocks, match="2 blocks asked for, 1 of 4 free"):
     allocator.allocate(2)
   assert allocator.num_free == 1
   allocator.free(a[:1])
@@ -371,7 +372,7 @@ def test_allocator_errors_leave_it_unchanged():
 @pytest.mark.parametrize("length, samples, shared, total", [(40, 3, 2, 5), (32, 3, 2, 2),
                                                             (5, 4, 0, 4), (0, 2, 0, 0)])
 def test_a_group_shares_its_full_prompt_blocks(length, samples, shared, total):
-  slot_blocks = paged.SlotBlocks([0] * 4, num_blocks=8, block_size=16, max_blocks=4)
+  slot_blocks = SlotBlocks([0] * 4, num_blocks=8, block_size=16, max_blocks=4)
   allocator, record = slot_blocks.allocators[0], {}
   assert [slot_blocks.assign(s, length, (record, length)) for s in range(samples)] == [
       0] + [shared] * (samples - 1)
@@ -389,7 +390,7 @@ def test_a_group_shares_its_full_prompt_blocks(length, samples, shared, total):
 
 def test_a_prompt_is_shared_only_while_held_and_within_its_pool():
   # Slots 0 and 2 draw from pool 0, slots 1 and 3 from pool 1, 6 blocks of 4 each.
-  slot_blocks = paged.SlotBlocks([0, 1, 0, 1], num_blocks=6, block_size=4, max_blocks=6)
+  slot_blocks = SlotBlocks([0, 1, 0, 1], num_blocks=6, block_size=4, max_blocks=6)
   record = {}
   prompt = (record, 9)  # 2 full blocks and a partial one
   assert slot_blocks.assign(0, 12, prompt) == 0
@@ -426,7 +427,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
   def __init__(self):
     super().__init__()
-    self.allocator = paged.BlockAllocator(self.N, 4)
+    self.allocator = BlockAllocator(self.N, 4)
     self.holders = []  # (blocks, serials) per holder
     self.gone = []  # the records of hand-outs every holder let go of
 
@@ -434,7 +435,7 @@ class AllocatorMachine(RuleBasedStateMachine):
   def allocate(self, n):
     free_before = self.allocator.num_free
     if n > free_before:
-      with pytest.raises(paged.OutOfBlocks):
+      with pytest.raises(OutOfBlocks):
         self.allocator.allocate(n)
       return
     blocks = self.allocator.allocate(n)

@@ -17,7 +17,7 @@ supported.
 The KV cache is a pool of `kv_blocks` blocks of `kv_block_size` tokens
 (`generation.paged`): memory is that budget, not slots x `max_target_length`. Which
 blocks a slot holds is the caller's to decide (the pool's `Scheduler` keeps a
-`paged.SlotBlocks`): `insert`, `insert_samples` and `extend` take the slot's blocks and
+`blocks.SlotBlocks`): `insert`, `insert_samples` and `extend` take the slot's blocks and
 `generate_chunk` the block tables of the slots to decode. The pools lead with the kv
 heads, the axis tensor parallelism splits (`sharding.kv_pool_sharding`); a prefill's
 cache splits the same way (`sharding.prefix_cache_sharding`).

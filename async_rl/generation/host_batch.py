@@ -9,7 +9,7 @@ rest of that chunk (at most k - 1 steps); `wasted_slot_steps` counts those steps
 result is credited to a slot only if the slot still holds the sample it held at
 dispatch.
 
-Blocks (`paged.SlotBlocks`): a slot holds the blocks of every position its sample has
+Blocks (`blocks.SlotBlocks`): a slot holds the blocks of every position its sample has
 written or will write in the chunks dispatched so far. A sample's `position` is where
 the device stands after them: exact once every result is read, otherwise a bound (k
 more per unread chunk), so the blocks a chunk needs are given before it is dispatched.
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from async_rl.generation.decode_state import ChunkTokens, Prefix, ResultTokens
-from async_rl.generation.paged import SlotBlocks
+from async_rl.generation.blocks import SlotBlocks
 from async_rl.generation.request import Request, SlotHandle
 from async_rl.generation.sampling import SlotSampling
 from async_rl.trajectory import Trajectory
@@ -51,7 +51,7 @@ class Job:
   """A request in flight: its future, its finished samples and its shared prefix.
 
   `prompt_blocks` records, per block pool, the prompt's full blocks that its started
-  samples share (`paged.SlotBlocks.assign`), for the prefill of params
+  samples share (`blocks.SlotBlocks.assign`), for the prefill of params
   `prompt_blocks_version`.
   """
   request: Request

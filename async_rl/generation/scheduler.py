@@ -28,7 +28,7 @@ from concurrent.futures import Future
 
 from async_rl.generation import slots
 from async_rl.generation.host_batch import HostBatch, Job
-from async_rl.generation.paged import SlotBlocks
+from async_rl.generation.blocks import SlotBlocks
 from async_rl.generation.request import SlotHandle, empty_sample
 from async_rl.generation.sampling import SlotSampling
 from async_rl.timeline import Timeline

@@ -120,6 +120,13 @@ class Stream:
     return {"index": self.index}
 
 
+def _wait_until(done, timeout=10.0):
+  """Polls `done()` until it holds or `timeout` seconds pass."""
+  deadline = time.time() + timeout
+  while not done() and time.time() < deadline:
+    time.sleep(0.01)
+
+
 def _controller(server, pool, rewards_by_prompt, *, reference=lambda p: p.id, **kwargs):
   return RolloutController(
       server=server, pool=pool, rewards=FakeRewards(rewards_by_prompt),
@@ -133,9 +140,7 @@ def _run(rewards_by_prompt, *, dynamic_filter, abort=(), n_prompts=3):
   pool = FakePool(rewards_by_prompt, abort)
   controller = _controller(server, pool, rewards_by_prompt,
                            dynamic_filter=dynamic_filter).start()
-  deadline = time.time() + 10
-  while server.finished() < n_prompts and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: server.finished() >= n_prompts)
   controller.stop()
   assert controller.error is None
   return server, pool, controller
@@ -200,9 +205,7 @@ def test_the_first_acquire_after_new_weights_waits_for_the_pool_to_apply_them():
   server.version_published, server.params = 3, "p3"
   pool = LaggingPool({"p0": [1.0, 0.0]})
   controller = _controller(server, pool, {"p0": [1.0, 0.0]}, poll_s=5.0).start()
-  deadline = time.time() + 10
-  while not server.acquire_versions and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: server.acquire_versions)
   controller.stop()
   assert pool.updates == [("p3", 3, "keep")]
   assert server.acquire_versions[0] == 3
@@ -213,9 +216,7 @@ def test_groups_carry_their_stream_position_and_a_seed_derived_from_it():
   server = FakeServer(2)
   pool = FakePool(rewards)
   controller = _controller(server, pool, rewards).start()
-  deadline = time.time() + 10
-  while server.finished() < 2 and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: server.finished() >= 2)
   controller.stop()
   # The prompt drawn while waiting for capacity is not counted as started.
   assert server.positions == [(3, {"index": 0}, {"index": 1}), (3, {"index": 1}, {"index": 2})]
@@ -241,9 +242,7 @@ def test_a_failing_callback_is_reported_and_frees_its_group():
     raise KeyError(f"no reference for {prompt.id}")
 
   controller = _controller(server, FakePool(rewards), rewards, reference=reference).start()
-  deadline = time.time() + 10
-  while controller.error is None and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: controller.error is not None)
   controller.stop()
   assert isinstance(controller.error, KeyError) and "no reference for p0" in str(controller.error)
   assert server.rejected == [1] and controller.metrics()["failed"] == 1
@@ -254,9 +253,7 @@ def test_waits_name_the_part_that_holds_a_group_without_progress():
   server = FakeServer(2)
   pool = FakePool(rewards, hang=("p1",))
   controller = _controller(server, pool, rewards).start()
-  deadline = time.time() + 10
-  while len(server.offered) < 1 and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: server.offered)
   time.sleep(0.3)
   first = controller.waits()
   assert set(first) == {"generator"} and first["generator"] >= 0.3
@@ -279,9 +276,7 @@ def _awaiting_rewards():
   pending = []
   controller.rewards.submit = lambda task: pending.append(Future()) or pending[-1]
   controller.start()
-  deadline = time.time() + 10
-  while len(pending) < 2 and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: len(pending) >= 2)
   return server, controller, pending
 
 
@@ -296,9 +291,7 @@ def test_calls_cancelled_as_the_run_closes_free_their_group_without_an_error():
   server, controller, pending = _awaiting_rewards()
   for future in pending:
     future.cancel()
-  deadline = time.time() + 10
-  while controller.error is None and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: controller.error is not None)
   controller.stop()
   assert isinstance(controller.error, CancelledError) and server.rejected == [1]
 
@@ -324,9 +317,7 @@ def test_a_group_scored_as_the_run_closes_frees_its_capacity_without_an_error():
   assert rewards.called.wait(10)  # its generation is done; the run now closes under it
   controller.stop()
   rewards.closed.set()
-  deadline = time.time() + 10
-  while not server.rejected and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: server.rejected)
   assert controller.error is None
   assert server.rejected == [1] and controller.metrics()["failed"] == 1
   # Before the stop, the same refusal is a failure.
@@ -335,9 +326,7 @@ def test_a_group_scored_as_the_run_closes_frees_its_capacity_without_an_error():
   controller.rewards = rewards = ClosingRewards()
   rewards.closed.set()
   controller.start()
-  deadline = time.time() + 10
-  while controller.error is None and time.time() < deadline:
-    time.sleep(0.01)
+  _wait_until(lambda: controller.error is not None)
   controller.stop()
   assert isinstance(controller.error, RuntimeError) and server.rejected == [1]
 

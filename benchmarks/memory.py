@@ -114,7 +114,8 @@ from ml_collections import config_flags  # noqa: E402
 
 from async_rl import loss, models, sharding, train_step  # noqa: E402
 from async_rl.batching import PackedBatch  # noqa: E402
-from async_rl.config import MeshConfig, from_dict  # noqa: E402
+from async_rl.cli import from_dict  # noqa: E402
+from async_rl.config import MeshConfig  # noqa: E402
 from async_rl.generation import Engine, paged  # noqa: E402
 from async_rl.models import attention, flops  # noqa: E402
 from async_rl.models.memory import GIB  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import from_dict
+from async_rl.cli import from_dict
 from async_rl.models.memory import GIB, describe, estimate_memory
 
 ROOT = Path(__file__).parents[1]

@@ -48,7 +48,8 @@ are those for GSM8K; the lengths (256 prompt + 8,192 new tokens) leave room for 
 chains of thought.
 """
 
-from async_rl.config import MODEL_PRESETS, config_dict
+from async_rl.cli import config_dict
+from async_rl.config import MODEL_PRESETS
 
 
 def get_config():

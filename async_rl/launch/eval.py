@@ -1,7 +1,7 @@
 r"""Scores a policy on its task's held-out set: a run's checkpoint, or a Hugging Face model.
 
   async-rl-eval --workdir=/tmp/run [--step=200] [--out=report.json]
-  async-rl-eval --config=qwen2_5_1_5b \
+  async-rl-eval --config=qwen2_5 \
       --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task.name=math ...
 
 (in a clone of the repository, also `python -m launch.eval ...`).

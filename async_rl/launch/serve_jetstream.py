@@ -2,7 +2,7 @@ r"""Serves a policy with JetStream's own orchestrator (extra `jetstream`): a run
 checkpoint, or a Hugging Face model.
 
   async-rl-serve --workdir=/tmp/async_rl_tiny --prompt="12+34=" --prompt="7*8="
-  async-rl-serve --config=qwen2_5_1_5b --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct \
+  async-rl-serve --config=qwen2_5 --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct \
       --config.generation.num_slots=8 --max_tokens=256 --prompt="The capital of France is"
 
 (in a clone of the repository, also `python -m launch.serve_jetstream ...`).

@@ -237,10 +237,9 @@ def pack_dynamic(trajs: SequenceOf[Trajectory], advantages_N, *, max_tokens_per_
   `compiled` names the [M, R, T] shapes the train step already compiled (a trainer
   passes those it has run): the batch takes the cheapest of them that holds it (its
   real micro-batches, counted as above, at most M) when that costs at most
-  `reuse_slack` more than its cheapest shape; on a CPU a compile costs several steps
-  (the quick start's 100 SFT batches packed one by one: 3 shapes instead of 6 at 0.1,
-  0.7% more slots; the warm start, which knows its batches in advance, now packs them
-  into one shape, `sft._one_shape`, with `reuse_slack` = inf).
+  `reuse_slack` more than its cheapest shape, since on a CPU a compile costs several
+  steps. The warm start, which knows its batches in advance, packs them all into one
+  shape (`sft._one_shape`, with `reuse_slack` = inf).
 
   Rows are dealt to the micro-batches longest first in snake order, so real
   micro-batches differ in token count by at most the longest row; all-empty padding

@@ -1,25 +1,21 @@
 """The experiment configuration: typed, frozen sections, every field declared once.
 
-Config files (`configs/*.py`) return an `ml_collections.ConfigDict` built from
-`config_dict()`; a binary converts it once with `from_dict`, and library code only sees
-these dataclasses, each component the section it owns. A field's bounds that concern the
-config alone are checked here, naming the field; a bound that a component owns (the
-loss's clip ranges, a task's lengths) is checked by that component, and the builder
+Each field is declared with its default and its help text (`_field`); `async_rl.cli`
+turns these dataclasses into the ConfigDicts config files start from, parses the command
+line, and writes the key reference (docs/config.md). Library code only sees the
+dataclasses, each component the section it owns. A field's bounds that concern the config
+alone are checked here, naming the field; a bound that a component owns (the loss's clip
+ranges, a task's lengths) is checked by that component, and the builder
 (`rl.build.preflight`) runs those checks before anything is compiled. Every set of names
 a field may take lives here as a tuple.
 
-This module is a leaf: it imports only the standard library (`config_dict` imports
-ml_collections, `parse_flags` absl, when called), and it reads no files: resolving a
-Hugging Face directory or checking a data path is the builder's job.
+This module is a leaf: it imports only the standard library, and it reads no files:
+resolving a Hugging Face directory or checking a data path is the builder's job.
 """
 
 import dataclasses
-import difflib
 import json
 import math
-import sys
-import types
-import typing
 from typing import Any, Optional
 
 # The names fields may take.
@@ -31,7 +27,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 # gate and up projections (F each; their matmuls).
 REMAT_SAVES = ("qkv", "residual", "mlp_gate", "mlp_up")
 SCHEDULES = ("constant", "cosine")
-LOSSES = ("decoupled_ppo",)
 PROX_LOGP = ("recompute", "loglinear", "behav")
 IMPORTANCE_LEVELS = ("token", "sequence")
 REJECTION_LEVELS = ("token", "sequence")
@@ -56,6 +51,13 @@ RESUMABLE_FIELDS = ("num_steps", "run", "checkpoint", "eval", "log", "placement"
 HF_RUN_MODEL_FIELDS = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_saves")
 
 
+def _field(default, doc: str):
+  """A config field: its default and its help (the key reference, `--print_config`)."""
+  if isinstance(default, dict):  # every config gets its own mapping
+    return dataclasses.field(default_factory=lambda: dict(default), metadata={"help": doc})
+  return dataclasses.field(default=default, metadata={"help": doc})
+
+
 def fail(field: str, value, why: str):
   """Raises the ValueError a config field's bad value gets."""
   raise ValueError(f"{field} {why}, got {value!r}")
@@ -76,46 +78,29 @@ def _check_finite(section, obj):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shape and numerics of a Qwen2-family decoder.
-
-  Attributes:
-    vocab_size: token ids the model embeds and predicts (V).
-    d_model: the width of the residual stream (D).
-    n_layers: transformer layers (L).
-    n_heads: query heads per layer (H).
-    n_kv_heads: key/value heads per layer (K; grouped-query attention when < H).
-    head_dim: the width of one head (E).
-    d_ff: the MLP's hidden width (F).
-    rope_theta: the base of the rotary position embedding.
-    rms_eps: RMSNorm's epsilon.
-    qkv_bias: biases on the q, k and v projections (Qwen2).
-    qk_norm: per-head q/k RMSNorm (Qwen3).
-    tie_embeddings: the LM head is the transposed embedding.
-    max_seq_len: the longest sequence the model serves (prompt plus completion).
-    dtype: the compute dtype (`DTYPES`).
-    param_dtype: the params' storage dtype (`DTYPES`).
-    remat: recompute each layer's activations in the backward pass instead of
-      storing them, except those named in `remat_saves`.
-    remat_saves: what remat keeps (`REMAT_SAVES`): memory traded for the FLOPs of
-      recomputing it (`python -m benchmarks.memory --saves=...` prints both).
-  """
-  vocab_size: int = 256
-  d_model: int = 128
-  n_layers: int = 4
-  n_heads: int = 4
-  n_kv_heads: int = 2
-  head_dim: int = 32
-  d_ff: int = 512
-  rope_theta: float = 10000.0
-  rms_eps: float = 1e-6
-  qkv_bias: bool = True
-  qk_norm: bool = False
-  tie_embeddings: bool = False
-  max_seq_len: int = 512
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  remat: bool = False
-  remat_saves: tuple[str, ...] = ()
+  """Shape and numerics of a Qwen2-family decoder."""
+  vocab_size: int = _field(256, "token ids the model embeds and predicts (V).")
+  d_model: int = _field(128, "the width of the residual stream (D).")
+  n_layers: int = _field(4, "transformer layers (L).")
+  n_heads: int = _field(4, "query heads per layer (H).")
+  n_kv_heads: int = _field(2, "key/value heads per layer (K; grouped-query attention when < H).")
+  head_dim: int = _field(32, "the width of one head (E).")
+  d_ff: int = _field(512, "the MLP's hidden width (F).")
+  rope_theta: float = _field(10000.0, "the base of the rotary position embedding.")
+  rms_eps: float = _field(1e-6, "RMSNorm's epsilon.")
+  qkv_bias: bool = _field(True, "biases on the q, k and v projections (Qwen2).")
+  qk_norm: bool = _field(False, "per-head q/k RMSNorm (Qwen3).")
+  tie_embeddings: bool = _field(False, "the LM head is the transposed embedding.")
+  max_seq_len: int = _field(
+      512, "the longest sequence the model serves (prompt plus completion).")
+  dtype: str = _field("float32", "the compute dtype (`DTYPES`).")
+  param_dtype: str = _field("float32", "the params' storage dtype (`DTYPES`).")
+  remat: bool = _field(
+      False, "recompute each layer's activations in the backward pass instead of storing "
+      "them, except those named in `remat_saves`.")
+  remat_saves: tuple[str, ...] = _field(
+      (), "what remat keeps (`REMAT_SAVES`): memory traded for the FLOPs of recomputing it "
+      "(`python -m benchmarks.memory --saves=...` prints both).")
 
   def __post_init__(self):
     object.__setattr__(self, "remat_saves", tuple(self.remat_saves))
@@ -173,29 +158,18 @@ def model_preset(name: str, **overrides) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """AdamW with global-norm clipping and a warmup + constant/cosine schedule.
-
-  Attributes:
-    learning_rate: the peak learning rate; 0 keeps the params as they are (every
-      update is zero), for measuring throughput at a fixed policy.
-    warmup_steps: optimizer updates of linear warmup from 0.
-    schedule: after warmup, "constant" or "cosine" decay (`SCHEDULES`).
-    decay_steps: the cosine schedule's length after warmup.
-    b1: Adam's first-moment decay.
-    b2: Adam's second-moment decay.
-    eps: Adam's epsilon.
-    weight_decay: decoupled weight decay (AdamW).
-    grad_clip: the global gradient norm is clipped to this.
-  """
-  learning_rate: float = 1e-4
-  warmup_steps: int = 0
-  schedule: str = "constant"
-  decay_steps: int = 1000
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0
+  """AdamW with global-norm clipping and a warmup + constant/cosine schedule."""
+  learning_rate: float = _field(
+      1e-4, "the peak learning rate; 0 keeps the params as they are (every update is zero), "
+      "for measuring throughput at a fixed policy.")
+  warmup_steps: int = _field(0, "optimizer updates of linear warmup from 0.")
+  schedule: str = _field("constant", 'after warmup, "constant" or "cosine" decay (`SCHEDULES`).')
+  decay_steps: int = _field(1000, "the cosine schedule's length after warmup.")
+  b1: float = _field(0.9, "Adam's first-moment decay.")
+  b2: float = _field(0.999, "Adam's second-moment decay.")
+  eps: float = _field(1e-8, "Adam's epsilon.")
+  weight_decay: float = _field(0.0, "decoupled weight decay (AdamW).")
+  grad_clip: float = _field(1.0, "the global gradient norm is clipped to this.")
 
   def __post_init__(self):
     _check_finite("optimizer", self)
@@ -216,60 +190,56 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-  """The decoupled PPO objective of DESIGN.md; `loss.check_hparams` validates it.
+  """The decoupled PPO objective (docs/architecture.md); `loss.check_hparams` validates it.
 
   Log-probs are taken at the sampling temperature (`generation.temperature`, or 1
   for greedy), so the trainer's recomputation matches the recorded behaviour ones.
-
-  Attributes:
-    loss: the objective, a name of `LOSSES`.
-    prox_logp: where π_prox comes from (`PROX_LOGP`): "recompute" (a forward pass
-      under the params at the start of the step), "loglinear" (AReaL's estimate from
-      the per-token versions, no forward pass) or "behav" (π_behav itself: naive PPO,
-      w = 1).
-    num_minibatches: PPO updates per training step (AReaL's ppo_n_minibatches); π_prox
-      is taken once, before the first, and each is the mean over its own tokens.
-    eps_clip: PPO clip range below 1.
-    eps_clip_higher: clip range above 1 (DAPO clip-higher); None: eps_clip.
-    c_clip: dual-clip constant for negative advantages; None: no dual clip.
-    importance_level: "token" (PPO's ratio per token) or "sequence" (GSPO's ratio
-      per sequence).
-    rejection_level: the behaviour-weight correction judges each "token" or each
-      "sequence" (geometric mean of its tokens' weights).
-    rejection_action: "mask" drops what is out of bounds from the loss; "clamp"
-      clips the weight into the bounds (truncated importance sampling).
-    rejection_metric: what is bounded: "ratio" (π_prox / π_behav) or a KL estimate
-      "kl_k1", "kl_k2", "kl_k3".
-    rejection_upper: upper bound of the metric; None: none.
-    rejection_lower: lower bound of the metric; None: none. With neither bound, the
-      weight is not corrected.
-    kl_beta: coefficient of the KL penalty to the reference policy (the params the run
-      started from, frozen); 0: no penalty, no reference kept, no reference forward.
-    kl_estimator: the per-token estimator of the KL (`KL_ESTIMATORS`), with d =
-      log π - log π_ref: "k1" d, "k2" d² / 2, "k3" exp(-d) - 1 + d.
-    kl_in: where the penalty goes (`KL_PLACEMENTS`): "loss" adds kl_beta times the
-      token mean of the estimate under π_θ to the loss (it has a gradient); "reward"
-      subtracts kl_beta times the sum of the estimate under π_behav over each sample's
-      tokens from its reward, before the advantages are normalised (no gradient).
-    entropy_coef: coefficient of the entropy bonus: the loss less entropy_coef times
-      the token mean of the policy's entropy; 0: none.
   """
-  loss: str = "decoupled_ppo"
-  prox_logp: str = "recompute"
-  num_minibatches: int = 1
-  eps_clip: float = 0.2
-  eps_clip_higher: Optional[float] = None
-  c_clip: Optional[float] = None
-  importance_level: str = "token"
-  rejection_level: str = "token"
-  rejection_action: str = "mask"
-  rejection_metric: str = "ratio"
-  rejection_upper: Optional[float] = None
-  rejection_lower: Optional[float] = None
-  kl_beta: float = 0.0
-  kl_estimator: str = "k3"
-  kl_in: str = "loss"
-  entropy_coef: float = 0.0
+  loss: str = _field(
+      "decoupled_ppo", 'the objective: a key of `loss.LOSSES`, or "module:attr" naming a loss '
+      "function.")
+  prox_logp: str = _field(
+      "recompute", 'where π_prox comes from (`PROX_LOGP`): "recompute" (a forward pass under '
+      "the params at the start of the step), \"loglinear\" (AReaL's estimate from the "
+      'per-token versions, no forward pass) or "behav" (π_behav itself: naive PPO, w = 1).')
+  num_minibatches: int = _field(
+      1, "PPO updates per training step (AReaL's ppo_n_minibatches); π_prox is taken once, "
+      "before the first, and each is the mean over its own tokens.")
+  eps_clip: float = _field(0.2, "PPO clip range below 1.")
+  eps_clip_higher: Optional[float] = _field(
+      None, "clip range above 1 (DAPO clip-higher); None: eps_clip.")
+  c_clip: Optional[float] = _field(
+      None, "dual-clip constant for negative advantages; None: no dual clip.")
+  importance_level: str = _field(
+      "token", "\"token\" (PPO's ratio per token) or \"sequence\" (GSPO's ratio per "
+      "sequence).")
+  rejection_level: str = _field(
+      "token", 'the behaviour-weight correction judges each "token" or each "sequence" '
+      "(geometric mean of its tokens' weights).")
+  rejection_action: str = _field(
+      "mask", '"mask" drops what is out of bounds from the loss; "clamp" clips the weight '
+      "into the bounds (truncated importance sampling).")
+  rejection_metric: str = _field(
+      "ratio", 'what is bounded: "ratio" (π_prox / π_behav) or a KL estimate "kl_k1", '
+      '"kl_k2", "kl_k3".')
+  rejection_upper: Optional[float] = _field(None, "upper bound of the metric; None: none.")
+  rejection_lower: Optional[float] = _field(
+      None, "lower bound of the metric; None: none. With neither bound, the weight is not "
+      "corrected.")
+  kl_beta: float = _field(
+      0.0, "coefficient of the KL penalty to the reference policy (the params the run started "
+      "from, frozen); 0: no penalty, no reference kept, no reference forward.")
+  kl_estimator: str = _field(
+      "k3", "the per-token estimator of the KL (`KL_ESTIMATORS`), with d = log π - log π_ref: "
+      '"k1" d, "k2" d² / 2, "k3" exp(-d) - 1 + d.')
+  kl_in: str = _field(
+      "loss", 'where the penalty goes (`KL_PLACEMENTS`): "loss" adds kl_beta times the token '
+      'mean of the estimate under π_θ to the loss (it has a gradient); "reward" subtracts '
+      "kl_beta times the sum of the estimate under π_behav over each sample's tokens from its "
+      "reward, before the advantages are normalised (no gradient).")
+  entropy_coef: float = _field(
+      0.0, "coefficient of the entropy bonus: the loss less entropy_coef times the token mean "
+      "of the policy's entropy; 0: none.")
 
   def __post_init__(self):
     _check_finite("ppo", self)
@@ -279,28 +249,21 @@ class PPOConfig:
 class AdvantageConfig:
   """Reward shaping, DAPO overlong penalty and group/batch normalisation; checked by
   `advantages.from_config`, which names its keywords after these fields.
-
-  Attributes:
-    reward_bias: added to every reward before scaling.
-    reward_scale: multiplies every reward (after the bias).
-    reward_clip: the shaped reward is clipped to [-c, c]; None: no clip.
-    overlong_cache_len: DAPO's soft overlong penalty starts this many tokens before
-      `generation.max_new_tokens`; None: no penalty.
-    overlong_factor: the penalty at the length limit.
-    zero_truncated: a sample cut off at the length limit scores 0.
-    mean_level: the baseline subtracted: the "group"'s or the "batch"'s mean, or None.
-    std_level: the std divided by: the "group"'s, the "batch"'s, or None (Dr.GRPO).
-    leave_one_out: the group mean leaves the sample itself out (RLOO).
   """
-  reward_bias: float = 0.0
-  reward_scale: float = 1.0
-  reward_clip: Optional[float] = None
-  overlong_cache_len: Optional[int] = None
-  overlong_factor: float = 1.0
-  zero_truncated: bool = False
-  mean_level: Optional[str] = "group"
-  std_level: Optional[str] = "group"
-  leave_one_out: bool = False
+  reward_bias: float = _field(0.0, "added to every reward before scaling.")
+  reward_scale: float = _field(1.0, "multiplies every reward (after the bias).")
+  reward_clip: Optional[float] = _field(
+      None, "the shaped reward is clipped to [-c, c]; None: no clip.")
+  overlong_cache_len: Optional[int] = _field(
+      None, "DAPO's soft overlong penalty starts this many tokens before "
+      "`generation.max_new_tokens`; None: no penalty.")
+  overlong_factor: float = _field(1.0, "the penalty at the length limit.")
+  zero_truncated: bool = _field(False, "a sample cut off at the length limit scores 0.")
+  mean_level: Optional[str] = _field(
+      "group", "the baseline subtracted: the \"group\"'s or the \"batch\"'s mean, or None.")
+  std_level: Optional[str] = _field(
+      "group", "the std divided by: the \"group\"'s, the \"batch\"'s, or None (Dr.GRPO).")
+  leave_one_out: bool = _field(False, "the group mean leaves the sample itself out (RLOO).")
 
   def __post_init__(self):
     _check_finite("advantage", self)
@@ -308,18 +271,14 @@ class AdvantageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BatchingConfig:
-  """Token-budget micro-batching (first-fit decreasing into packed rows).
-
-  Attributes:
-    max_tokens_per_mb: the token budget of one micro-batch per batch shard.
-    row_buckets: the packed row lengths allowed; empty: `default_row_buckets`.
-    reuse_slack: a batch packs into a shape the train step already compiled when that
-      costs at most this share more than its cheapest shape (`batching.pack_dynamic`'s
-      estimate); 0 compiles every cheapest shape.
-  """
-  max_tokens_per_mb: int = 1024
-  row_buckets: tuple[int, ...] = ()
-  reuse_slack: float = 0.1
+  """Token-budget micro-batching (first-fit decreasing into packed rows)."""
+  max_tokens_per_mb: int = _field(1024, "the token budget of one micro-batch per batch shard.")
+  row_buckets: tuple[int, ...] = _field(
+      (), "the packed row lengths allowed; empty: `default_row_buckets`.")
+  reuse_slack: float = _field(
+      0.1, "a batch packs into a shape the train step already compiled when that costs at "
+      "most this share more than its cheapest shape (`batching.pack_dynamic`'s estimate); 0 "
+      "compiles every cheapest shape.")
 
   def __post_init__(self):
     if self.max_tokens_per_mb < 1:
@@ -333,16 +292,10 @@ class BatchingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The trainer's device mesh; one axis may be -1 to take the remaining devices.
-
-  Attributes:
-    data: pure data parallelism (params replicated).
-    fsdp: data parallelism with params and optimizer state sharded.
-    tensor: heads, MLP width and vocabulary split across devices.
-  """
-  data: int = 1
-  fsdp: int = -1
-  tensor: int = 1
+  """The trainer's device mesh; one axis may be -1 to take the remaining devices."""
+  data: int = _field(1, "pure data parallelism (params replicated).")
+  fsdp: int = _field(-1, "data parallelism with params and optimizer state sharded.")
+  tensor: int = _field(1, "heads, MLP width and vocabulary split across devices.")
 
   def __post_init__(self):
     sizes = dataclasses.asdict(self)
@@ -372,13 +325,10 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """The training loop.
-
-  Attributes:
-    max_consecutive_skips: non-finite steps in a row after which the run stops with an
-      error (each skipped step leaves the params as they were).
-  """
-  max_consecutive_skips: int = 5
+  """The training loop."""
+  max_consecutive_skips: int = _field(
+      5, "non-finite steps in a row after which the run stops with an error (each skipped "
+      "step leaves the params as they were).")
 
   def __post_init__(self):
     if self.max_consecutive_skips < 1:
@@ -387,36 +337,26 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-  """Sampling and generator-pool settings.
-
-  Attributes:
-    max_prompt_len: the longest prompt (tokens) a rollout takes.
-    max_new_tokens: the most tokens a sample generates after its prompt.
-    group_size: samples per prompt (G).
-    temperature: the sampling temperature (> 0 for training).
-    top_k: sample from the k most likely tokens; 0: all.
-    top_p: sample from the smallest set of tokens whose mass reaches top_p; 1: all.
-    num_slots: samples decoded at once per generator engine (S).
-    update_mode: how new weights reach in-flight samples (`UPDATE_MODES`): "retract"
-      re-prefills them, "keep" keeps their KV cache, "drain" lets them finish first.
-    steps_per_call: decode steps per host round trip; new samples, aborts and weight
-      updates apply between two such chunks.
-    kv_blocks: KV cache blocks of each generator engine, shared by the samples in
-      flight (one that finds none free is preempted and resumed later); 0: enough for
-      every slot at `max_length`; otherwise at least one sequence of `max_length`.
-    kv_block_size: tokens per KV block.
-  """
-  max_prompt_len: int = 64
-  max_new_tokens: int = 128
-  group_size: int = 8
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  num_slots: int = 32
-  update_mode: str = "retract"
-  steps_per_call: int = 8
-  kv_blocks: int = 0
-  kv_block_size: int = 16
+  """Sampling and generator-pool settings."""
+  max_prompt_len: int = _field(64, "the longest prompt (tokens) a rollout takes.")
+  max_new_tokens: int = _field(128, "the most tokens a sample generates after its prompt.")
+  group_size: int = _field(8, "samples per prompt (G).")
+  temperature: float = _field(1.0, "the sampling temperature (> 0 for training).")
+  top_k: int = _field(0, "sample from the k most likely tokens; 0: all.")
+  top_p: float = _field(
+      1.0, "sample from the smallest set of tokens whose mass reaches top_p; 1: all.")
+  num_slots: int = _field(32, "samples decoded at once per generator engine (S).")
+  update_mode: str = _field(
+      "retract", 'how new weights reach in-flight samples (`UPDATE_MODES`): "retract" '
+      're-prefills them, "keep" keeps their KV cache, "drain" lets them finish first.')
+  steps_per_call: int = _field(
+      8, "decode steps per host round trip; new samples, aborts and weight updates apply "
+      "between two such chunks.")
+  kv_blocks: int = _field(
+      0, "KV cache blocks of each generator engine, shared by the samples in flight (one that "
+      "finds none free is preempted and resumed later); 0: enough for every slot at "
+      "`max_length`; otherwise at least one sequence of `max_length`.")
+  kv_block_size: int = _field(16, "tokens per KV block.")
 
   def __post_init__(self):
     for name in ("max_prompt_len", "max_new_tokens", "group_size", "num_slots",
@@ -460,18 +400,13 @@ class GenerationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StalenessConfig:
-  """The staleness bound η and admission; groups are counted in prompts.
-
-  Attributes:
-    max_staleness: η, how many versions a trained token may lag the trainer; None:
-      unbounded.
-    on_stale: what happens to a group holding a token older than v - η (`ON_STALE`):
-      "drop" it, "mask_tokens" (train it without those tokens) or "admit" it as it is.
-    max_concurrent: prompt groups generating at once, at most.
-  """
-  max_staleness: Optional[int] = 4
-  on_stale: str = "drop"
-  max_concurrent: int = 64
+  """The staleness bound η and admission; groups are counted in prompts."""
+  max_staleness: Optional[int] = _field(
+      4, "η, how many versions a trained token may lag the trainer; None: unbounded.")
+  on_stale: str = _field(
+      "drop", 'what happens to a group holding a token older than v - η (`ON_STALE`): "drop" '
+      'it, "mask_tokens" (train it without those tokens) or "admit" it as it is.')
+  max_concurrent: int = _field(64, "prompt groups generating at once, at most.")
 
   def __post_init__(self):
     if self.max_staleness is not None and self.max_staleness < 0:
@@ -483,38 +418,31 @@ class StalenessConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Rewards and group handling.
-
-  Attributes:
-    reward_fn: replaces the task's own reward function (None: the task's): a name from
-      `rewards.REWARD_FNS` or "module:function", or several separated by commas, whose
-      rewards are summed with `reward_weights`.
-    reward_style: how each function is called (`REWARD_STYLES`, `rewards.adapters`):
-      "single" `fn(completion, reference) -> float`; "trl" TRL's batched
-      `fn(completions, **columns) -> list[float]`; "verl" verl's
-      `compute_score(data_source, solution_str, ground_truth, extra_info)`; "auto"
-      decides per function by its parameter names.
-    reward_weights: one weight per function of `reward_fn`; empty: all 1.
-    reward_timeout_s: hard limit on one reward call (all its functions).
-    reward_workers: reward worker processes.
-    reward_memory_mb: address-space limit of each reward worker process (0: none).
-    max_reward_error_rate: the run stops, naming the reward function and its first
-      error, once more than this share of its last `reward_error_window` calls failed
-      (raised, timed out, crashed, returned a non-number); 1: never.
-    reward_error_window: the recent reward calls that rate is taken over.
-    dynamic_filter: drop groups whose rewards are all equal (no learning signal).
-    allow_weak_sandbox: lets code rewards run without bubblewrap (rewards/sandbox.py).
-  """
-  reward_fn: Optional[str] = None
-  reward_style: str = "auto"
-  reward_weights: tuple[float, ...] = ()
-  reward_timeout_s: float = 10.0
-  reward_workers: int = 1
-  reward_memory_mb: int = 8192
-  max_reward_error_rate: float = 0.5
-  reward_error_window: int = 64
-  dynamic_filter: bool = False
-  allow_weak_sandbox: bool = False
+  """Rewards and group handling."""
+  reward_fn: Optional[str] = _field(
+      None, "replaces the task's own reward function (None: the task's): a name from "
+      '`rewards.REWARD_FNS` or "module:function", or several separated by commas, whose '
+      "rewards are summed with `reward_weights`.")
+  reward_style: str = _field(
+      "auto", 'how each function is called (`REWARD_STYLES`, `rewards.adapters`): "single" '
+      "`fn(completion, reference) -> float`; \"trl\" TRL's batched `fn(completions, "
+      "**columns) -> list[float]`; \"verl\" verl's `compute_score(data_source, solution_str, "
+      'ground_truth, extra_info)`; "auto" decides per function by its parameter names.')
+  reward_weights: tuple[float, ...] = _field(
+      (), "one weight per function of `reward_fn`; empty: all 1.")
+  reward_timeout_s: float = _field(10.0, "hard limit on one reward call (all its functions).")
+  reward_workers: int = _field(1, "reward worker processes.")
+  reward_memory_mb: int = _field(
+      8192, "address-space limit of each reward worker process (0: none).")
+  max_reward_error_rate: float = _field(
+      0.5, "the run stops, naming the reward function and its first error, once more than "
+      "this share of its last `reward_error_window` calls failed (raised, timed out, crashed, "
+      "returned a non-number); 1: never.")
+  reward_error_window: int = _field(64, "the recent reward calls that rate is taken over.")
+  dynamic_filter: bool = _field(
+      False, "drop groups whose rewards are all equal (no learning signal).")
+  allow_weak_sandbox: bool = _field(
+      False, "lets code rewards run without bubblewrap (rewards/sandbox.py).")
 
   def __post_init__(self):
     _check_finite("rollout", self)
@@ -553,25 +481,21 @@ class RunConfig:
   A run resumed from its workdir keeps its config: a change outside `RESUMABLE_FIELDS`
   (the length of the run, deadlines, checkpoints, evaluation, placement) stops it
   with the differing fields named, unless `allow_config_change`.
-
-  Attributes:
-    warn_after_s: a blocking wait longer than this is logged, naming what it awaits.
-    stall_timeout_s: a wait longer than this checkpoints and stops the run.
-    max_worker_restarts: rollout-worker restarts allowed over the whole run (Ray).
-    allow_config_change: resume even if the config differs outside
-      `RESUMABLE_FIELDS`.
-    max_untrainable_groups: the run stops, saying why, once this many groups in a row
-      finished without one that can be trained (rejected as too long, failed, filtered
-      or stale); 0: never.
-    record_schedule: record every training batch as trained in the workdir's
-      `schedule/`, so that `--replay` can re-execute the run (`rl.replay`).
   """
-  warn_after_s: float = 60.0
-  stall_timeout_s: float = 600.0
-  max_worker_restarts: int = 10
-  allow_config_change: bool = False
-  max_untrainable_groups: int = 256
-  record_schedule: bool = True
+  warn_after_s: float = _field(
+      60.0, "a blocking wait longer than this is logged, naming what it awaits.")
+  stall_timeout_s: float = _field(
+      600.0, "a wait longer than this checkpoints and stops the run.")
+  max_worker_restarts: int = _field(
+      10, "rollout-worker restarts allowed over the whole run (Ray).")
+  allow_config_change: bool = _field(
+      False, "resume even if the config differs outside `RESUMABLE_FIELDS`.")
+  max_untrainable_groups: int = _field(
+      256, "the run stops, saying why, once this many groups in a row finished without one "
+      "that can be trained (rejected as too long, failed, filtered or stale); 0: never.")
+  record_schedule: bool = _field(
+      True, "record every training batch as trained in the workdir's `schedule/`, so that "
+      "`--replay` can re-execute the run (`rl.replay`).")
 
   def __post_init__(self):
     _check_finite("run", self)
@@ -588,15 +512,10 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Checkpoints of the train state and the run's bookkeeping.
-
-  Attributes:
-    every_steps: checkpoint every this many training steps (and at the end and on a
-      stop signal).
-    keep: the newest checkpoints kept.
-  """
-  every_steps: int = 10
-  keep: int = 3
+  """Checkpoints of the train state and the run's bookkeeping."""
+  every_steps: int = _field(
+      10, "checkpoint every this many training steps (and at the end and on a stop signal).")
+  keep: int = _field(3, "the newest checkpoints kept.")
 
   def __post_init__(self):
     if self.every_steps < 1:
@@ -611,20 +530,17 @@ class EvalConfig:
 
   So that a reward on another scale, or one shaped with partial credit, still gives a
   meaningful accuracy, correctness has a criterion of its own.
-
-  Attributes:
-    every_steps: evaluate every this many training steps; 0: only before and after.
-    num_prompts: held-out prompts per evaluation (fewer if the task has fewer).
-    pass_k: samples per prompt for pass@k.
-    correct_threshold: a completion is correct when its score is at least this.
-    correct_fn: what scores correctness (a reward function's name, called as
-      `rollout.reward_fn`'s are); None: the training reward.
   """
-  every_steps: int = 0
-  num_prompts: int = 200
-  pass_k: int = 4
-  correct_threshold: float = 1.0
-  correct_fn: Optional[str] = None
+  every_steps: int = _field(
+      0, "evaluate every this many training steps; 0: only before and after.")
+  num_prompts: int = _field(
+      200, "held-out prompts per evaluation (fewer if the task has fewer).")
+  pass_k: int = _field(4, "samples per prompt for pass@k.")
+  correct_threshold: float = _field(
+      1.0, "a completion is correct when its score is at least this.")
+  correct_fn: Optional[str] = _field(
+      None, "what scores correctness (a reward function's name, called as "
+      "`rollout.reward_fn`'s are); None: the training reward.")
 
   def __post_init__(self):
     _check_finite("eval", self)
@@ -638,22 +554,19 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-  """What a run logs besides its metrics: sample completions, and Weights & Biases.
-
-  Attributes:
-    samples_every: every this many training steps, the first `num_samples` completions
-      of the batch just trained, with their prompts and rewards, go to
-      `WORKDIR/samples.jsonl` and TensorBoard's text tab; 0: never.
-    num_samples: completions per such entry (a group's together, in batch order).
-    sample_chars: a prompt or completion longer than this many characters keeps its
-      beginning and its end, the middle cut out.
-    wandb_project: a Weights & Biases project to log the metrics to as well (needs the
-      `wandb` package); None: none.
-  """
-  samples_every: int = 10
-  num_samples: int = 4
-  sample_chars: int = 2000
-  wandb_project: Optional[str] = None
+  """What a run logs besides its metrics: sample completions, and Weights & Biases."""
+  samples_every: int = _field(
+      10, "every this many training steps, the first `num_samples` completions of the batch "
+      "just trained, with their prompts and rewards, go to `WORKDIR/samples.jsonl` and "
+      "TensorBoard's text tab; 0: never.")
+  num_samples: int = _field(
+      4, "completions per such entry (a group's together, in batch order).")
+  sample_chars: int = _field(
+      2000, "a prompt or completion longer than this many characters keeps its beginning and "
+      "its end, the middle cut out.")
+  wandb_project: Optional[str] = _field(
+      None, "a Weights & Biases project to log the metrics to as well (needs the `wandb` "
+      "package); None: none.")
 
   def __post_init__(self):
     if self.samples_every < 0:
@@ -668,19 +581,13 @@ class LogConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """Supervised warm start on the task's reference solutions before RL.
-
-  Attributes:
-    steps: warm-start steps; 0: none.
-    batch_size: examples per warm-start step.
-    learning_rate: the warm start's learning rate.
-    log_every: a line, and a `metrics.jsonl` entry (the mean loss since the last
-      one, the learning rate), every this many steps.
-  """
-  steps: int = 0
-  batch_size: int = 64
-  learning_rate: float = 1e-3
-  log_every: int = 50
+  """Supervised warm start on the task's reference solutions before RL."""
+  steps: int = _field(0, "warm-start steps; 0: none.")
+  batch_size: int = _field(64, "examples per warm-start step.")
+  learning_rate: float = _field(1e-3, "the warm start's learning rate.")
+  log_every: int = _field(
+      50, "a line, and a `metrics.jsonl` entry (the mean loss since the last one, the "
+      "learning rate), every this many steps.")
 
   def __post_init__(self):
     _check_finite("sft", self)
@@ -696,25 +603,18 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticConfig:
-  """The arithmetic task distribution and its train / held-out split (`tasks.arithmetic`).
-
-  Attributes:
-    min_terms: fewest operands in a problem (>= 2: at least one step).
-    max_terms: most operands in a problem.
-    tail_exponent: P(steps = s) ∝ s^-tail_exponent; smaller is a heavier tail.
-    max_operand: operands are drawn uniformly from [0, max_operand].
-    max_value: running values stay in [0, max_value]; must be >= 2 * max_operand so
-      that one of `+`, `-` always keeps the value in range.
-    heldout_fraction: share of all prompt strings reserved for the held-out split.
-    seed: seeds the training stream (the held-out set does not depend on it).
-  """
-  min_terms: int = 2
-  max_terms: int = 8
-  tail_exponent: float = 1.5
-  max_operand: int = 9
-  max_value: int = 99
-  heldout_fraction: float = 0.1
-  seed: int = 0
+  """The arithmetic task distribution and its train / held-out split (`tasks.arithmetic`)."""
+  min_terms: int = _field(2, "fewest operands in a problem (>= 2: at least one step).")
+  max_terms: int = _field(8, "most operands in a problem.")
+  tail_exponent: float = _field(
+      1.5, "P(steps = s) ∝ s^-tail_exponent; smaller is a heavier tail.")
+  max_operand: int = _field(9, "operands are drawn uniformly from [0, max_operand].")
+  max_value: int = _field(
+      99, "running values stay in [0, max_value]; must be >= 2 * max_operand so that one of "
+      "`+`, `-` always keeps the value in range.")
+  heldout_fraction: float = _field(
+      0.1, "share of all prompt strings reserved for the held-out split.")
+  seed: int = _field(0, "seeds the training stream (the held-out set does not depend on it).")
 
   def __post_init__(self):
     name = "task.arithmetic."
@@ -743,27 +643,22 @@ DEFAULT_MATH_SYSTEM = "Please reason step by step, and put your final answer wit
 class MathConfig:
   """The math task (`task.name="math"`): its JSONL files and how a prompt is written.
 
-  Attributes:
-    train_path: JSONL file of training problems (see `tasks.math_data.load_jsonl`).
-    heldout_path: JSONL file of held-out problems; None holds out a hashed
-      `heldout_fraction` of the training file's questions instead.
-    heldout_fraction: the held-out share of the training file without `heldout_path`.
-    template: the user text, `{question}` replaced by the question.
-    chat: wrap the text in the model's chat template; false for a base model, which
-      then sees the template's text alone.
-    system: the chat's system turn; "" leaves it out.
-    seed: seeds the training order (rollout worker i uses seed + 1000 i).
-
   The builder checks that the paths are files and makes them absolute (Ray actors may
   run elsewhere).
   """
-  train_path: Optional[str] = None
-  heldout_path: Optional[str] = None
-  heldout_fraction: float = 0.1
-  template: str = "{question}"
-  chat: bool = True
-  system: str = DEFAULT_MATH_SYSTEM
-  seed: int = 0
+  train_path: Optional[str] = _field(
+      None, "JSONL file of training problems (see `tasks.math_data.load_jsonl`).")
+  heldout_path: Optional[str] = _field(
+      None, "JSONL file of held-out problems; None holds out a hashed `heldout_fraction` of "
+      "the training file's questions instead.")
+  heldout_fraction: float = _field(
+      0.1, "the held-out share of the training file without `heldout_path`.")
+  template: str = _field("{question}", "the user text, `{question}` replaced by the question.")
+  chat: bool = _field(
+      True, "wrap the text in the model's chat template; false for a base model, which then "
+      "sees the template's text alone.")
+  system: str = _field(DEFAULT_MATH_SYSTEM, "the chat's system turn; \"\" leaves it out.")
+  seed: int = _field(0, "seeds the training order (rollout worker i uses seed + 1000 i).")
 
   def __post_init__(self):
     _check_finite("task.math", self)
@@ -777,20 +672,12 @@ class MathConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CodeConfig:
-  """The code task's problems: programs that read n and print an expression of it.
-
-  Attributes:
-    min_ops: fewest operations in an expression.
-    max_ops: most operations in an expression.
-    num_tests: test cases per problem.
-    heldout_fraction: the hashed share of the prompts held out.
-    seed: seeds the training stream.
-  """
-  min_ops: int = 1
-  max_ops: int = 2
-  num_tests: int = 3
-  heldout_fraction: float = 0.1
-  seed: int = 0
+  """The code task's problems: programs that read n and print an expression of it."""
+  min_ops: int = _field(1, "fewest operations in an expression.")
+  max_ops: int = _field(2, "most operations in an expression.")
+  num_tests: int = _field(3, "test cases per problem.")
+  heldout_fraction: float = _field(0.1, "the hashed share of the prompts held out.")
+  seed: int = _field(0, "seeds the training stream.")
 
   def __post_init__(self):
     _check_finite("task.code", self)
@@ -811,36 +698,33 @@ class DataConfig:
   """The data task (`task.name="data"`, `tasks.data_task`): prompts, and what they are
   checked against, from JSONL or Parquet files in the formats TRL and verl read.
 
-  Attributes:
-    train_path: the training rows: a `.jsonl` (or `.json`, one object per line) or
-      `.parquet` file.
-    heldout_path: the held-out rows, same formats; None holds out a hashed
-      `heldout_fraction` of the training file's prompts instead.
-    heldout_fraction: the held-out share of the training file without `heldout_path`.
-    prompt_key: the prompt column: a string, or a conversation (a list of
-      {"role", "content"} messages) that the tokenizer's chat template renders.
-    answer_key: the reference column: what `fn(completion, reference)` receives (None:
-      the row's columns other than the prompt, as a dict) and, without
-      `completion_key`, the warm start's target.
-    completion_key: the warm start's target column (TRL's "completion"); None:
-      `answer_key`. A warm start (`sft.steps > 0`) needs one of the two.
-    tokenizer: "hf" (the tokenizer of `task.tokenizer_dir`, default `hf_model_dir`) or
-      "bytes" (UTF-8 bytes, `tasks.tokenizer.ByteTokenizer`, 259 ids).
-    chat_template_kwargs: extra variables of the chat template (for example
-      {"enable_thinking": False} for Qwen3), as plain data.
-    seed: seeds the training order (rollout worker i uses seed + 1000 i).
-
   The builder checks that the paths are files and makes them absolute.
   """
-  train_path: Optional[str] = None
-  heldout_path: Optional[str] = None
-  heldout_fraction: float = 0.1
-  prompt_key: str = "prompt"
-  answer_key: Optional[str] = None
-  completion_key: Optional[str] = None
-  tokenizer: str = "hf"
-  chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  seed: int = 0
+  train_path: Optional[str] = _field(
+      None, "the training rows: a `.jsonl` (or `.json`, one object per line) or `.parquet` "
+      "file.")
+  heldout_path: Optional[str] = _field(
+      None, "the held-out rows, same formats; None holds out a hashed `heldout_fraction` of "
+      "the training file's prompts instead.")
+  heldout_fraction: float = _field(
+      0.1, "the held-out share of the training file without `heldout_path`.")
+  prompt_key: str = _field(
+      "prompt", 'the prompt column: a string, or a conversation (a list of {"role", '
+      "\"content\"} messages) that the tokenizer's chat template renders.")
+  answer_key: Optional[str] = _field(
+      None, "the reference column: what `fn(completion, reference)` receives (None: the row's "
+      "columns other than the prompt, as a dict) and, without `completion_key`, the warm "
+      "start's target.")
+  completion_key: Optional[str] = _field(
+      None, "the warm start's target column (TRL's \"completion\"); None: `answer_key`. A "
+      "warm start (`sft.steps > 0`) needs one of the two.")
+  tokenizer: str = _field(
+      "hf", '"hf" (the tokenizer of `task.tokenizer_dir`, default `hf_model_dir`) or "bytes" '
+      "(UTF-8 bytes, `tasks.tokenizer.ByteTokenizer`, 259 ids).")
+  chat_template_kwargs: dict[str, Any] = _field(
+      {}, 'extra variables of the chat template (for example {"enable_thinking": False} for '
+      "Qwen3), as plain data.")
+  seed: int = _field(0, "seeds the training order (rollout worker i uses seed + 1000 i).")
 
   def __post_init__(self):
     _check_finite("task.data", self)
@@ -864,38 +748,34 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """What the run learns: a built-in task by name, or a user's.
-
-  Attributes:
-    name: a key of `tasks.registry.TASKS` — "arithmetic" (`arithmetic`, the character
-      tokenizer), "arithmetic_tool" (the same problems with a calculator tool over
-      several turns), "code" (`code`, small programs run in the sandbox), "math"
-      (`math`, GSM8K/MATH JSONL files, the tokenizer of `hf_model_dir`), "data" (`data`,
-      a user's own JSONL or Parquet rows) — or "module:attr" naming a user's task
-      factory, called with this section.
-    options: a user task's own options (plain data: strings, numbers, bools, None,
-      lists and mappings, as config.json holds them); the factory checks them.
-    arithmetic, math, code, data: the built-in tasks' sections.
-    tokenizer_dir: a Hugging Face directory with tokenizer files, for tasks that use
-      one; None: `hf_model_dir` (the builder fills it in).
-    max_prompt_len: a task drops prompts longer than this (and says how many); None:
-      `generation.max_prompt_len` (the builder fills it in).
-    max_turns: the most policy turns of a multi-turn episode; None: the task's own
-      (for "arithmetic_tool", `arithmetic.max_terms`: one call per step and the answer).
-    sample_per_turn: train each policy turn of an episode as a sample of its own, the
-      episode before it as its prompt (`trajectory.split_turns`), instead of the whole
-      episode as one sample. Advantages stay the episode's.
-  """
-  name: str = "arithmetic"
-  options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  """What the run learns: a built-in task by name, or a user's."""
+  name: str = _field(
+      "arithmetic", 'a key of `tasks.registry.TASKS` — "arithmetic" (`arithmetic`, the '
+      'character tokenizer), "arithmetic_tool" (the same problems with a calculator tool over '
+      'several turns), "code" (`code`, small programs run in the sandbox), "math" (`math`, '
+      "GSM8K/MATH JSONL files, the tokenizer of `hf_model_dir`), \"data\" (`data`, a user's "
+      "own JSONL or Parquet rows) — or \"module:attr\" naming a user's task factory, called "
+      "with this section.")
+  options: dict[str, Any] = _field(
+      {}, "a user task's own options (plain data: strings, numbers, bools, None, lists and "
+      "mappings, as config.json holds them); the factory checks them.")
   arithmetic: ArithmeticConfig = ArithmeticConfig()
   math: MathConfig = MathConfig()
   code: CodeConfig = CodeConfig()
   data: DataConfig = DataConfig()
-  tokenizer_dir: Optional[str] = None
-  max_prompt_len: Optional[int] = None
-  max_turns: Optional[int] = None
-  sample_per_turn: bool = False
+  tokenizer_dir: Optional[str] = _field(
+      None, "a Hugging Face directory with tokenizer files, for tasks that use one; None: "
+      "`hf_model_dir` (the builder fills it in).")
+  max_prompt_len: Optional[int] = _field(
+      None, "a task drops prompts longer than this (and says how many); None: "
+      "`generation.max_prompt_len` (the builder fills it in).")
+  max_turns: Optional[int] = _field(
+      None, "the most policy turns of a multi-turn episode; None: the task's own (for "
+      '"arithmetic_tool", `arithmetic.max_terms`: one call per step and the answer).')
+  sample_per_turn: bool = _field(
+      False, "train each policy turn of an episode as a sample of its own, the episode before "
+      "it as its prompt (`trajectory.split_turns`), instead of the whole episode as one "
+      "sample. Advantages stay the episode's.")
 
   def __post_init__(self):
     try:
@@ -906,60 +786,57 @@ class TaskConfig:
       fail("task.max_turns", self.max_turns, "must be >= 1 or None")
 
 
+# The help of the trainer's and the rollout workers' field of each pair.
+_GPUS = ("GPUs Ray gives the trainer and each rollout worker (a fraction shares one GPU; set "
+         "`gpu_memory_fraction` then).")
+_CPUS = "CPUs Ray reserves for the trainer and each rollout worker."
+_CORES = ("Linux cores to pin the trainer's (each rollout worker's) threads to, e.g. to give "
+          "them disjoint cores of one host; empty: none.")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlacementConfig:
-  """Where a run's parts run (`rl.build`): which devices, which processes.
-
-  Attributes:
-    kind: one of `PLACEMENTS`: "in_process" (one Python process, the parts on
-      threads) or "ray" (the parameter server, the trainer and each rollout worker a
-      Ray actor).
-    trainer_devices: how many of this host's devices, the first ones, the trainer's
-      mesh takes (`mesh` splits them); -1: all of them, and the generator engines share
-      the first. Across `jax.distributed` processes the trainer takes every device.
-    generator_replicas: generator engines on the devices the trainer leaves
-      (data-parallel generation, one rollout controller spreading groups over them),
-      each on `devices_per_replica` devices; -1: as many as fit, or 1 on the trainer's
-      first devices when it leaves none.
-    devices_per_replica: the devices of one generator engine (tensor-parallel
-      generation: params split over heads and MLP width, the `tensor` axis).
-    rollout_workers: rollout workers (Ray actors), each with its own prompt stream,
-      generator engines and reward workers.
-    ray_address: an existing Ray cluster ("auto" on a node of one); None starts a
-      local instance.
-    trainer_gpus, rollout_gpus: GPUs Ray gives the trainer and each rollout worker
-      (a fraction shares one GPU; set `gpu_memory_fraction` then).
-    trainer_cpus, rollout_cpus: CPUs Ray reserves for the trainer and each rollout
-      worker.
-    gpu_memory_fraction: XLA_PYTHON_CLIENT_MEM_FRACTION of every actor (0: JAX's
-      default, which preallocates most of a GPU).
-    working_dir: Ray `runtime_env` working_dir: this directory is shipped to every
-      node and is the actors' working directory (user task and reward modules in it
-      import there). None: local actors get this process's sys.path.
-    py_modules: Ray `runtime_env` py_modules: more module directories or files to ship.
-    pin_trainer_cores, pin_rollout_cores: Linux cores to pin the trainer's (each rollout
-      worker's) threads to, e.g. to give them disjoint cores of one host; empty: none.
-    publish_dtype: the dtype ("bfloat16", "float16") of the params' host copies when
-      they cross processes (Ray, `jax.distributed`); None: the params' own. 16 bits
-      halve a float32 model's transfer; the generators then sample with the rounded
-      weights (their log-probs are what the decoupled objective corrects for).
-  """
-  kind: str = "in_process"
-  trainer_devices: int = -1
-  generator_replicas: int = -1
-  devices_per_replica: int = 1
-  rollout_workers: int = 1
-  ray_address: Optional[str] = None
-  trainer_gpus: float = 0.0
-  rollout_gpus: float = 0.0
-  trainer_cpus: float = 0.0
-  rollout_cpus: float = 0.0
-  gpu_memory_fraction: float = 0.0
-  working_dir: Optional[str] = None
-  py_modules: tuple[str, ...] = ()
-  pin_trainer_cores: tuple[int, ...] = ()
-  pin_rollout_cores: tuple[int, ...] = ()
-  publish_dtype: Optional[str] = None
+  """Where a run's parts run (`rl.build`): which devices, which processes."""
+  kind: str = _field(
+      "in_process", 'one of `PLACEMENTS`: "in_process" (one Python process, the parts on '
+      'threads) or "ray" (the parameter server, the trainer and each rollout worker a Ray '
+      "actor).")
+  trainer_devices: int = _field(
+      -1, "how many of this host's devices, the first ones, the trainer's mesh takes (`mesh` "
+      "splits them); -1: all of them, and the generator engines share the first. Across "
+      "`jax.distributed` processes the trainer takes every device.")
+  generator_replicas: int = _field(
+      -1, "generator engines on the devices the trainer leaves (data-parallel generation, one "
+      "rollout controller spreading groups over them), each on `devices_per_replica` devices; "
+      "-1: as many as fit, or 1 on the trainer's first devices when it leaves none.")
+  devices_per_replica: int = _field(
+      1, "the devices of one generator engine (tensor-parallel generation: params split over "
+      "heads and MLP width, the `tensor` axis).")
+  rollout_workers: int = _field(
+      1, "rollout workers (Ray actors), each with its own prompt stream, generator engines "
+      "and reward workers.")
+  ray_address: Optional[str] = _field(
+      None, 'an existing Ray cluster ("auto" on a node of one); None starts a local instance.')
+  trainer_gpus: float = _field(0.0, _GPUS)
+  rollout_gpus: float = _field(0.0, _GPUS)
+  trainer_cpus: float = _field(0.0, _CPUS)
+  rollout_cpus: float = _field(0.0, _CPUS)
+  gpu_memory_fraction: float = _field(
+      0.0, "XLA_PYTHON_CLIENT_MEM_FRACTION of every actor (0: JAX's default, which "
+      "preallocates most of a GPU).")
+  working_dir: Optional[str] = _field(
+      None, "Ray `runtime_env` working_dir: this directory is shipped to every node and is "
+      "the actors' working directory (user task and reward modules in it import there). None: "
+      "local actors get this process's sys.path.")
+  py_modules: tuple[str, ...] = _field(
+      (), "Ray `runtime_env` py_modules: more module directories or files to ship.")
+  pin_trainer_cores: tuple[int, ...] = _field((), _CORES)
+  pin_rollout_cores: tuple[int, ...] = _field((), _CORES)
+  publish_dtype: Optional[str] = _field(
+      None, "the dtype (\"bfloat16\", \"float16\") of the params' host copies when they cross "
+      "processes (Ray, `jax.distributed`); None: the params' own. 16 bits halve a float32 "
+      "model's transfer; the generators then sample with the rounded weights (their log-probs "
+      "are what the decoupled objective corrects for).")
 
   def __post_init__(self):
     _check_choice("placement.kind", self.kind, PLACEMENTS)
@@ -989,14 +866,12 @@ class CPUConfig:
   """XLA:CPU only (`async_rl.cpu`): programs dispatched from several threads run at
   once, one per core, where one program's small ops mostly use one core. Ignored on
   accelerators.
-
-  Attributes:
-    decode_threads: slot groups of a generator engine, each decoded from its own
-      thread; 0: half the cores (the generator and the trainer share them).
-    grad_threads: threads that share each update's micro-batches; 0: half the cores.
   """
-  decode_threads: int = 0
-  grad_threads: int = 0
+  decode_threads: int = _field(
+      0, "slot groups of a generator engine, each decoded from its own thread; 0: half the "
+      "cores (the generator and the trainer share them).")
+  grad_threads: int = _field(
+      0, "threads that share each update's micro-batches; 0: half the cores.")
 
   def __post_init__(self):
     for name in ("decode_threads", "grad_threads"):
@@ -1006,21 +881,15 @@ class CPUConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything one run needs.
-
-  Attributes:
-    seed: seeds the params' init, the sampling and the task's streams.
-    batch_groups: prompt groups per training batch (B in DESIGN.md).
-    num_steps: training steps to run to (a resumed run continues to it).
-    hf_model_dir: a local Hugging Face Qwen2/Qwen3 directory whose weights a fresh run
-      starts from; the builder reads the architecture fields of `model` from its
-      config.json, and only `HF_RUN_MODEL_FIELDS` stay as configured. None: random
-      weights (or the warm start).
-  """
-  seed: int = 0
-  batch_groups: int = 8
-  num_steps: int = 100
-  hf_model_dir: Optional[str] = None
+  """Everything one run needs."""
+  seed: int = _field(0, "seeds the params' init, the sampling and the task's streams.")
+  batch_groups: int = _field(8, "prompt groups per training batch (B).")
+  num_steps: int = _field(100, "training steps to run to (a resumed run continues to it).")
+  hf_model_dir: Optional[str] = _field(
+      None, "a local Hugging Face Qwen2/Qwen3 directory whose weights a fresh run starts "
+      "from; the builder reads the architecture fields of `model` from its config.json, and "
+      "only `HF_RUN_MODEL_FIELDS` stay as configured. None: random weights (or the warm "
+      "start).")
   model: ModelConfig = ModelConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   ppo: PPOConfig = PPOConfig()
@@ -1056,319 +925,3 @@ class ExperimentConfig:
     if longest > self.model.max_seq_len:
       fail("model.max_seq_len", self.model.max_seq_len,
            f"must be >= generation.max_prompt_len + generation.max_new_tokens = {longest}")
-
-
-def config_dict():
-  """Every field of `ExperimentConfig` with its default, as an `ml_collections.ConfigDict`.
-
-  Config files start from this so that every field can be overridden from the
-  command line (`--config.ppo.c_clip=3`); optional fields are typed placeholders.
-  """
-  import ml_collections  # noqa: PLC0415 - only config files and binaries need it
-  from ml_collections.config_dict import placeholder  # noqa: PLC0415
-
-  def convert(cls):
-    out = {}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-      hint = hints[f.name]
-      if dataclasses.is_dataclass(hint):
-        out[f.name] = convert(hint)
-      elif typing.get_origin(hint) is dict:
-        out[f.name] = ml_collections.ConfigDict(f.default_factory())
-      elif f.default is None:
-        out[f.name] = placeholder(_optional_type(hint))
-      else:
-        out[f.name] = f.default
-    return ml_collections.ConfigDict(out)
-
-  return convert(ExperimentConfig)
-
-
-def from_dict(values) -> ExperimentConfig:
-  """Converts a ConfigDict (or nested mapping) to an `ExperimentConfig`, strictly: an
-  unknown key or a value of the wrong type raises ValueError naming the field."""
-  return _build(ExperimentConfig, _to_plain(values), "")
-
-
-def to_dict(cfg) -> dict:
-  """The config as plain nested dicts (for logging and saving)."""
-  return dataclasses.asdict(cfg)
-
-
-def keys() -> list[str]:
-  """Every leaf field of `ExperimentConfig` as a dotted path."""
-  def walk(cls, prefix):
-    for f in dataclasses.fields(cls):
-      hint = typing.get_type_hints(cls)[f.name]
-      if dataclasses.is_dataclass(hint):
-        yield from walk(hint, f"{prefix}{f.name}.")
-      else:
-        yield prefix + f.name
-  return sorted(walk(ExperimentConfig, ""))
-
-
-@dataclasses.dataclass(frozen=True)
-class Key:
-  """One leaf field of `ExperimentConfig`: its dotted name, type, default, value in a
-  given config, and the help its section's docstring gives it."""
-  name: str
-  type: str
-  default: Any
-  value: Any
-  help: str
-
-
-def describe(cfg: Optional["ExperimentConfig"] = None) -> list[Key]:
-  """Every leaf key of the config, in declaration order, with its value in `cfg`
-  (default: the defaults) and its help (the section's `Attributes:` entry)."""
-  cfg = ExperimentConfig() if cfg is None else cfg
-
-  def walk(cls, obj, prefix):
-    hints, helps = typing.get_type_hints(cls), _field_help(cls)
-    for f in dataclasses.fields(cls):
-      hint, value = hints[f.name], getattr(obj, f.name)
-      if dataclasses.is_dataclass(hint):
-        yield from walk(hint, value, f"{prefix}{f.name}.")
-        continue
-      default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-      yield Key(prefix + f.name, _type_name(hint), default, value, helps.get(f.name, ""))
-
-  return list(walk(ExperimentConfig, cfg, ""))
-
-
-def format_keys(cfg: Optional["ExperimentConfig"] = None) -> str:
-  """`describe(cfg)` as text, one line per key: name, type, value (and the default when
-  it differs), help."""
-  lines = []
-  for k in describe(cfg):
-    changed = "" if k.value == k.default else f"  (default {_show(k.default)})"
-    lines.append(f"{k.name}: {k.type} = {_show(k.value)}{changed}\n    {k.help}")
-  return "\n".join(lines)
-
-
-def key_reference() -> str:
-  """The key reference in Markdown (`docs/config.md`): per section, its summary and a
-  table of its keys with type, default and help."""
-  out = ["# Config keys", "",
-         "Every key of `async_rl.config.ExperimentConfig`, set in a config file or on the",
-         "command line as `--config.<key>=<value>` (`None` for the optional ones). A binary",
-         "given `--print_config` prints the keys with the values it would run with.",
-         "Generated by `python -m async_rl.config > docs/config.md`; a test keeps it in sync.",
-         ""]
-  sections: dict[str, list[Key]] = {}
-  for k in describe():
-    sections.setdefault(k.name.rpartition(".")[0], []).append(k)
-  for section, ks in sections.items():
-    cls = ExperimentConfig
-    for part in filter(None, section.split(".")):
-      cls = typing.get_type_hints(cls)[part]
-    summary = "\n".join(_summary(cls.__doc__)).strip()
-    out += [f"## `{section or 'top level'}`", "", summary, "",
-            "| key | type | default | meaning |", "|---|---|---|---|"]
-    out += [f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(_show(k.default))}` | {_cell(k.help)} |"
-            for k in ks]
-    out.append("")
-  return "\n".join(out)
-
-
-def _field_help(cls) -> dict[str, str]:
-  """The `Attributes:` entries of a section's docstring, each joined onto one line
-  (an entry "a, b: ..." describes both fields)."""
-  import inspect  # noqa: PLC0415 - only the key listing needs it
-  lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
-  if "Attributes:" not in lines:
-    return {}
-  helps, parts = {}, []
-  for line in lines[lines.index("Attributes:") + 1:]:
-    if line and not line.startswith(" "):  # the block ends at the next unindented line
-      break
-    head, sep, text = line.strip().partition(": ")
-    names = head.split(", ")
-    if sep and not line.startswith("   ") and all(n.isidentifier() for n in names):
-      parts = [text]  # a new entry, at the block's indentation
-      helps.update((name, parts) for name in names)
-    elif line.strip():
-      parts.append(line.strip())
-  return {name: " ".join(p) for name, p in helps.items()}
-
-
-def _summary(doc: Optional[str]) -> list[str]:
-  """A docstring's lines before its `Attributes:` block."""
-  import inspect  # noqa: PLC0415
-  lines = inspect.cleandoc(doc or "").splitlines()
-  return lines[:lines.index("Attributes:")] if "Attributes:" in lines else lines
-
-
-def _type_name(hint) -> str:
-  if typing.get_origin(hint) in (typing.Union, types.UnionType):
-    inner = [a for a in typing.get_args(hint) if a is not type(None)]
-    return " | ".join(_type_name(a) for a in inner) + " | None"
-  if typing.get_origin(hint) is not None:
-    args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in typing.get_args(hint))
-    return f"{typing.get_origin(hint).__name__}[{args}]"
-  return getattr(hint, "__name__", str(hint))
-
-
-def _cell(text: str) -> str:
-  return text.replace("|", "\\|")
-
-
-def _show(value) -> str:
-  return json.dumps(value) if isinstance(value, str) else repr(value)
-
-
-def unknown_key_message(key: str, known) -> str:
-  """An error for an unknown config key that names the nearest valid ones."""
-  known = list(known)
-  near = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-  if near:
-    return f"unknown config key {key!r}; did you mean {', '.join(near)}?"
-  section = key.rpartition(".")[0]
-  here = ([k for k in known if k.startswith(section + ".")] if section
-          else sorted({k.split(".")[0] for k in known}))
-  return f"unknown config key {key!r}; valid keys there: {', '.join(here)}"
-
-
-def parse_flags(argv):
-  """absl's flag parsing, with one-line errors and `None` for optional config fields.
-
-  `--config.a.b=None` (or `none`, `null`) sets an optional field to None, which
-  ml_collections cannot parse for a typed placeholder. A value of the wrong type, or
-  an override of a key the config does not have (ml_collections raises a bare
-  `AttributeError: "'x'"`), exits with status 2 and one line that names the key (and,
-  for an unknown one, the nearest valid ones), without the usage text. Pass as
-  `app.run(main, flags_parser=parse_flags)`.
-
-  `--print_config` prints every key of the config the binary would run with (type,
-  value, default where it differs, help; `format_keys`) and exits 0, the binary's
-  other required flags not needed.
-  """
-  from absl import flags  # noqa: PLC0415 - only binaries parse flags
-  if "print_config" not in flags.FLAGS:
-    flags.DEFINE_bool("print_config", False, "Print every --config key (type, value, "
-                      "default, help) of the resolved config and exit.")
-  optional = _optional_keys()
-  nones, kept = [], [argv[0]]
-  for arg in argv[1:]:
-    key, _, value = arg.partition("=")
-    if key.startswith("--config.") and key[len("--config."):] in optional and (
-        value.lower() in ("none", "null")):
-      nones.append(key[len("--config."):])
-    else:
-      kept.append(arg)
-  try:
-    rest = flags.FLAGS(kept)
-  except flags.IllegalFlagValueError as e:
-    # Values are set before the required flags are validated, so --print_config
-    # needs only --config.
-    if not (flags.FLAGS.is_parsed() and flags.FLAGS["print_config"].value):
-      _exit_with(_one_line(e))
-    rest = [argv[0]]
-  except flags.Error as e:
-    _exit_with(_one_line(e))
-  except (AttributeError, KeyError):
-    overrides = [a.split("=", 1)[0][len("--config."):] for a in kept[1:]
-                 if a.startswith("--config.")]
-    known = keys()
-    bad = next((k for k in overrides if k not in known and not any(
-        known_key.startswith(k + ".") for known_key in known)), None)
-    if bad is None:
-      raise
-    _exit_with(unknown_key_message(bad, known))
-  for key in nones:
-    *sections, field = key.split(".")
-    node = flags.FLAGS["config"].value
-    for section in sections:
-      node = node[section]
-    node[field] = None
-  if flags.FLAGS["print_config"].value:
-    try:
-      text = format_keys(from_dict(flags.FLAGS["config"].value))
-    except ValueError as e:
-      _exit_with(f"invalid config: {e}")
-    try:
-      print(text, flush=True)
-    except BrokenPipeError:  # `| head` closed the pipe: what it read is what was asked
-      sys.stdout = None
-    sys.exit(0)
-  return rest
-
-
-def _one_line(error) -> str:
-  """A flag error's first line, with its cause's last line when a traceback follows (a
-  config file that fails to load: "Error whilst parsing config file: ValueError: ...")."""
-  lines = [line for line in str(error).splitlines() if line.strip()]
-  if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
-    return f"{lines[0]} {lines[-1]}"
-  return lines[0]
-
-
-def _exit_with(message):
-  print(f"FATAL flags parsing error: {message}", file=sys.stderr)
-  sys.exit(2)
-
-
-def _optional_keys() -> set[str]:
-  """The dotted keys of the fields that may be None."""
-  def walk(cls, prefix):
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-      hint = hints[f.name]
-      if dataclasses.is_dataclass(hint):
-        yield from walk(hint, f"{prefix}{f.name}.")
-      elif typing.get_origin(hint) in (typing.Union, types.UnionType):
-        yield prefix + f.name
-  return set(walk(ExperimentConfig, ""))
-
-
-def _optional_type(hint):
-  return next(a for a in typing.get_args(hint) if a is not type(None))
-
-
-def _to_plain(x):
-  if hasattr(x, "to_dict"):
-    return x.to_dict()
-  return x
-
-
-def _build(cls, values, prefix):
-  if not isinstance(values, typing.Mapping):
-    fail(prefix.rstrip(".") or "config", values, "must be a mapping")
-  hints = typing.get_type_hints(cls)
-  names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(values) - names)
-  if unknown:
-    raise ValueError(unknown_key_message(prefix + unknown[0], [prefix + n for n in names]))
-  kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in values.items()}
-  return cls(**kwargs)
-
-
-def _coerce(hint, value, path):
-  if typing.get_origin(hint) in (typing.Union, types.UnionType):
-    if value is None:
-      return None
-    hint = _optional_type(hint)
-  if dataclasses.is_dataclass(hint):
-    return _build(hint, _to_plain(value), path + ".")
-  if typing.get_origin(hint) is dict:  # A free-form section (task.options): plain data.
-    value = _to_plain(value)
-    if not isinstance(value, typing.Mapping) or not all(isinstance(k, str) for k in value):
-      fail(path, value, "must be a mapping with string keys")
-    return dict(value)
-  if typing.get_origin(hint) is tuple:
-    if not isinstance(value, (list, tuple)):
-      fail(path, value, "must be a sequence")
-    (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-    return tuple(_coerce(item, v, path) for v in value)
-  if hint is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  if hint is int and isinstance(value, float) and value.is_integer():
-    return int(value)
-  if value is None or not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-    fail(path, value, f"must be of type {hint.__name__}")
-  return value
-
-
-if __name__ == "__main__":
-  print(key_reference())

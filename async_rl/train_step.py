@@ -7,10 +7,10 @@ over M with `lax.scan`, each micro-batch's loss divided by the valid-token count
 the whole batch, so the update equals the full-batch one. Micro-batches with no valid
 token (bucket padding) are skipped with `lax.cond`.
 
-Version protocol (DESIGN.md, "Versions"): `TrainState.step` counts training steps,
-one per batch, whatever happens inside. A step whose loss or gradient is not finite
-changes neither params nor optimizer moments (`optax.apply_if_finite`) but still
-counts; its metrics say `skipped = 1`.
+Version protocol (docs/architecture.md, "Versions"): `TrainState.step` counts
+training steps, one per batch, whatever happens inside. A step whose loss or gradient
+is not finite changes neither params nor optimizer moments (`optax.apply_if_finite`)
+but still counts; its metrics say `skipped = 1`.
 """
 
 import dataclasses

@@ -31,7 +31,9 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config import ExperimentConfig, from_dict, parse_flags
+from async_rl.cli import from_dict
+from async_rl.config import ExperimentConfig
+from async_rl.launch import parse_flags
 from async_rl.param_server.buffer import length_summary
 from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params

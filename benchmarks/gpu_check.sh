@@ -7,7 +7,7 @@
 #
 #   benchmarks/gpu_check.sh [extra launch.train flags]
 #
-# Environment: GPU_CHECK_CONFIG (default configs/qwen2_5_1_5b.py) and GPU_CHECK_STEPS
+# Environment: GPU_CHECK_CONFIG (default configs/qwen2_5.py) and GPU_CHECK_STEPS
 # (default 5). Extra flags come after the defaults below, so they win; for example
 #
 #   GPU_CHECK_CONFIG=configs/micro.py GPU_CHECK_STEPS=2 benchmarks/gpu_check.sh
@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-config="${GPU_CHECK_CONFIG:-configs/qwen2_5_1_5b.py}"
+config="${GPU_CHECK_CONFIG:-configs/qwen2_5.py}"
 steps="${GPU_CHECK_STEPS:-5}"
 workdir="$(mktemp -d)"
 trap 'rm -rf "${workdir}"' EXIT

@@ -2,7 +2,7 @@
 
   python -m benchmarks.memory      # 1.5B and 7B at 8k / 16k / 32k, and the 7B engine on
                                    # 1 / 2 / 4 / 8 devices; compile only, minutes
-  python -m benchmarks.memory --configs=qwen2_5_1_5b --lengths=32k --tp=   # one row
+  python -m benchmarks.memory --configs=qwen2_5:1.5b --lengths=32k --tp=   # one row
   python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # per micro-batch
 
 Nothing is allocated: params and KV pools are counted from their abstract shapes and
@@ -10,7 +10,7 @@ shardings, and every program is lowered from abstract shapes and compiled for th
 host's CPU (8 fake devices, `--xla_force_host_platform_device_count`, for the
 multi-device ones), its `memory_analysis()` read; values are per device.
 
-Per device, for each config (`configs/<name>.py`) and generation length:
+Per device, for each config (a shipped `NAME:VARIANT`) and generation length:
   generator  one engine (`generation.Engine`, as `build.make_engine` builds it for an
              accelerator): its params in the serving layout and its KV pool
              (`generation.kv_blocks` blocks); and its transient, the larger of a prefill
@@ -27,11 +27,11 @@ Per device, for each config (`configs/<name>.py`) and generation length:
              trainer + its temporaries + 2 x (generator + its transient). It fits one
              80 GB device when at most 74.5 GiB.
 
-D is 1 for the 1.5B and 8 for the 7B, the devices their docstrings size them for (1
+D is 1 for the 1.5B and 8 for the 7B, the devices `configs/qwen2_5.py` sizes them for (1
 for other configs).
 Lengths: 8k is each config as shipped (256 prompt + 8,192 new tokens); 16k and 32k
 take 1,024 prompt tokens and 15,360 / 31,744 new ones, slots and KV budget as shipped,
-or a config's variant of that name where it has one (the 1.5B's `:32k`, 64 slots).
+or a config's variant `VARIANT_LENGTH` where it has one (`qwen2_5:1.5b_32k`, 64 slots).
 
 16-bit accounting. XLA:CPU computes 16-bit data in float32: a bfloat16 compile holds
 float32 copies of the weights, of the KV pools in the decode loop and of the stacks
@@ -114,18 +114,19 @@ from ml_collections import config_flags  # noqa: E402
 
 from async_rl import loss, models, sharding, train_step  # noqa: E402
 from async_rl.batching import PackedBatch  # noqa: E402
-from async_rl.config import MeshConfig, from_dict  # noqa: E402
+from async_rl.cli import from_dict  # noqa: E402
+from async_rl.config import MeshConfig  # noqa: E402
 from async_rl.generation import Engine, paged  # noqa: E402
 from async_rl.models import attention, flops  # noqa: E402
 from async_rl.models.memory import GIB  # noqa: E402
 from async_rl.policy import chunk_len  # noqa: E402
 
-_CONFIGS = flags.DEFINE_list("configs", ["qwen2_5_1_5b", "qwen2_5_7b"],
-                             "Configs (configs/<name>.py) of the per-device table.")
+_CONFIGS = flags.DEFINE_list("configs", ["qwen2_5:1.5b", "qwen2_5:7b"],
+                             "Shipped configs (NAME:VARIANT) of the per-device table.")
 _LENGTHS = flags.DEFINE_list("lengths", ["8k", "16k", "32k"], "Generation lengths.")
 _TP = flags.DEFINE_list("tp", ["1", "2", "4", "8"], "Devices of the tensor-parallel engine.")
-_TP_CONFIG = flags.DEFINE_string("tp_config", "qwen2_5_7b", "Config of the --tp table.")
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen2_5_1_5b.py",
+_TP_CONFIG = flags.DEFINE_string("tp_config", "qwen2_5:7b", "Config of the --tp table.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen2_5.py",
                                           "The experiment whose train step --tokens compiles.")
 _TOKENS = flags.DEFINE_list("tokens", [], "Tokens per micro-batch (multiples of the row "
                             "length): the per micro-batch table of --config instead.")
@@ -134,18 +135,19 @@ _SAVES = flags.DEFINE_list("saves", None, "model.remat_saves to compile with, e.
 
 # Prompt and new tokens of each length; None: the config as shipped.
 LENGTHS = {"8k": None, "16k": (1024, 15360), "32k": (1024, 31744)}
-TRAINER_DEVICES = {"qwen2_5_1_5b": 1, "qwen2_5_7b": 8}
+TRAINER_DEVICES = {"qwen2_5:1.5b": 1, "qwen2_5:7b": 8}
 DEVICE_GIB = 80e9 / GIB
 
 
 def experiment(name: str, length: str):
-  """The shipped config `name` at `length` (`LENGTHS`): its variant of that name if it
-  has one."""
-  module = importlib.import_module(f"async_rl.configs.{name}")
-  if length in getattr(module, "VARIANTS", ()):
-    c = module.get_config(length)
+  """The shipped config `name` (`NAME[:VARIANT]`) at `length` (`LENGTHS`): its variant
+  `VARIANT_LENGTH` if it has one."""
+  module_name, _, variant = name.partition(":")
+  module = importlib.import_module(f"async_rl.configs.{module_name}")
+  if f"{variant}_{length}" in getattr(module, "VARIANTS", ()):
+    c = module.get_config(f"{variant}_{length}")
   else:
-    c = module.get_config()
+    c = module.get_config(*[variant] if variant else [])
     if LENGTHS[length] is not None:
       c.generation.max_prompt_len, c.generation.max_new_tokens = LENGTHS[length]
   g = c.generation

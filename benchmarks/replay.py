@@ -39,7 +39,8 @@ import numpy as np
 from absl import app, flags
 
 from async_rl import cpu, models, sharding
-from async_rl.config import ModelConfig, from_dict
+from async_rl.cli import from_dict
+from async_rl.config import ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl import build, replay
 from async_rl.trajectory import Group, Trajectory

@@ -47,7 +47,9 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from async_rl.config import ExperimentConfig, from_dict, parse_flags  # noqa: E402
+from async_rl.cli import from_dict  # noqa: E402
+from async_rl.config import ExperimentConfig  # noqa: E402
+from async_rl.launch import parse_flags  # noqa: E402
 from async_rl.rl import build  # noqa: E402
 from async_rl.rl.checkpoint import restore_params  # noqa: E402
 from benchmarks.common.run_stats import (  # noqa: E402

@@ -60,7 +60,9 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from async_rl import cpu, timeline  # noqa: E402
-from async_rl.config import ExperimentConfig, from_dict, parse_flags  # noqa: E402
+from async_rl.cli import from_dict  # noqa: E402
+from async_rl.config import ExperimentConfig  # noqa: E402
+from async_rl.launch import parse_flags  # noqa: E402
 from async_rl.rl import build  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402
 from async_rl.tasks import TrainStream  # noqa: E402

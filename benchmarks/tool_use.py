@@ -21,8 +21,9 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl.config import from_dict, parse_flags
+from async_rl.cli import from_dict
 from async_rl.generation import GeneratorPool
+from async_rl.launch import parse_flags
 from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
 from async_rl.rl.evaluate import evaluate

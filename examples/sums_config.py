@@ -5,7 +5,7 @@
 Two RL steps do not teach it to add; the run shows the pieces working together.
 """
 
-from async_rl.config import config_dict
+from async_rl.cli import config_dict
 
 
 def get_config():

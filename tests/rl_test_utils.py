@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from async_rl.config import from_dict
+from async_rl.cli import from_dict
 from async_rl.rl import build
 from async_rl.tasks.registry import make_task
 from benchmarks.common.run_stats import prompt_accounting

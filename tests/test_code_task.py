@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_rl.config import CodeConfig, from_dict
+from async_rl.cli import from_dict
+from async_rl.config import CodeConfig
 from async_rl.rewards import code_tests_reward, isolation
 from async_rl.rl import build
 from async_rl.tasks.code_task import CodeTask, make_program

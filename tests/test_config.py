@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import config as config_lib, generation
-from async_rl.config import ExperimentConfig, MeshConfig, from_dict
+from async_rl import cli, config as config_lib, generation
+from async_rl.cli import from_dict
+from async_rl.config import ExperimentConfig, MeshConfig
 from async_rl.rl import build
 
 CONFIGS = sorted(p for p in (Path(__file__).parents[1] / "configs").glob("*.py")
@@ -26,7 +27,7 @@ def test_every_config_file_and_variant_converts(path):
   for variant in (None, *getattr(module, "VARIANTS", ())):
     cfg = from_dict(module.get_config(*[variant] if variant else []))
     assert isinstance(cfg, ExperimentConfig)
-    assert config_lib.to_dict(cfg)["model"]["vocab_size"] == cfg.model.vocab_size
+    assert cli.to_dict(cfg)["model"]["vocab_size"] == cfg.model.vocab_size
     build.check(cfg)
 
 
@@ -99,16 +100,16 @@ def test_invalid_values_name_the_field(values, field):
 
 def test_task_options_are_free_form_plain_data_and_round_trip():
   options = {"train": "a.jsonl", "sizes": [1, 2], "nested": {"k": None}}
-  cd = config_lib.config_dict()
+  cd = cli.config_dict()
   cd.task.options = options
   cfg = from_dict(cd)
   assert cfg.task.options == options
-  assert config_lib.to_dict(cfg)["task"]["options"] == options
+  assert cli.to_dict(cfg)["task"]["options"] == options
   assert from_dict({}).task.options == {} and from_dict({}).rollout.reward_fn is None
 
 
 def test_reward_lists_and_chat_template_variables_convert():
-  cd = config_lib.config_dict()
+  cd = cli.config_dict()
   cd.rollout.update(reward_fn="a:f,b:g", reward_weights=(1, 0.5), reward_style="trl")
   cd.task.data.chat_template_kwargs = {"enable_thinking": False}
   cfg = from_dict(cd)

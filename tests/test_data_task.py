@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import DataConfig, TaskConfig, from_dict
+from async_rl.cli import from_dict
+from async_rl.config import DataConfig, TaskConfig
 from async_rl.rl import build
 from async_rl.rl.errors import ConfigError
 from async_rl.tasks import ByteTokenizer, ListTask, Row

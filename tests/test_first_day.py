@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl import config
-from async_rl.config import from_dict
+from async_rl import cli
+from async_rl.cli import from_dict
 from async_rl.rl import build
 from async_rl.rl.errors import ConfigError, NoTrainableGroupError
 from rl_test_utils import small_config
@@ -129,21 +129,21 @@ def test_a_bad_flag_is_one_line_and_status_2(tmp_path, arg, message):
 
 
 def test_every_key_has_a_type_a_default_and_help():
-  keys = config.describe()
-  assert sorted(k.name for k in keys) == config.keys()
+  keys = cli.describe()
+  assert sorted(k.name for k in keys) == cli.keys()
   missing = [k.name for k in keys if not k.help]
-  assert not missing, f"add an `Attributes:` entry to the section's docstring: {missing}"
+  assert not missing, f"give these fields their help (`config._field`): {missing}"
   by_name = {k.name: k for k in keys}
   assert by_name["staleness.max_staleness"].type == "int | None"
   assert by_name["rollout.reward_weights"].type == "tuple[float, ...]"
-  # An "a, b: ..." entry describes both fields.
+  # The two fields of a pair share one help.
   assert by_name["placement.trainer_gpus"].help == by_name["placement.rollout_gpus"].help
 
 
 def test_the_key_reference_in_docs_is_the_generated_one():
-  generated = config.key_reference() + "\n"
+  generated = cli.key_reference() + "\n"
   assert (ROOT / "docs" / "config.md").read_text() == generated, (
-      "docs/config.md is stale: python -m async_rl.config > docs/config.md")
+      "docs/config.md is stale: python -m async_rl.cli > docs/config.md")
 
 
 def test_print_config_lists_every_key_as_the_binary_would_run_it():
@@ -154,7 +154,7 @@ def test_print_config_lists_every_key_as_the_binary_would_run_it():
   assert out.returncode == 0, out.stderr[-2000:]  # no --workdir needed to look
   lines = out.stdout.splitlines()
   names = [line.split(":")[0] for line in lines if not line.startswith(" ")]
-  assert names == [k.name for k in config.describe()]
+  assert names == [k.name for k in cli.describe()]
   assert "optimizer.learning_rate: float = 0.5  (default 0.0001)" in lines
   assert "staleness.max_staleness: int | None = None  (default 4)" in lines
   assert "seed: int = 0" in lines  # a default value shows no default beside it

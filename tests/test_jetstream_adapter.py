@@ -20,7 +20,7 @@ import jax
 import optax
 import pytest
 
-from async_rl.config import from_dict
+from async_rl.cli import from_dict
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.sharding import make_mesh

@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from async_rl import config as config_lib  # noqa: E402
-from async_rl.config import DEFAULT_MATH_SYSTEM, MathConfig, ModelConfig, from_dict  # noqa: E402
 from async_rl.chat import chat_messages, chatml  # noqa: E402
+from async_rl.cli import from_dict, to_dict  # noqa: E402
+from async_rl.config import DEFAULT_MATH_SYSTEM, MathConfig, ModelConfig  # noqa: E402
 from async_rl.rl import build  # noqa: E402
 from async_rl.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from async_rl.tasks.math_task import MathTask  # noqa: E402
@@ -53,7 +53,7 @@ def test_model_architecture_comes_from_the_directory(files):
   assert cfg.model == dataclasses.replace(MODEL, max_seq_len=256, remat=True)
   assert os.path.isabs(cfg.hf_model_dir) and os.path.isabs(cfg.task.math.train_path)
   assert dataclasses.replace(cfg, num_steps=7).model == cfg.model
-  assert config_lib.to_dict(cfg)["model"]["d_model"] == MODEL.d_model
+  assert to_dict(cfg)["model"]["d_model"] == MODEL.d_model
 
 
 def test_make_task_by_name(files):

@@ -13,23 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import from_dict
+from async_rl.cli import from_dict
 from async_rl.models.memory import GIB, describe, estimate_memory
 
 ROOT = Path(__file__).parents[1]
-CONFIGS = ROOT / "configs"
-ACCELERATOR_CONFIGS = ("qwen2_5_1_5b", "qwen2_5_7b")
+QWEN = ROOT / "configs" / "qwen2_5.py"
+ACCELERATOR_VARIANTS = ("1.5b", "7b")  # of configs/qwen2_5.py
 
 
-def _module(name):
-  spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
+def _module():
+  spec = importlib.util.spec_from_file_location("qwen2_5", QWEN)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
 def test_qwen2_5_1_5b_by_hand():
-  cfg = from_dict(_module("qwen2_5_1_5b").get_config())
+  cfg = from_dict(_module().get_config("1.5b"))
   # Per layer: q,o 2*1536*12*128; k,v 2*1536*2*128; gate,up,down 3*1536*8960; two norms;
   # q/k/v biases (12+2+2)*128. Tied embedding 151936*1536, final norm 1536.
   per_layer = 2 * 1536 * 1536 + 2 * 1536 * 256 + 3 * 1536 * 8960 + 2 * 1536 + 16 * 128
@@ -42,16 +42,17 @@ def test_qwen2_5_1_5b_by_hand():
       trainer=10 * n, generator=2 * n + kv)
   assert kv == 10.5 * GIB
   # With no budget, every one of the 128 slots at the full 256 + 8192 tokens.
-  dense = _module("qwen2_5_1_5b").get_config()
+  dense = _module().get_config("1.5b")
   dense.generation.kv_blocks = 0
   assert estimate_memory(from_dict(dense))["kv_cache"] == 2 * 28 * 128 * (256 + 8192) * 2 * 128 * 2
 
 
-@pytest.mark.parametrize("name", ACCELERATOR_CONFIGS)
-def test_docstring_quotes_the_estimate(name):
-  module = _module(name)
-  cfg = from_dict(module.get_config())
-  quoted = dict(re.findall(r"^  (\w+): ([\d.]+ GiB)", module.__doc__, re.MULTILINE))
+@pytest.mark.parametrize("variant", ACCELERATOR_VARIANTS)
+def test_docstring_quotes_the_estimate(variant):
+  module = _module()
+  cfg = from_dict(module.get_config(variant))
+  section = module.__doc__.split(f"\n{variant} (", 1)[1].split("\n\n")[1]
+  quoted = dict(re.findall(r"^  (\w+): ([\d.]+ GiB)", section, re.MULTILINE))
   printed = dict(line.split(": ") for line in describe(cfg).splitlines())
   assert quoted == printed
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from async_rl import batching, models, sharding, train_step
-from async_rl.config import from_dict
+from async_rl.cli import from_dict
 from async_rl.rl import build
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.trainer_loop import TrainLoop

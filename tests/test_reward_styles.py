@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from async_rl import models
-from async_rl.config import EvalConfig, ModelConfig, from_dict
+from async_rl.cli import from_dict
+from async_rl.config import EvalConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool
 from async_rl.rewards import Reward, RewardService, RewardTask, style_of
 from async_rl.rl import build

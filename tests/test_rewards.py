@@ -3,6 +3,8 @@
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -138,6 +140,17 @@ def test_unknown_reward_fn_is_a_value_error(service):
   with pytest.raises(ValueError, match="cannot load"):
     resolve_reward_fn("no_such_module_xyz:fn")
   assert resolve_reward_fn("math") is REWARD_FNS["math"]
+
+
+def test_a_reward_worker_imports_a_registered_function_only_when_it_looks_it_up():
+  probe = ("import sys\n"
+           "from async_rl.rewards import worker\n"
+           "before = 'async_rl.tasks.math_data' in sys.modules\n"
+           "worker.resolve_reward_fn('math')\n"
+           "print(before, 'async_rl.tasks.math_data' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=120, check=True)
+  assert out.stdout.split() == ["False", "True"]
 
 
 def test_a_function_defined_in_place_runs_by_value_with_the_same_counters():

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import TaskConfig, from_dict
+from async_rl.cli import from_dict
+from async_rl.config import TaskConfig
 from async_rl.rl import build
 from async_rl.tasks import CharTokenizer, Example, ListTask
 from async_rl.tasks.registry import make_task

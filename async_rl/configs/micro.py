@@ -5,7 +5,7 @@
 It does not learn anything useful; it exercises every component quickly.
 """
 
-from async_rl.config import config_dict
+from async_rl.cli import config_dict
 
 
 def get_config():

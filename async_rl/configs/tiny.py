@@ -27,7 +27,8 @@ Variants, named after the file (`--config=configs/tiny.py:tool`):
              and resumed.
 """
 
-from async_rl.config import MODEL_PRESETS, config_dict
+from async_rl.cli import config_dict
+from async_rl.config import MODEL_PRESETS
 
 VARIANTS = ("tool", "long_tail", "long_reasoning")
 

@@ -3,11 +3,10 @@ with the Threefry-2x32 hash written out in `jnp`.
 
 On the CPU backend jax lowers its threefry primitive as a rolled loop of five
 iterations, and each `fold_in` is another such loop, so drawing a decode step's noise
-for 32 slots x 256 tokens ran as hundreds of tiny ops inside the decode loop (a 32-slot
-decode step ran 692 ops with them, 281 without). Written out, the hash is one
-elementwise fusion. The hash is Threefry-2x32 with 20 rounds (Salmon et al., "Parallel
-random numbers: as easy as 1, 2, 3", SC 2011), keyed and counted as jax's
-partitionable threefry keys and draws, so the noise equals jax's (a test checks it).
+runs as many tiny ops inside the decode loop. Written out, the hash is one elementwise
+fusion. The hash is Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random
+numbers: as easy as 1, 2, 3", SC 2011), keyed and counted as jax's partitionable
+threefry keys and draws, so the noise equals jax's (a test checks it).
 """
 
 import jax

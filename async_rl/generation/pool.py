@@ -13,7 +13,7 @@ KV memory is the engine's budget of blocks (`Engine`, `kv_blocks`), shared by th
 samples in flight; a sample that needs a block when none is free is preempted and
 resumed later with the same tokens, log-probs and versions (`scheduler`).
 
-Weight updates (DESIGN.md, "Interruptible generation"), applied between two chunks:
+Weight updates, applied between two chunks:
   * "retract": every in-flight sequence is re-prefilled (prompt + tokens so far)
     under the new params, so its KV cache is recomputed, then it continues.
   * "keep": the params are swapped and the existing KV cache is kept.
@@ -41,13 +41,12 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
+from async_rl.config import UPDATE_MODES
 from async_rl.generation.host_batch import Job
 from async_rl.generation.engine import Engine
 from async_rl.generation.request import Request, SlotHandle, validate
 from async_rl.generation.scheduler import Inbox, Scheduler, Update
 from async_rl.timeline import Timeline
-
-UPDATE_MODES = ("retract", "keep", "drain")
 
 
 def _running_future() -> Future:

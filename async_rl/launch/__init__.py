@@ -9,15 +9,40 @@ links here).
 import sys
 from collections.abc import Callable
 
-from async_rl import config, configs
+from absl import app, flags
+
+from async_rl import cli, configs
 
 CONFIG_HELP = ("The experiment: a shipped config's name (" + ", ".join(configs.names()) +
                "; NAME:VARIANT for a variant) or a config file (PATH.py[:VARIANT]).")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """`config.parse_flags`, with `--config=NAME[:VARIANT]` naming a shipped config
-  (`configs.config_file`); an unknown name exits with status 2 and one line."""
+  """`cli.parse_flags` for a binary: `--config=NAME[:VARIANT]` names a shipped config
+  (`configs.config_file`), `--print_config` prints the resolved config's keys
+  (`cli.format_keys`) and exits 0, and a bad flag exits with status 2 and one line,
+  without the usage text."""
+  try:
+    rest = cli.parse_flags(_shipped_configs(argv))
+    if flags.FLAGS.print_config:
+      try:
+        text = cli.format_keys(cli.from_dict(flags.FLAGS.config))
+      except ValueError as e:
+        raise cli.FlagsError(f"invalid config: {e}") from None
+  except cli.FlagsError as e:
+    print(f"FATAL flags parsing error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if not flags.FLAGS.print_config:
+    return rest
+  try:
+    print(text, flush=True)
+  except BrokenPipeError:  # `| head` closed the pipe: what it read is what was asked
+    sys.stdout = None
+  sys.exit(0)
+
+
+def _shipped_configs(argv: list[str]) -> list[str]:
+  """`argv` with a shipped config's `--config=NAME[:VARIANT]` replaced by its file."""
   args = list(argv)
   for i in range(1, len(args)):
     if args[i] == "--":  # absl reads no flag after it
@@ -28,9 +53,8 @@ def parse_flags(argv: list[str]) -> list[str]:
       elif args[i] == "--config" and i + 1 < len(args):
         args[i + 1] = configs.config_file(args[i + 1])
     except ValueError as e:
-      print(f"FATAL flags parsing error: --config: {e}", file=sys.stderr)
-      sys.exit(2)
-  return config.parse_flags(args)
+      raise cli.FlagsError(f"--config: {e}") from None
+  return args
 
 
 def run(main: Callable[[list[str]], None], module_name: str, *, has_config: bool = True):
@@ -45,7 +69,6 @@ def run(main: Callable[[list[str]], None], module_name: str, *, has_config: bool
     module_name: the binary module's `__name__`.
     has_config: the binary defines `--config` (its flags go through `parse_flags`).
   """
-  from absl import app, flags  # noqa: PLC0415 - only binaries parse flags
   module = sys.modules[module_name]
   stub = sys.modules["__main__"]
   if stub is not module:

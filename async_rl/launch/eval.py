@@ -1,7 +1,7 @@
 r"""Scores a policy on its task's held-out set: a run's checkpoint, or a Hugging Face model.
 
   async-rl-eval --workdir=/tmp/run [--step=200] [--out=report.json]
-  async-rl-eval --config=qwen2_5_1_5b \
+  async-rl-eval --config=qwen2_5 \
       --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct --config.task.name=math ...
 
 (in a clone of the repository, also `python -m launch.eval ...`).
@@ -20,7 +20,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import config, launch
+from async_rl import cli, config, launch
 from async_rl.rl.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -51,7 +51,7 @@ def main(argv):
       params = restore_params(f"{_WORKDIR.value}/checkpoints", cfg.model, step=step)
       source = {"workdir": _WORKDIR.value, "step": step}
     else:
-      cfg = build.resolve(config.from_dict(_CONFIG.value))
+      cfg = build.resolve(cli.from_dict(_CONFIG.value))
       mesh = sharding.make_mesh(config.MeshConfig(), jax.devices()[:1])
       params = build.initial_params(cfg, mesh, make_task(cfg.task)) if cfg.hf_model_dir \
           else build.make_trainer(cfg, mesh).state.params

@@ -2,7 +2,7 @@ r"""Serves a policy with JetStream's own orchestrator (extra `jetstream`): a run
 checkpoint, or a Hugging Face model.
 
   async-rl-serve --workdir=/tmp/async_rl_tiny --prompt="12+34=" --prompt="7*8="
-  async-rl-serve --config=qwen2_5_1_5b --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct \
+  async-rl-serve --config=qwen2_5 --config.hf_model_dir=/models/Qwen2.5-1.5B-Instruct \
       --config.generation.num_slots=8 --max_tokens=256 --prompt="The capital of France is"
 
 (in a clone of the repository, also `python -m launch.serve_jetstream ...`).
@@ -21,7 +21,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import config, launch
+from async_rl import cli, launch
 from async_rl.rl.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -47,7 +47,7 @@ def main(argv):
   from async_rl.generation import SamplingParams  # noqa: PLC0415 - after flag parsing
   from async_rl.rl import export  # noqa: PLC0415
   try:
-    cfg = (config.from_dict(_CONFIG.value) if _CONFIG.value is not None
+    cfg = (cli.from_dict(_CONFIG.value) if _CONFIG.value is not None
            else export.run_config(_WORKDIR.value))
     completions = export.serve(
         cfg, _PROMPTS.value, workdir=_WORKDIR.value, step=_STEP.value,

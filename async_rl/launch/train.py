@@ -29,7 +29,7 @@ import threading
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import config, launch
+from async_rl import cli, launch
 from async_rl.rl.errors import ConfigError, RunError, WorkdirInUseError
 from async_rl.rl.signals import StopOnSignals
 
@@ -51,7 +51,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
   try:
-    cfg = config.from_dict(_CONFIG.value)
+    cfg = cli.from_dict(_CONFIG.value)
   except ValueError as e:
     raise app.UsageError(f"invalid config: {e}") from None
   if _COORDINATOR.value:

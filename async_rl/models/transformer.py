@@ -139,7 +139,7 @@ def _project_qkv(lp, cfg, h_BTD, positions_BT):
   The weights are joined per call as [D, K, Q + 2, E] (Q = H / K query heads per kv
   head): joining along Q keeps the K axis, which tensor parallelism shards, where it
   was. One matmul instead of three (and one input gradient instead of a sum of three)
-  is faster on a CPU (BENCHMARKS.md, "Train step").
+  is faster on a CPU.
   """
   H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   Q = H // K

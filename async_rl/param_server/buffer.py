@@ -22,7 +22,7 @@ _COUNTERS = ("admitted", "dropped", "admitted_stale", "trained", "trained_stale"
 
 
 class AdmissionBuffer:
-  """Admitted groups waiting for the trainer, with the strict bound of DESIGN.md.
+  """Admitted groups waiting for the trainer, each token within the staleness bound.
 
   A group is stale at trainer version v when one of the tokens it would train (a
   policy token in its loss mask) has a version below v - η (η = None: never).

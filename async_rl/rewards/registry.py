@@ -10,24 +10,38 @@ instead of a name (`RewardService` ships it to the workers by value, so one defi
 in a notebook cell works too).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from async_rl import named
-from async_rl.rewards.code_tests import code_tests_all_reward, code_tests_reward
-from async_rl.tasks.arithmetic import step_credit
-from async_rl.tasks.arithmetic import verify as arithmetic_reward
-from async_rl.tasks.math_data import math_reward
 
 RewardFn = Callable[[str | Sequence[int], Any], float]
 
-REWARD_FNS: dict[str, RewardFn] = {
-    "arithmetic": arithmetic_reward,
-    "arithmetic_steps": step_credit,
-    "code_tests": code_tests_reward,
-    "code_tests_all": code_tests_all_reward,
-    "math": math_reward,
-}
+
+class _ByPath(Mapping[str, RewardFn]):
+  """Names to "module:function" paths, each function imported when it is looked up, so
+  that a reward worker imports only the modules of the functions it calls."""
+
+  def __init__(self, paths: dict[str, str]):
+    self._paths = paths
+
+  def __getitem__(self, name: str) -> RewardFn:
+    return named.load_named(self._paths[name], "REWARD_FNS", "reward function")
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._paths)
+
+  def __len__(self) -> int:
+    return len(self._paths)
+
+
+REWARD_FNS: Mapping[str, RewardFn] = _ByPath({
+    "arithmetic": "async_rl.tasks.arithmetic:verify",
+    "arithmetic_steps": "async_rl.tasks.arithmetic:step_credit",
+    "code_tests": "async_rl.rewards.code_tests:code_tests_reward",
+    "code_tests_all": "async_rl.rewards.code_tests:code_tests_all_reward",
+    "math": "async_rl.tasks.math_data:math_reward",
+})
 
 
 def resolve_reward_fn(name: str | RewardFn, field: str = "reward_fn") -> RewardFn:

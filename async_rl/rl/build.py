@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from async_rl import advantages, config, cpu, loss, models, sharding, train_step
+from async_rl import advantages, cli, config, cpu, loss, models, sharding, train_step
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.generation.replicas import ReplicatedPool
@@ -459,7 +459,7 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   leader = multihost.Leader() if jax.process_count() > 1 else None
   # Written once the restore succeeded, so a resume that fails leaves the run's own.
   with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(config.to_dict(cfg), f, indent=2)
+    json.dump(cli.to_dict(cfg), f, indent=2)
   on_host = publish_on_host or leader is not None
   dtype = cfg.placement.publish_dtype
   params = trainer.host_params(dtype) if on_host else trainer.device_params()
@@ -473,7 +473,7 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
       vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
       wait=functools.partial(deadlines.result, stop=stop))
   log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step,
-                   wandb_project=cfg.log.wandb_project, hparams=config.to_dict(cfg))
+                   wandb_project=cfg.log.wandb_project, hparams=cli.to_dict(cfg))
   for step, metrics, at in warm_start_log:
     log.write_warm_start(step, metrics, at)
   return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
@@ -545,8 +545,8 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
     trainer = make_trainer(cfg, mesh, init_params)
     restored = TrainLoop.restore(checkpointer, trainer, None, echo)
     with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config.to_dict(cfg), f, indent=2)
-    log = MetricsLog(workdir, me.run_id, resume_step=restored.step, hparams=config.to_dict(cfg))
+      json.dump(cli.to_dict(cfg), f, indent=2)
+    log = MetricsLog(workdir, me.run_id, resume_step=restored.step, hparams=cli.to_dict(cfg))
     reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
@@ -610,7 +610,7 @@ def _fixed_fields_changed(path: str, cfg: ExperimentConfig) -> list[str]:
   differs from the config in the JSON file `path`."""
   with open(path) as f:
     old = json.load(f)
-  return [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, config.to_dict(cfg))
+  return [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, cli.to_dict(cfg))
           if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
 
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
-from async_rl import config
+from async_rl import cli
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.models import hf
@@ -27,7 +27,7 @@ def run_config(workdir: str) -> ExperimentConfig:
     raise FileNotFoundError(f"{path} does not exist: {workdir} holds no run (a run writes "
                             "it once it has started or resumed)")
   with open(path) as f:
-    return config.from_dict(json.load(f))
+    return cli.from_dict(json.load(f))
 
 
 def latest_step(workdir: str) -> int:

@@ -18,7 +18,7 @@ class SimConfig:
   `mode="sync"`: generation and training alternate on the same accelerators;
   generation runs on `num_generators` of them and training on `trainer_accelerators`
   (usually both equal to the whole cluster), and `max_staleness` must be 0, so the
-  alternation comes from the gate itself (DESIGN: η = 0 is the synchronous baseline).
+  alternation comes from the gate itself (η = 0 is the synchronous baseline).
   `mode="async"`: `num_generators` and `trainer_accelerators` are disjoint and run
   concurrently. `accelerators` is the hardware either mode occupies.
 

@@ -9,7 +9,7 @@ accuracy counts the completions that `correctness_reward` scores 1. A few steps 
 teach it to add; the run shows the pieces working together.
 """
 
-from async_rl.config import config_dict
+from async_rl.cli import config_dict
 
 REWARDS = "examples.trl_style.rewards:"
 

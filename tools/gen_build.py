@@ -283,7 +283,7 @@ def rules(repo):
                                             ("deps", _sum_deps(repo, repo.benchmark_common)))),
   ]
   imported = _imported_helpers(repo)
-  helpers = sorted(["tests/conftest.py"] + imported)
+  helpers = sorted({"tests/conftest.py", *imported})  # pytest imports conftest.py first.
   needs = _sum(repo, helpers)
   out.append(Rule("py_library", TEST_UTILS, (("srcs", helpers), ("data", needs.data),
                                              ("deps", needs.deps - {":" + TEST_UTILS}))))

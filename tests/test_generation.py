@@ -370,21 +370,3 @@ def test_no_recompilation_after_warmup(params, groups):
       for f in futures:
         f.result(timeout=60)
   assert after_warmup == []
-
-
-@pytest.mark.parametrize("share_prefill", [False, True])
-def test_the_benchmarks_static_sampler_draws_the_pools_tokens(params, share_prefill):
-  # benchmarks/generation.py compares the pool's speed with this sampler's on the same
-  # tokens; it builds the cache itself, so it must follow the cache's layout.
-  from benchmarks import generation as bench
-  prompts_BP = np.random.default_rng(0).integers(3, 61, (2, 6), dtype=np.int32)
-  requests = [Request(i, p.tolist(), n=2, sampling=SamplingParams(max_new_tokens=5, seed=i))
-              for i, p in enumerate(prompts_BP)]
-  sampling_N = jax.tree.map(lambda *x: np.stack(x), *[
-      SlotSampling.create(r.sampling, r.sampling.seed, j) for r in requests for j in range(2)])
-  static = bench._static_sampler(params, prompts_BP, sampling_N, cfg=CFG, new_tokens=5,
-                                 share_prefill=share_prefill)
-  engine = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=T)
-  with GeneratorPool(engine, params) as pool:
-    pooled = [s.completion_C for f in [pool.submit(r) for r in requests] for s in f.result()]
-  np.testing.assert_array_equal(np.asarray(static), np.stack(pooled))

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from async_rl.config import ModelConfig
+from async_rl.rl.audit import step_lines
 from async_rl.rl.checkpoint import restore_params
-from benchmarks.common.run_stats import step_lines
 from conftest import wait_until
 from reward_fns_for_tests import IN_FLIGHT_DIR_ENV
 from rl_test_utils import check_prompt_accounting

@@ -57,10 +57,10 @@ from async_rl.config import ExperimentConfig
 from async_rl.launch import parse_flags
 from async_rl.param_server import ParameterServer
 from async_rl.rl import build
+from async_rl.rl.audit import prompt_accounting, step_lines
 from async_rl.rl.errors import StallError
 from async_rl.tasks.registry import make_task
 from async_rl.trajectory import Group
-from benchmarks.common.run_stats import prompt_accounting, step_lines
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/micro.py", "The experiment.")
 _QUICK = flags.DEFINE_bool("quick", False, "Only the faults that run in this process (1-5).")

@@ -59,6 +59,8 @@ from absl import app, flags
 from async_rl import cpu, models
 from async_rl.config import GenerationConfig, ModelConfig, model_preset
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling, sample
+from benchmarks.common.peak import matmul_peak
+from benchmarks.common.timer import timed
 
 _QUICK = flags.DEFINE_bool("quick", False, "Reduced run (< ~3 minutes on a 2-core CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths, prompts and params.")
@@ -319,9 +321,9 @@ def _bench_workload(seed, repeats):
   pool_tokens = {}
 
   def run_static(share):
-    start = time.perf_counter()
-    jax.device_get(statics[share](static_params, prompts_BP, sampling_N))
-    return dict(tokens=N * _W_NEW, seconds=time.perf_counter() - start)
+    _, seconds = timed(lambda: jax.device_get(statics[share](static_params, prompts_BP,
+                                                             sampling_N)))
+    return dict(tokens=N * _W_NEW, seconds=seconds)
 
   def run_pool(k):
     samples, seconds, m = _run_pool(engines[k], params, requests)
@@ -348,18 +350,6 @@ def _bench_workload(seed, repeats):
   return rows
 
 
-def _matmul_gflops(size=1024, reps=10):
-  """Best float32 GFLOP/s of a jitted [size, size] @ [size, size]."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  f = jax.jit(jnp.matmul)
-  times = []
-  for _ in range(reps + 1):  # The first call compiles.
-    start = time.perf_counter()
-    jax.block_until_ready(f(a, a))
-    times.append(time.perf_counter() - start)
-  return 2 * size ** 3 / min(times[1:]) / 1e9
-
-
 def _print_rows(name, rows):
   for variant, r in rows.items():
     r = {"occupancy": np.nan, "wasted": np.nan, "steps_per_call": np.nan, **r}
@@ -373,7 +363,7 @@ def main(argv):
   del argv
   setups = _QUICK_SETUPS if _QUICK.value else _FULL_SETUPS
   headline = {"quick": _QUICK.value, "device": jax.devices()[0].platform,
-              "steps_per_call": _DEFAULT_STEPS, "matmul_gflops": _matmul_gflops()}
+              "steps_per_call": _DEFAULT_STEPS, "matmul_gflops": matmul_peak() / 1e9}
   print(f"{'preset':8} {'variant':14} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
         f"{'occupancy':>9} {'waste':>6} {'steps':>6} {'updates':>7} {'pause ms':>9} "
         f"{'xfer ms':>8}")

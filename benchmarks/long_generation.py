@@ -30,6 +30,7 @@ A float32 1024^3 matmul measured in the same run tells how loaded the machine wa
 Prints tables, then, as the last line, one JSON object.
 """
 
+import functools
 import json
 import time
 
@@ -42,6 +43,7 @@ from async_rl import models
 from async_rl.config import model_preset
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, blocks, paged
 from benchmarks.common.peak import matmul_peak
+from benchmarks.common.timer import timed
 
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "1024", "4096", "16384"],
                              "Cache lengths T (positions per slot).")
@@ -67,15 +69,17 @@ def _nbytes(cache) -> int:
 def _time_steps(step, cache, steps, repeats):
   """Fastest of `repeats` runs of `steps` calls of `step(cache) -> (logits, cache)`, in
   seconds per call; the first call compiles and is not timed."""
+  def run(cache):
+    for _ in range(steps):
+      logits, cache = step(cache)
+    return logits, cache
+
   _, cache = step(cache)
   best = float("inf")
   for _ in range(repeats):
     jax.block_until_ready(cache)
-    start = time.perf_counter()
-    for _ in range(steps):
-      logits, cache = step(cache)
-    jax.block_until_ready(logits)
-    best = min(best, (time.perf_counter() - start) / steps)
+    (_, cache), seconds = timed(functools.partial(run, cache))
+    best = min(best, seconds / steps)
   return best
 
 

@@ -48,6 +48,7 @@ from async_rl.generation.sampling import SlotSampling
 from async_rl.rl.episodes import EpisodeRunner
 from async_rl.tasks.workflow import MultiTurn
 from benchmarks.common.peak import matmul_peak
+from benchmarks.common.timer import median_s
 
 _GROUPS = flags.DEFINE_integer("groups", 96, "Prompt groups of part 2 (8 episodes each).")
 _TURN_STOPS = flags.DEFINE_integer("turn_stops", 4, "Token ids that end a turn in part 2.")
@@ -60,16 +61,6 @@ SLOTS, PROMPT_LEN, BUDGET, EOS = 16, 16, 64, 2
 WORKFLOWS = ("single_turn", "multi_turn", "multi_turn_in_slot")
 
 
-def _median_s(fn, reps):
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def engine_costs(engine, params, reps):
   """Median seconds of a prefill per bucket length, of extending a slot by 3 tokens,
   and of one decode step."""
@@ -78,7 +69,7 @@ def engine_costs(engine, params, reps):
   prefill = {}
   for bucket in engine.prefill_buckets:
     tokens = np.ones(bucket, np.int32)
-    prefill[bucket] = _median_s(lambda: engine.prefill(
+    prefill[bucket] = median_s(lambda: engine.prefill(
         params=params, padded_tokens=tokens, true_length=bucket, sampling=sampling), reps)
   state = engine.init_decode_state()
   prefix, _ = engine.prefill(params=params, padded_tokens=np.ones(16, np.int32),
@@ -97,7 +88,7 @@ def engine_costs(engine, params, reps):
     holder[0], result = engine.generate(params, holder[0])
     return result
 
-  return prefill, _median_s(extend, reps), _median_s(step, reps)
+  return prefill, median_s(extend, reps), median_s(step, reps)
 
 
 def later_turn_contexts(traj) -> list[int]:

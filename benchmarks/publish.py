@@ -31,7 +31,6 @@ import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,19 +42,10 @@ from async_rl import sharding, train_step  # noqa: E402
 from async_rl.config import MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine  # noqa: E402
 from benchmarks.common.peak import matmul_peak  # noqa: E402
+from benchmarks.common.timer import median_s  # noqa: E402
 
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed publishes per variant.")
 _CROSS = flags.DEFINE_bool("cross_process", True, "Also time the publish through Ray actors.")
-
-
-def _median_s(fn, repeats):
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def _placement(cfg, trainer_devices, generator_devices, repeats):
@@ -67,7 +57,7 @@ def _placement(cfg, trainer_devices, generator_devices, repeats):
   via_host = lambda: engine.load_params(jax.device_get(state.params))
   on_device = lambda: engine.load_params(
       jax.device_put(state.params, params_sh, may_alias=False))
-  return {"host_s": _median_s(via_host, repeats), "device_s": _median_s(on_device, repeats)}
+  return {"host_s": median_s(via_host, repeats), "device_s": median_s(on_device, repeats)}
 
 
 class _Fetcher:
@@ -108,15 +98,9 @@ def _cross_process(cfg, repeats):
         ray.get(server.publish.remote(version[0], host))
         ray.get(fetcher.fetch_and_load.remote())
         version[0] += 1
-      publish()  # warm-up: compiles the cast and the engine's load
-      times = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        publish()
-        times.append(time.perf_counter() - start)
+      seconds = median_s(publish, repeats)  # The untimed call compiles the cast and the load.
       nbytes = cfg.num_params() * jax.numpy.dtype(dtype).itemsize
-      out[dtype] = {"seconds": float(np.median(times)), "bytes": nbytes,
-                    "gb_per_s": nbytes / float(np.median(times)) / 1e9}
+      out[dtype] = {"seconds": seconds, "bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9}
       ray.kill(fetcher)
       ray.kill(server)
     return out

@@ -20,12 +20,12 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 
 from absl import app, flags
 
 from async_rl.rewards import isolation, run_sandboxed
 from benchmarks.common.peak import matmul_peak
+from benchmarks.common.timer import timed
 
 _RUNS = flags.DEFINE_integer("runs", 50, "Timed runs per variant.")
 _BEFORE = flags.DEFINE_string("before", "", "A git commit whose sandbox to time too.")
@@ -66,9 +66,7 @@ def main(argv):
     fn()
   for _ in range(_RUNS.value):
     for name, fn in variants.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
+      times[name].append(timed(fn)[1])
   gflops = matmul_peak(1024) / 1e9
   median = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
   print(f"interpreter {iso.python} as uid {iso.user}; seccomp filter: {iso.seccomp}; "

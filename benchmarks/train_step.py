@@ -55,7 +55,6 @@ rounds of step time x peak / model FLOPs). The table's peak is the best of all r
 
 import functools
 import json
-import time
 
 import jax
 import numpy as np
@@ -65,6 +64,7 @@ from async_rl import batching, loss, sharding, train_step
 from async_rl.config import BatchingConfig, MeshConfig, ModelConfig, OptimizerConfig, model_preset
 from async_rl.models import flops
 from benchmarks.common.peak import matmul_peak
+from benchmarks.common.timer import timed
 from async_rl.trajectory import Trajectory
 
 _QUICK = flags.DEFINE_bool("quick", False, "Reduced run (about 2 minutes on a 2-core CPU).")
@@ -146,9 +146,7 @@ def timed_rounds(fns, steps):
   for _ in range(steps):
     peaks.append(matmul_peak(reps=3))
     for fn, ts in zip(fns, times):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      ts.append(time.perf_counter() - start)
+      ts.append(timed(fn)[1])
   return np.array(times), np.array(peaks)
 
 

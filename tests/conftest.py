@@ -1,15 +1,25 @@
-"""Session-wide test setup: one persistent JAX compilation cache for the whole run, and
-XLA:CPU compiling without LLVM's optimisations.
+"""Session-wide test setup, and what the tests share.
+
+Setup: one persistent JAX compilation cache for the whole run, and XLA:CPU compiling
+without LLVM's optimisations.
 
 Many tests compile the same programs (the micro config's train step, prefill and
 decode chunks, in this process and in the binaries and benchmarks they start), so a
 cache in a fresh temporary directory, set through the environment before jax is
 imported, lets the later ones load what an earlier one compiled. Nothing is read
 from outside this session's own cache.
+
+Shared (`from conftest import ...`): the tiny models (`two_layer_model`,
+`one_layer_model`), `wait_until`, which polls a condition and fails the test when it
+does not come true in time, and `compiles`, which counts a jitted function's programs.
 """
 
+import contextlib
+import inspect
 import os
 import tempfile
+import time
+from typing import Optional
 
 # pytest-xdist's workers inherit the variable, so they share the controller's cache.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -23,3 +33,71 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # slower overall. Subprocesses inherit it; the scripts that set a device count add theirs.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+
+
+# pytest imports this file before any test module, so jax is imported after the above.
+import jax  # noqa: E402
+
+from async_rl.config import ModelConfig  # noqa: E402
+
+
+def two_layer_model(vocab_size: int, **overrides) -> ModelConfig:
+  """Two layers of four query heads sharing two KV heads (grouped-query attention):
+  the model of the engine, cache, pool and train-step tests."""
+  return ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=8, d_ff=64, **overrides)
+
+
+def one_layer_model(vocab_size: int, **overrides) -> ModelConfig:
+  """One layer of two query heads sharing one KV head: the model of the rollout, reward,
+  evaluation and Hugging Face round-trip tests."""
+  return ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                     head_dim=16, d_ff=64, **overrides)
+
+
+def wait_until(condition, timeout: float = 30.0, interval: float = 0.001, message=None):
+  """Polls `condition()` every `interval` seconds until it is true; fails the test when
+  `timeout` seconds pass first. `message` (a string, or a function that returns one,
+  called only then) says what was awaited; the condition's source line by default."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if time.monotonic() > deadline:
+      what = message() if callable(message) else message
+      raise AssertionError(f"not true within {timeout:g} s: {what or _source(condition)}")
+    time.sleep(interval)
+
+
+def _source(fn):
+  try:
+    return inspect.getsource(fn).strip()
+  except (OSError, TypeError):
+    return repr(fn)
+
+
+# JAX records this event once per program it builds for a jitted function, compiled or
+# read from the persistent cache: once per miss of its in-memory caches.
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compiles(fn_name: Optional[str] = None):
+  """Counts the programs XLA builds inside the block, from any thread, for jitted
+  functions whose Python function (or the function a `functools.partial` wraps) is named
+  `fn_name`, or for every function when it is None. Yields a list that grows by the
+  program's name (`jit(NAME)`) per program: `len` is the count.
+
+  Through `jax.monitoring`'s public listeners. Jit wrappers of one function share its
+  programs, so a program built before the block is not counted again.
+  """
+  built = []
+
+  def listener(event, duration_secs, *, fun_name="", **kwargs):
+    del duration_secs, kwargs
+    if event == _BACKEND_COMPILE and fn_name in (None, fun_name[len("jit("):-1]):
+      built.append(fun_name)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield built
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

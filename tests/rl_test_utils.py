@@ -8,8 +8,8 @@ from pathlib import Path
 
 from async_rl.cli import from_dict
 from async_rl.rl import build
+from async_rl.rl.audit import prompt_accounting
 from async_rl.tasks.registry import make_task
-from benchmarks.common.run_stats import prompt_accounting
 
 MICRO = Path(__file__).parents[1] / "configs" / "micro.py"
 

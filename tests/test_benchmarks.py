@@ -1,5 +1,5 @@
 """Smoke tests of the end-to-end benchmarks on the micro config: they run, write their
-files and end with one JSON line."""
+files and end with one JSON line; and the baselines the benchmarks compare against."""
 
 import importlib.util
 import json
@@ -8,7 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+
+from async_rl import models
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling
+from conftest import two_layer_model
 
 ROOT = Path(__file__).parents[1]
 
@@ -212,3 +218,23 @@ def test_the_peer_scripts_draw_the_workloads_prompts_and_tokenize_them_back():
   assert tokenizer(texts)["input_ids"] == ids
   assert tokenizer.eos_token_id == tokenizer.pad_token_id == peer.VOCAB
   assert peer.even_fraction([2, 3, 4, 255]) == library["reward"] == 0.5
+
+
+@pytest.mark.parametrize("share_prefill", [False, True])
+def test_the_generation_benchmarks_static_sampler_draws_the_pools_tokens(share_prefill):
+  # benchmarks/generation.py compares the pool's speed with this sampler's on the same
+  # tokens; it builds the cache itself, so it must follow the cache's layout.
+  from benchmarks import generation as bench  # noqa: PLC0415 (a script's helper)
+  cfg = two_layer_model(61)
+  params = jax.jit(models.init_params, static_argnums=0)(cfg, jax.random.key(0))
+  prompts_BP = np.random.default_rng(0).integers(3, 61, (2, 6), dtype=np.int32)
+  requests = [Request(i, p.tolist(), n=2, sampling=SamplingParams(max_new_tokens=5, seed=i))
+              for i, p in enumerate(prompts_BP)]
+  sampling_N = jax.tree.map(lambda *x: np.stack(x), *[
+      SlotSampling.create(r.sampling, r.sampling.seed, j) for r in requests for j in range(2)])
+  static = bench._static_sampler(params, prompts_BP, sampling_N, cfg=cfg, new_tokens=5,
+                                 share_prefill=share_prefill)
+  engine = Engine(cfg, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=32)
+  with GeneratorPool(engine, params) as pool:
+    pooled = [s.completion_C for f in [pool.submit(r) for r in requests] for s in f.result()]
+  np.testing.assert_array_equal(np.asarray(static), np.stack(pooled))

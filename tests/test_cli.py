@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from async_rl import configs
-from async_rl.config import ModelConfig
+from conftest import one_layer_model
 
 ROOT = Path(__file__).parents[1]
 SCRIPTS = ("async-rl-train", "async-rl-eval", "async-rl-export", "async-rl-serve")
@@ -131,8 +131,7 @@ def test_serve_completes_prompts_with_a_hugging_face_model_and_its_tokenizer(tmp
   from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415 - the hf extra
   from hf_test_utils import load_hf, our_logits, write_model_dir  # noqa: PLC0415
   model_dir = tmp_path / "model"
-  write_model_dir(model_dir, ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
-                                         n_kv_heads=1, head_dim=16, d_ff=64), seed=3)
+  write_model_dir(model_dir, one_layer_model(64), seed=3)
   # Letters: the arithmetic task's character tokenizer would refuse them.
   prompts, max_tokens = ["what is two plus two", "the answer is"], 6
   tokenizer = HFTokenizer(str(model_dir))

@@ -6,12 +6,11 @@ import jax
 import pytest
 
 from async_rl import models
-from async_rl.config import ModelConfig
 from async_rl.generation import Engine, GeneratorPool
 from async_rl.rl.evaluate import evaluate
+from conftest import one_layer_model
 
-CFG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                  head_dim=16, d_ff=64)
+CFG = one_layer_model(16)
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,16 @@
 """Generation engine and sampling: parity with the full forward and the policy module,
 truncated sampling, reproducibility, bounded compilation."""
 
-import contextlib
-
 import jax
 import numpy as np
 import pytest
 
 from async_rl import cpu, models, policy
-from async_rl.config import ModelConfig
 from async_rl.generation import (Engine, GeneratorPool, Request, SamplingParams, SlotSampling,
                                  noise, prefill_buckets, sample, sampling as sampling_lib)
+from conftest import compiles, two_layer_model
 
-CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                  head_dim=8, d_ff=64)
+CFG = two_layer_model(61)
 T = 32
 
 
@@ -340,27 +337,12 @@ def test_slot_groups_interleave_the_slots(params):
   assert np.asarray(first.positions_S)[:2].tolist() == [3, 3]
 
 
-@contextlib.contextmanager
-def _count_compilations():
-  names = []
-
-  def listener(name, _duration, **_):
-    if name == "/jax/core/compile/backend_compile_duration":
-      names.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield names
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize("groups", [1, 3])
 def test_no_recompilation_after_warmup(params, groups):
   # A fresh engine, so that only its own warmup has compiled anything.
   engine = (Engine(CFG, max_concurrent_decodes=3, max_prefill_length=16, max_target_length=T)
             if groups == 1 else _grouped(3, groups))
-  with _count_compilations() as warmup_compiles:
+  with compiles() as warmup_compiles:
     engine.warmup(params)
   # prefill and insert per bucket; prefill_many's batch, insert_samples (for one and
   # for a batch of prompts) and extend per prompt bucket; generate_chunk per table
@@ -379,7 +361,7 @@ def test_no_recompilation_after_warmup(params, groups):
                                               max_new_tokens=int(rng.integers(1, 30)),
                                               stop_token_ids=[int(rng.integers(61))]))
               for i, p in enumerate(_prompts(6, 12))]
-  with _count_compilations() as compiles:
+  with compiles() as after_warmup:
     with GeneratorPool(engine, params) as pool:
       futures = [pool.submit(r) for r in requests]
       pool.update_weights(new_params, 1, "retract").result(timeout=60)
@@ -387,22 +369,4 @@ def test_no_recompilation_after_warmup(params, groups):
       pool.abort(5)
       for f in futures:
         f.result(timeout=60)
-  assert compiles == []
-
-
-@pytest.mark.parametrize("share_prefill", [False, True])
-def test_the_benchmarks_static_sampler_draws_the_pools_tokens(params, share_prefill):
-  # benchmarks/generation.py compares the pool's speed with this sampler's on the same
-  # tokens; it builds the cache itself, so it must follow the cache's layout.
-  from benchmarks import generation as bench
-  prompts_BP = np.random.default_rng(0).integers(3, 61, (2, 6), dtype=np.int32)
-  requests = [Request(i, p.tolist(), n=2, sampling=SamplingParams(max_new_tokens=5, seed=i))
-              for i, p in enumerate(prompts_BP)]
-  sampling_N = jax.tree.map(lambda *x: np.stack(x), *[
-      SlotSampling.create(r.sampling, r.sampling.seed, j) for r in requests for j in range(2)])
-  static = bench._static_sampler(params, prompts_BP, sampling_N, cfg=CFG, new_tokens=5,
-                                 share_prefill=share_prefill)
-  engine = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=T)
-  with GeneratorPool(engine, params) as pool:
-    pooled = [s.completion_C for f in [pool.submit(r) for r in requests] for s in f.result()]
-  np.testing.assert_array_equal(np.asarray(static), np.stack(pooled))
+  assert after_warmup == []

@@ -20,6 +20,7 @@ from async_rl.param_server import ParameterServer  # noqa: E402
 from async_rl.rl import build  # noqa: E402
 from async_rl.rl.checkpoint import restore_params  # noqa: E402
 from async_rl.tasks.registry import make_task  # noqa: E402
+from conftest import one_layer_model  # noqa: E402
 from hf_test_utils import (COMMON, MATH_CORPUS, MATH_HELDOUT, MATH_TRAIN,  # noqa: E402
                            load_hf, our_logits, save_tokenizer, torch_logits, torch_model,
                            write_jsonl, write_model_dir)
@@ -39,9 +40,7 @@ def _math_files(tmp_path):
 
 def test_trainer_and_generators_start_from_the_checkpoint(tmp_path):
   model_dir = tmp_path / "model"
-  write_model_dir(model_dir, ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
-                                         n_kv_heads=1, head_dim=16, d_ff=64),
-                  corpus=MATH_CORPUS, seed=3)
+  write_model_dir(model_dir, one_layer_model(64), corpus=MATH_CORPUS, seed=3)
   train, heldout = _math_files(tmp_path)
   cfg = build.resolve(small_config(**MATH_RUN, **{
       "hf_model_dir": str(model_dir), "task.math.train_path": train,

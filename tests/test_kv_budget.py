@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from async_rl import cpu, models, policy
-from async_rl.config import ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, paged
+from conftest import compiles, two_layer_model, wait_until
 
-CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                  head_dim=8, d_ff=64)
+CFG = two_layer_model(61)
 T, Z, SLOTS = 64, 4, 4
 M = T // Z
 _init = jax.jit(models.init_params, static_argnums=0)
@@ -99,13 +98,6 @@ def test_a_long_tailed_mix_at_a_small_budget_finishes_every_sample(params):
   assert metrics["generated_tokens"] == budgets.sum()
 
 
-def _wait_for(predicate):
-  deadline = time.monotonic() + 60
-  while not predicate():
-    assert time.monotonic() < deadline
-    time.sleep(0.001)
-
-
 def test_blocks_all_come_back_after_aborts_releases_and_shutdown(params):
   engine = _engine(M + 4)
   hold = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(range(30, 61)),
@@ -113,7 +105,7 @@ def test_blocks_all_come_back_after_aborts_releases_and_shutdown(params):
   with GeneratorPool(engine, params) as pool:
     futures = [pool.submit(r) for r in _requests(2, 5, max_new=(40, 48))]
     # Request 0 is running, the others wait or are preempted when these aborts land.
-    _wait_for(lambda: pool.metrics()["generated_tokens"] > 3)
+    wait_until(lambda: pool.metrics()["generated_tokens"] > 3, timeout=60)
     pool.abort(0)
     pool.abort(3)
     results = [f.result(timeout=120) for f in futures]
@@ -125,12 +117,12 @@ def test_blocks_all_come_back_after_aborts_releases_and_shutdown(params):
     metrics = pool.metrics()
     assert metrics["held_slots"] == 1 and 0 < metrics["kv_blocks_used"] <= M
     pool.release(h.metadata["slot"])
-    _wait_for(lambda: pool.metrics()["kv_blocks_used"] == 0)
+    wait_until(lambda: pool.metrics()["kv_blocks_used"] == 0, timeout=60)
     assert pool.metrics()["kv_blocks_free"] == M + 4
     # Work running at shutdown is aborted, and its blocks freed.
     before = pool.metrics()["generated_tokens"]
     pending = [pool.submit(r) for r in _requests(3, 3, max_new=(40, 48))]
-    _wait_for(lambda: pool.metrics()["generated_tokens"] > before + 3)
+    wait_until(lambda: pool.metrics()["generated_tokens"] > before + 3, timeout=60)
   assert any(s.finish_reason == "aborted" and len(s.completion_C)
              for f in pending for s in f.result(timeout=1))
   assert pool.metrics()["kv_blocks_used"] == 0 and pool.metrics()["preempted_samples"] == 0
@@ -191,7 +183,8 @@ def test_random_schedules_of_updates_holds_and_aborts_at_a_small_budget(params, 
       for s in samples or []:
         if "slot" in s.metadata:
           pool.release(s.metadata["slot"])
-    _wait_for(lambda: not (pool.metrics()["kv_blocks_used"] or pool.metrics()["held_slots"]))
+    wait_until(lambda: not (pool.metrics()["kv_blocks_used"] or pool.metrics()["held_slots"]),
+               timeout=60)
     metrics = pool.metrics()
   assert metrics["preempted_samples"] == 0 and metrics["active_slots"] == 0
   assert metrics["kv_blocks_free"] == M + M // 2
@@ -220,17 +213,18 @@ def test_decode_reads_the_live_blocks_and_compiles_once_per_size(params):
   # 16-token prompts and 32 new tokens: at most 48 positions, 3 blocks a slot.
   requests = [Request(i, list(range(1, 17)), n=2, sampling=SamplingParams(max_new_tokens=32))
               for i in range(4)]
-  _run(engine, params, requests)
-  # Never more than the live blocks: 3 columns a slot (bucket 4), or 3 blocks of each of
-  # the SLOTS slots laid end to end.
-  limit = {"columns": 4, "ragged": paged.bucket(3 * SLOTS, 64 * SLOTS)}
-  assert all(r.blocks <= limit[r.layout] for r in sizes), sizes
-  assert chunk_fn._cache_size() == len(set(sizes)) < len(engine.decode_buckets)
-  # A second chunk of a size already compiled does not compile again.
-  live = np.where(np.arange(64)[None] < 3, 7, engine.num_blocks).repeat(SLOTS, axis=0)
-  state = engine.init_decode_state()
-  state, _ = engine.generate_chunk(engine.load_params(params), state, live)
-  assert sizes[-1] in sizes[:-1] and chunk_fn._cache_size() == len(set(sizes))
+  with compiles("generate_chunk") as programs:
+    _run(engine, params, requests)
+    # Never more than the live blocks: 3 columns a slot (bucket 4), or 3 blocks of each of
+    # the SLOTS slots laid end to end.
+    limit = {"columns": 4, "ragged": paged.bucket(3 * SLOTS, 64 * SLOTS)}
+    assert all(r.blocks <= limit[r.layout] for r in sizes), sizes
+    assert len(programs) == len(set(sizes)) < len(engine.decode_buckets)
+    # A second chunk of a size already compiled does not compile again.
+    live = np.where(np.arange(64)[None] < 3, 7, engine.num_blocks).repeat(SLOTS, axis=0)
+    state = engine.init_decode_state()
+    state, _ = engine.generate_chunk(engine.load_params(params), state, live)
+    assert sizes[-1] in sizes[:-1] and len(programs) == len(set(sizes))
 
 
 def test_a_budget_below_one_sequence_is_rejected():

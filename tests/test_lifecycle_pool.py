@@ -27,6 +27,7 @@ from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.generation.pool import UPDATE_MODES
 from async_rl.param_server import ParameterServer
 from async_rl.rl.rollout import PromptSource, RolloutController
+from conftest import wait_until
 
 CFG = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                   d_ff=32)
@@ -426,16 +427,14 @@ class PoolLifecycle(RuleBasedStateMachine):
       return
     for worker in self.workers:
       worker.link.draining = True
-    deadline = time.monotonic() + DEADLINE_S
-    while self.books.running and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert not self.books.running, "a group outlived its deadline"
+    wait_until(lambda: not self.books.running, timeout=DEADLINE_S, interval=0.01,
+               message="a group outlived its deadline")
     self._settle_requests(timeout=DEADLINE_S)
     assert not self.requests
     self.each_issued_prompt_is_in_exactly_one_place()
     for worker in self.workers:
-      while worker.pool.metrics()["kv_blocks_used"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+      wait_until(lambda: not worker.pool.metrics()["kv_blocks_used"], timeout=DEADLINE_S,
+                 interval=0.01)
       m = worker.pool.metrics()
       assert (m["kv_blocks_used"], m["active_slots"], m["preempted_samples"]) == (0, 0, 0), m
       worker.stop(self.stats)

@@ -12,16 +12,16 @@ pytest.importorskip("safetensors")
 
 from async_rl.chat import chat_messages, chatml  # noqa: E402
 from async_rl.cli import from_dict, to_dict  # noqa: E402
-from async_rl.config import DEFAULT_MATH_SYSTEM, MathConfig, ModelConfig  # noqa: E402
+from async_rl.config import DEFAULT_MATH_SYSTEM, MathConfig  # noqa: E402
 from async_rl.rl import build  # noqa: E402
 from async_rl.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from async_rl.tasks.math_task import MathTask  # noqa: E402
 from async_rl.tasks.registry import TASKS, make_task  # noqa: E402
+from conftest import one_layer_model  # noqa: E402
 from hf_test_utils import (MATH_CORPUS, MATH_HELDOUT, MATH_TRAIN, NUMBERS,  # noqa: E402
                            write_jsonl, write_model_dir)
 
-MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                    head_dim=16, d_ff=64, rms_eps=1e-5, rope_theta=5000.0)
+MODEL = one_layer_model(64, rms_eps=1e-5, rope_theta=5000.0)
 
 
 @pytest.fixture(scope="module")

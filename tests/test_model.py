@@ -10,11 +10,11 @@ import pytest
 from async_rl import models
 from async_rl.config import ModelConfig, model_preset
 from async_rl.models import flops, transformer
+from conftest import two_layer_model
 
 
 def _cfg(**kw):
-  return ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                     head_dim=8, d_ff=64, **kw)
+  return two_layer_model(61, **kw)
 
 
 def _full_logits(params, cfg, tokens_T):

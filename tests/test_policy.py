@@ -6,12 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from async_rl import models, policy
-from async_rl.config import ModelConfig
+from conftest import two_layer_model
 
 
 def _setup():
-  cfg = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                    head_dim=8, d_ff=64)
+  cfg = two_layer_model(37)
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from async_rl import cpu, models, policy
-from async_rl.config import ModelConfig
 from async_rl.generation import (FINISH_REASONS, Engine, GeneratorPool, Request,
                                  SamplingParams)
 from async_rl.generation import scheduler
+from conftest import two_layer_model, wait_until
 
-CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                  head_dim=8, d_ff=64)
+CFG = two_layer_model(61)
 T = 64
 _init = jax.jit(models.init_params, static_argnums=0)
 _logp_and_entropy = jax.jit(policy.logp_and_entropy, static_argnums=1,
@@ -81,8 +80,7 @@ def _pause_mid_generation(pool):
     calls += 1
     if calls == 2:
       reached.set()
-      while not pool._inbox.paused:
-        time.sleep(0.0005)
+      wait_until(lambda: pool._inbox.paused, interval=0.0005)
     return generate_chunk(*args)
 
   engine.generate_chunk = gated
@@ -356,13 +354,6 @@ def _hold(pool, request_id, prompt=(1, 2, 3)):
   return s, [*s.tokens_T.tolist(), 40, 41]
 
 
-def _wait_for(predicate):
-  deadline = time.monotonic() + 30
-  while not predicate():
-    assert time.monotonic() < deadline
-    time.sleep(0.001)
-
-
 def test_extend_continues_a_held_sample_as_a_new_request_would(engine, params):
   with GeneratorPool(engine, params) as pool:
     held, context = _hold(pool, "turn1")
@@ -393,7 +384,7 @@ def test_release_frees_a_held_slot_and_queued_samples_evict_the_oldest(engine, p
     (first, context), (second, _) = _hold(pool, "a"), _hold(pool, "b")
     assert pool.metrics()["held_slots"] == 2 == pool.engine.max_concurrent_decodes
     pool.release(first.metadata["slot"])
-    _wait_for(lambda: pool.metrics()["held_slots"] == 1)
+    wait_until(lambda: pool.metrics()["held_slots"] == 1)
     assert pool.extend(first.metadata["slot"], Request("a2", context)).result(timeout=60) is None
     # Two queued samples, one free slot: the held one is evicted for the other.
     (x,), (y,) = [f.result(timeout=60) for f in (pool.submit(_long("x")), pool.submit(_long("y")))]
@@ -413,7 +404,7 @@ def test_abort_and_shutdown_resolve_extensions_and_free_held_slots(engine, param
   assert pool.abort("a2")
   (aborted,) = pending_a.result(timeout=60)
   assert aborted.finish_reason == "aborted" and len(aborted.completion_C) == 0
-  _wait_for(lambda: pool.metrics()["held_slots"] == 1)
+  wait_until(lambda: pool.metrics()["held_slots"] == 1)
   pool.shutdown()  # Still paused, with b's extension waiting.
   (closed,) = pending_b.result(timeout=1)
   assert closed.finish_reason == "aborted" and pool.metrics()["held_slots"] == 0

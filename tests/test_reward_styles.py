@@ -12,7 +12,7 @@ import pytest
 
 from async_rl import models
 from async_rl.cli import from_dict
-from async_rl.config import EvalConfig, ModelConfig
+from async_rl.config import EvalConfig
 from async_rl.generation import Engine, GeneratorPool
 from async_rl.rewards import Reward, RewardService, RewardTask, style_of
 from async_rl.rl import build
@@ -20,6 +20,7 @@ from async_rl.rl.errors import ConfigError
 from async_rl.rl.evaluate import Evaluator
 from async_rl.tasks import CharTokenizer, Example, ListTask
 from async_rl.tasks.protocol import Row
+from conftest import one_layer_model
 import reward_styles_for_tests as fns
 
 S = "reward_styles_for_tests:"  # Top-level functions the workers import by name.
@@ -141,8 +142,7 @@ def test_reward_names_are_checked_before_the_run(values, message):
     build.preflight(from_dict(values), task)
 
 
-CFG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                  head_dim=16, d_ff=64)
+CFG = one_layer_model(16)
 
 
 class _Rewards:

@@ -14,6 +14,7 @@ from async_rl.rewards import code_tests, sandbox
 from async_rl.rewards.service import OutputLimiter
 from async_rl.rewards import (REWARD_FNS, RewardService, RewardTask, code_tests_all_reward,
                               code_tests_reward, resolve_reward_fn, run_sandboxed)
+from conftest import wait_until
 
 H = "reward_fns_for_tests:"  # Top-level functions the workers import by name.
 TIMEOUT_S = 1.0
@@ -190,8 +191,7 @@ def test_closed_service_cancels_queued_calls_and_refuses_new_ones():
   svc = RewardService(num_workers=1, timeout_s=TIMEOUT_S)
   running = svc.submit(_task("hangs"))
   queued = svc.submit(_task("echo", 1.0))
-  while not running.running():
-    time.sleep(0.01)
+  wait_until(running.running, interval=0.01)
   svc.close()
   assert running.result() == 0.0
   assert queued.cancelled()

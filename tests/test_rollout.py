@@ -12,6 +12,7 @@ from async_rl.generation import SamplingParams
 from async_rl.rl.rollout import PromptSource, sample_seed
 from async_rl.rl.rollout import RolloutController
 from async_rl.trajectory import Trajectory
+from conftest import wait_until
 
 
 class FakeServer:
@@ -120,13 +121,6 @@ class Stream:
     return {"index": self.index}
 
 
-def _wait_until(done, timeout=10.0):
-  """Polls `done()` until it holds or `timeout` seconds pass."""
-  deadline = time.time() + timeout
-  while not done() and time.time() < deadline:
-    time.sleep(0.01)
-
-
 def _controller(server, pool, rewards_by_prompt, *, reference=lambda p: p.id, **kwargs):
   return RolloutController(
       server=server, pool=pool, rewards=FakeRewards(rewards_by_prompt),
@@ -140,7 +134,7 @@ def _run(rewards_by_prompt, *, dynamic_filter, abort=(), n_prompts=3):
   pool = FakePool(rewards_by_prompt, abort)
   controller = _controller(server, pool, rewards_by_prompt,
                            dynamic_filter=dynamic_filter).start()
-  _wait_until(lambda: server.finished() >= n_prompts)
+  wait_until(lambda: server.finished() >= n_prompts)
   controller.stop()
   assert controller.error is None
   return server, pool, controller
@@ -205,7 +199,7 @@ def test_the_first_acquire_after_new_weights_waits_for_the_pool_to_apply_them():
   server.version_published, server.params = 3, "p3"
   pool = LaggingPool({"p0": [1.0, 0.0]})
   controller = _controller(server, pool, {"p0": [1.0, 0.0]}, poll_s=5.0).start()
-  _wait_until(lambda: server.acquire_versions)
+  wait_until(lambda: server.acquire_versions)
   controller.stop()
   assert pool.updates == [("p3", 3, "keep")]
   assert server.acquire_versions[0] == 3
@@ -216,7 +210,7 @@ def test_groups_carry_their_stream_position_and_a_seed_derived_from_it():
   server = FakeServer(2)
   pool = FakePool(rewards)
   controller = _controller(server, pool, rewards).start()
-  _wait_until(lambda: server.finished() >= 2)
+  wait_until(lambda: server.finished() >= 2)
   controller.stop()
   # The prompt drawn while waiting for capacity is not counted as started.
   assert server.positions == [(3, {"index": 0}, {"index": 1}), (3, {"index": 1}, {"index": 2})]
@@ -242,7 +236,7 @@ def test_a_failing_callback_is_reported_and_frees_its_group():
     raise KeyError(f"no reference for {prompt.id}")
 
   controller = _controller(server, FakePool(rewards), rewards, reference=reference).start()
-  _wait_until(lambda: controller.error is not None)
+  wait_until(lambda: controller.error is not None)
   controller.stop()
   assert isinstance(controller.error, KeyError) and "no reference for p0" in str(controller.error)
   assert server.rejected == [1] and controller.metrics()["failed"] == 1
@@ -253,7 +247,7 @@ def test_waits_name_the_part_that_holds_a_group_without_progress():
   server = FakeServer(2)
   pool = FakePool(rewards, hang=("p1",))
   controller = _controller(server, pool, rewards).start()
-  _wait_until(lambda: server.offered)
+  wait_until(lambda: server.offered)
   time.sleep(0.3)
   first = controller.waits()
   assert set(first) == {"generator"} and first["generator"] >= 0.3
@@ -276,7 +270,7 @@ def _awaiting_rewards():
   pending = []
   controller.rewards.submit = lambda task: pending.append(Future()) or pending[-1]
   controller.start()
-  _wait_until(lambda: len(pending) >= 2)
+  wait_until(lambda: len(pending) >= 2)
   return server, controller, pending
 
 
@@ -291,7 +285,7 @@ def test_calls_cancelled_as_the_run_closes_free_their_group_without_an_error():
   server, controller, pending = _awaiting_rewards()
   for future in pending:
     future.cancel()
-  _wait_until(lambda: controller.error is not None)
+  wait_until(lambda: controller.error is not None)
   controller.stop()
   assert isinstance(controller.error, CancelledError) and server.rejected == [1]
 
@@ -317,7 +311,7 @@ def test_a_group_scored_as_the_run_closes_frees_its_capacity_without_an_error():
   assert rewards.called.wait(10)  # its generation is done; the run now closes under it
   controller.stop()
   rewards.closed.set()
-  _wait_until(lambda: server.rejected)
+  wait_until(lambda: server.rejected)
   assert controller.error is None
   assert server.rejected == [1] and controller.metrics()["failed"] == 1
   # Before the stop, the same refusal is a failure.
@@ -326,7 +320,7 @@ def test_a_group_scored_as_the_run_closes_frees_its_capacity_without_an_error():
   controller.rewards = rewards = ClosingRewards()
   rewards.closed.set()
   controller.start()
-  _wait_until(lambda: controller.error is not None)
+  wait_until(lambda: controller.error is not None)
   controller.stop()
   assert isinstance(controller.error, RuntimeError) and server.rejected == [1]
 

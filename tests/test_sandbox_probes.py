@@ -22,6 +22,7 @@ import pytest
 
 from async_rl.rewards import RewardService, RewardTask, code_tests, sandbox, seccomp
 from async_rl.rewards import code_tests_reward, isolation, run_sandboxed
+from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = [{"input": "2 3\n", "output": "5\n"}]
@@ -140,15 +141,14 @@ time.sleep(2)
   found = {}
 
   def look():
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and not found:
-      for pid in _host_processes_named(token):
-        status = Path(f"/proc/{pid}/status").read_text()
-        found.update(line.split(":\t", 1) for line in status.splitlines()
-                     if line.startswith(("Uid", "Gid", "CapEff", "CapPrm", "NoNewPrivs")))
-      time.sleep(0.05)
+    for pid in _host_processes_named(token):
+      status = Path(f"/proc/{pid}/status").read_text()
+      found.update(line.split(":\t", 1) for line in status.splitlines()
+                   if line.startswith(("Uid", "Gid", "CapEff", "CapPrm", "NoNewPrivs")))
+    return bool(found)
 
-  watcher = threading.Thread(target=look)
+  watcher = threading.Thread(target=wait_until, args=(look,),
+                             kwargs=dict(timeout=2.0, interval=0.05))
   watcher.start()
   result = run_sandboxed(code, timeout_s=10)
   watcher.join()
@@ -316,10 +316,8 @@ while True:
   result = run_sandboxed(code, max_processes=8, timeout_s=1.5)
   assert result.limit == "timeout" and result.timed_out and result.returncode == -9
   assert time.monotonic() - start < 4.0
-  deadline = time.monotonic() + 2.0  # The kernel reaps a dead PID namespace promptly.
-  while _host_processes_named(token) and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert not _host_processes_named(token)
+  # The kernel reaps a dead PID namespace promptly.
+  wait_until(lambda: not _host_processes_named(token), timeout=2.0, interval=0.05)
 
 
 def test_allocating_past_the_memory_limit_fails_with_memory():
@@ -411,17 +409,13 @@ def test_weak_sandbox_program_dies_with_its_caller():
        "run_sandboxed(sys.argv[1], timeout_s=60, allow_weak=True)", code],
       env={**os.environ, "PATH": "/nonexistent", "PYTHONPATH": str(ROOT)})
   try:
-    deadline = time.monotonic() + 30
-    while not _host_processes_named(token):
-      assert time.monotonic() < deadline and caller.poll() is None, "it never started"
-      time.sleep(0.05)
+    wait_until(lambda: _host_processes_named(token) or caller.poll() is not None,
+               interval=0.05, message="it never started")
+    assert _host_processes_named(token), "it never started"
   finally:
     caller.kill()
     caller.wait()
-  deadline = time.monotonic() + 2.0
-  while _host_processes_named(token) and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert not _host_processes_named(token)
+  wait_until(lambda: not _host_processes_named(token), timeout=2.0, interval=0.05)
 
 
 def test_allow_weak_sandbox_reaches_the_code_reward_in_the_workers(monkeypatch):

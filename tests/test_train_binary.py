@@ -18,8 +18,9 @@ import jax
 import numpy as np
 
 from async_rl.config import ModelConfig
+from async_rl.rl.audit import step_lines
 from async_rl.rl.checkpoint import restore_params
-from benchmarks.common.run_stats import step_lines
+from conftest import wait_until
 from reward_fns_for_tests import IN_FLIGHT_DIR_ENV
 from rl_test_utils import check_prompt_accounting
 
@@ -40,10 +41,11 @@ def _checkpoints(workdir):
 
 
 def _kill_after_checkpoint(proc, workdir, step):
-  deadline = time.time() + 600
-  while (not _checkpoints(workdir) or _checkpoints(workdir)[-1] < step) and time.time() < deadline:
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    time.sleep(0.05)
+  def reached():
+    return bool(_checkpoints(workdir)) and _checkpoints(workdir)[-1] >= step
+
+  wait_until(lambda: reached() or proc.poll() is not None, timeout=600, interval=0.05)
+  assert reached(), proc.communicate()[0][-3000:]
   proc.send_signal(signal.SIGKILL)
   proc.communicate()
 
@@ -89,14 +91,22 @@ def _kill_at(out, workdir, marks, point, steps, delay_s):
   """SIGKILLs the run once it has logged `steps` steps of its own, `delay_s` later, as
   soon as it is at `point`; returns where the kill landed."""
   run_id = re.search(r"^run (\S+) \(host", out._text, re.M).group(1)
-  deadline = time.time() + 300
-  while sum(s["run_id"] == run_id for s in _steps(workdir)) < steps:
-    assert out.proc.poll() is None and time.time() < deadline, out._text[-3000:]
-    time.sleep(0.02)
+
+  def logged():
+    return sum(s["run_id"] == run_id for s in _steps(workdir)) >= steps
+
+  wait_until(lambda: logged() or out.proc.poll() is not None, timeout=300, interval=0.02,
+             message=lambda: out._text[-3000:])
+  assert logged(), out._text[-3000:]
   time.sleep(delay_s)
-  while _at(workdir, marks) != point:
-    assert out.proc.poll() is None and time.time() < deadline, out._text[-3000:]
-    time.sleep(0.001)
+
+  def at_point():  # One read a poll: by a second one the run may have moved on.
+    if _at(workdir, marks) == point:
+      return True
+    assert out.proc.poll() is None, out._text[-3000:]
+    return False
+
+  wait_until(at_point, timeout=300)
   out.proc.send_signal(signal.SIGKILL)
   out.wait()
   return _at(workdir, marks)

@@ -12,11 +12,11 @@ import pytest
 
 from async_rl import batching, loss, models, off_policy, sharding, train_step
 from async_rl.cpu import train_step as cpu_train_step
-from async_rl.config import MeshConfig, ModelConfig, OptimizerConfig
+from async_rl.config import MeshConfig, OptimizerConfig
 from async_rl.trajectory import Trajectory
+from conftest import compiles, two_layer_model
 
-CFG = ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                  head_dim=8, d_ff=64)
+CFG = two_layer_model(53)
 LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, rejection_upper=5.0)
 KL_BETA, ENTROPY_COEF = 0.5, 0.05
 REG_LOSS = loss.make_loss("decoupled_ppo", eps_clip=0.2, c_clip=3.0, rejection_upper=5.0,
@@ -157,9 +157,10 @@ def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   b1 = _pack_dynamic(5, seed=1, **kw)
   b2 = _pack_dynamic(5, seed=2, **kw)
   assert b1.tokens.shape == b2.tokens.shape
-  state, _ = step(state, b1, b1.behav_logp)
-  state, _ = step(state, b2, b2.behav_logp)
-  assert step._cache_size() == 1
+  with compiles("train_step") as programs:
+    state, _ = step(state, b1, b1.behav_logp)
+    state, _ = step(state, b2, b2.behav_logp)
+  assert len(programs) == 1
   assert int(state.step) == 2
 
 

@@ -3,7 +3,6 @@ and the runner that validates what a workflow returns."""
 
 import functools
 import threading
-import time
 import types
 from concurrent.futures import Future
 
@@ -12,11 +11,11 @@ import numpy as np
 import pytest
 
 from async_rl import models, policy
-from async_rl.config import ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl.episodes import EpisodeRunner
 from async_rl.tasks.workflow import MultiTurn, SingleTurn
 from async_rl.trajectory import Trajectory, split_turns
+from conftest import one_layer_model, wait_until
 
 CALL, EOS = 9, 2  # A turn ending in CALL is answered by the environment; EOS ends it.
 PROMPT = types.SimpleNamespace(id="p", tokens=(1, 5))
@@ -118,8 +117,7 @@ def test_split_turns_makes_one_sample_per_policy_turn():
   assert same.tokens_T.tolist() == single.tokens_T.tolist() and same.prompt_len == 2
 
 
-CFG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                  head_dim=16, d_ff=64)
+CFG = one_layer_model(16)
 T = 32
 _logp_and_entropy = jax.jit(policy.logp_and_entropy, static_argnums=1,
                             static_argnames="temperature")
@@ -199,9 +197,7 @@ def _run_groups(params, *, hold_slots, slots, groups=2, n=2, await_eviction=Fals
     def respond(prompt, tokens_T):
       if await_eviction and not waited.is_set():
         waited.set()
-        deadline = time.monotonic() + 30
-        while not pool.metrics()["evictions"] and time.monotonic() < deadline:
-          time.sleep(0.001)
+        wait_until(lambda: pool.metrics()["evictions"])
       return [12, 13]
 
     workflow = MultiTurn(respond, max_turns=4, max_tokens=24, turn_stop_ids=tuple(range(3, 9)),
@@ -213,9 +209,7 @@ def _run_groups(params, *, hold_slots, slots, groups=2, n=2, await_eviction=Fals
     episodes = [e for f in futures for e in f.result(timeout=120)]
     runner.close()
     # Episodes release their slots as they end.
-    deadline = time.monotonic() + 30
-    while pool.metrics()["held_slots"] and time.monotonic() < deadline:
-      time.sleep(0.001)
+    wait_until(lambda: not pool.metrics()["held_slots"])
     return episodes, pool.metrics()
 
 

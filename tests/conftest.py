@@ -11,6 +11,8 @@ from outside this session's own cache.
 import os
 import tempfile
 
+import pytest
+
 # pytest-xdist's workers inherit the variable, so they share the controller's cache.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="async_rl_tests_jax_cache_")
@@ -23,3 +25,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # slower overall. Subprocesses inherit it; the scripts that set a device count add theirs.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+
+
+@pytest.fixture
+def gpu_target():
+  """Lowering for CUDA on a host without a GPU: the GPU that Pallas's Triton kernels are
+  compiled for, which jax >= 0.11 reads from the abstract mesh instead of assuming one."""
+  import jax  # noqa: PLC0415 -- after the environment above is set
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                       platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+    yield

@@ -39,8 +39,8 @@ Variants, named after the file (`--config=configs/qwen2_5_1_5b.py:32k`):
         micro-batches of 32,768 tokens.
 
 What runs today: as it stands, this config trains the 1.5B-shaped model from random
-weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` times
-5 such steps on one GPU. From a local checkpoint on GSM8K/MATH-style JSONL files
+weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.py` runs a
+few such steps on one GPU. From a local checkpoint on GSM8K/MATH-style JSONL files
 (docs/training.md, "Training a Qwen model from a local checkpoint"):
 
   python -m launch.train --config=configs/qwen2_5_1_5b.py --workdir=/tmp/q15 \

@@ -8,17 +8,17 @@ against the hardware's limits, memory against the plan, a real run, sync vs asyn
 Every section but the real run uses the first device. On a CPU backend the fast mode
 is chosen whatever the flags say: micro shapes (`configs/micro.py`, the tiny preset's
 heads, short rows and contexts) and the Pallas kernels in interpret mode, so that the
-same code runs in CI. Each section is timed and guarded: one that raises
-is recorded with its error and the next one runs; one that would start after its share
-of `--budget_s` is skipped and says so. Sections, in order:
+same code runs in CI. Each section is timed and guarded: one that raises is recorded
+with its error and the next one runs; one that would start after its share of
+`--budget_s` is skipped and says so. Sections, in order:
 
   env        jax, jaxlib and plugin versions, the devices and their memory.
   kernels    the Pallas paged decode kernel (`paged.pallas_attention`) and the flash
              kernel (`attention.flash_gpu`, forward and gradient) against float32
              references (matmuls at full precision) at the 1.5B and 7B head shapes
-             (`config.MODEL_PRESETS`), max
-             |delta| with float32 and bfloat16 inputs, and whether it is within one
-             bfloat16 step (2^-7) of the reference's largest magnitude.
+             (`config.MODEL_PRESETS`): max |delta| with float32 and bfloat16 inputs,
+             and whether it is within one bfloat16 step (2^-7) of the reference's
+             largest magnitude.
   training   tokens/s of the 1.5B train step (random weights, the config's dtypes and
              remat) on micro-batches of `batching.max_tokens_per_mb` (16k) tokens, and
              MFU: model FLOPs (`models.flops.train_flops`) per second over a bfloat16
@@ -29,21 +29,22 @@ of `--budget_s` is skipped and says so. Sections, in order:
              prefilled), and the fraction of the HBM roofline: bytes of the weights
              plus the live KV read per step, over the step time, against a copy
              bandwidth measured in the same run.
-  real_run   a few RL steps of the 1.5B config (`CONFIG_1_5B`, shortened completions)
-             through `launch.train` in a subprocess: step time, trained and generated
-             tokens/s. With several local devices the run splits them: the trainer on
-             the first half (FSDP), one generator replica on each of the others.
-  sync_async the same shortened config run in process twice at a frozen policy
+  sync_async the real run's shortened config run in process twice at a frozen policy
              (learning rate 0), generation and training sharing the device:
              synchronous (max_staleness 0, drain) and asynchronous (max_staleness 2,
              retract); trained tokens/s of each (`benchmarks.common.run_stats`) and
              their ratio.
+  real_run   a few RL steps of the 1.5B config (`CONFIG_1_5B`, shortened completions,
+             learning) through `launch.train` in a subprocess: step time, trained and
+             generated tokens/s. With several local devices the run splits them: the
+             trainer on the first half (FSDP), one generator replica on each of the
+             others.
   memory     the device's peak bytes in use after training and after each decode
              width, against `benchmarks.memory`'s prediction for the same shapes
              (compiled for the host's CPU as that benchmark does, an upper bound, on a
              thread that starts with the check). The peak counts from the start of the
-             process, so a phase whose peak is not above the one before it is reported
-             as masked.
+             process, so a phase whose peak is not above the peak at its start is
+             reported as masked.
 
 Prints as it goes; the last line is one JSON object: `fast`, `backend`, `device_kind`,
 `wall_s`, `sections` (per section: `status` "ok", "error" or "skipped", `seconds`,
@@ -337,6 +338,7 @@ def train_batch(model_cfg, tokens: int, prox_mode: str, seed: int = 0):
 
 def training_section(shapes: Shapes, ctx: dict) -> dict:
   del ctx
+  peak_before = peak_bytes()
   cfg = experiment(shapes)
   tokens = cfg.batching.max_tokens_per_mb
   if jax.default_backend() == "gpu":
@@ -366,7 +368,7 @@ def training_section(shapes: Shapes, ctx: dict) -> dict:
   out = dict(tokens_per_micro_batch=tokens, compile_s=compile_s, step_s=step_s,
              tokens_per_s=tokens / step_s, model_tflops_per_step=model_flops / 1e12,
              matmul_peak_tflops=peak / 1e12, peak_dtype=peak_dtype,
-             mfu=model_flops / step_s / peak, peak_bytes=peak_bytes())
+             mfu=model_flops / step_s / peak, peak_bytes=peak_bytes(), peak_before=peak_before)
   say(f"  {tokens} tokens/step in {step_s:.3f} s: {out['tokens_per_s']:.0f} tokens/s, "
       f"MFU {out['mfu']:.3f}")
   del state
@@ -388,6 +390,7 @@ def decode_engine(model_cfg, slots: int, context: int, steps: int):
 def decode_width(model_cfg, params, slots: int, shapes: Shapes) -> dict:
   """Decode chunks of `slots` slots each `decode_context` tokens in, timed after the first
   (which compiles); every chunk's tokens are read back, as the pool reads them."""
+  peak_before = peak_bytes()
   context, chunks = shapes.decode_context, shapes.decode_chunks
   engine = decode_engine(model_cfg, slots, context, (chunks + 1) * 8)
   served = engine.load_params(params)
@@ -419,7 +422,8 @@ def decode_width(model_cfg, params, slots: int, shapes: Shapes) -> dict:
   out = dict(slots=slots, context=context, compile_s=compile_s, steps=steps,
              tokens_per_s=made / seconds, step_ms=seconds / steps * 1e3,
              weight_gb=weight_bytes / 1e9, kv_read_gb_per_step=slots * live * per_token / 1e9,
-             bytes_per_s=step_bytes * steps / seconds, peak_bytes=peak_bytes())
+             bytes_per_s=step_bytes * steps / seconds, peak_bytes=peak_bytes(),
+             peak_before=peak_before)
   del state, served
   return out
 
@@ -475,15 +479,17 @@ def memory_section(shapes: Shapes, ctx: dict) -> dict:
   if "error" in predicted:
     raise predicted["error"]
   results = ctx["results"]
-  measured = {"training": results.get("training", {}).get("peak_bytes")}
-  for name, row in results.get("decode", {}).items():
-    if name.startswith("slots_"):
-      measured[f"decode_{row['slots']}"] = row["peak_bytes"]
-  out, before = {}, 0
+  measured = {}
+  if results.get("training", {}).get("status") == "ok":
+    measured["training"] = results["training"]
+  if results.get("decode", {}).get("status") == "ok":
+    measured.update((f"decode_{row['slots']}", row) for name, row in results["decode"].items()
+                    if name.startswith("slots_"))
+  out = {}
   for name, (total, parts) in predicted["phases"].items():
     if name in measured:
-      out[name] = _compare(measured[name], total, before, parts)
-      before = max(before, measured[name] or 0)
+      out[name] = _compare(measured[name]["peak_bytes"], total, measured[name]["peak_before"],
+                           parts)
       say(f"  {name}: measured {out[name]['measured_gib']} GiB, predicted "
           f"{out[name]['predicted_gib']:.2f} GiB"
           f"{' (masked by an earlier peak)' if out[name]['masked'] else ''}")
@@ -507,7 +513,7 @@ def _compare(measured, predicted_bytes, before, parts) -> dict:
   return dict(measured_gib=None if measured is None else round(measured / gib, 3),
               predicted_gib=predicted_bytes / gib,
               ratio=None if measured is None else measured / predicted_bytes,
-              masked=measured is not None and measured <= before,
+              masked=measured is not None and measured <= (before or 0),
               predicted_parts_gib={k: round(v, 3) for k, v in parts.items()
                                    if isinstance(v, float)})
 
@@ -577,11 +583,12 @@ def sync_async_section(shapes: Shapes, ctx: dict) -> dict:
   return out
 
 
-# In this order: memory compares the peaks that training and decode recorded with a
-# prediction compiled meanwhile, so it comes last.
+# In this order: the goals' figures first; the two runs share compiled programs through
+# the cache, the later one reading them; memory compares the peaks that training and
+# decode recorded with a prediction compiled meanwhile, so it comes last.
 SECTIONS = {"env": env_section, "kernels": kernels_section, "training": training_section,
-            "decode": decode_section, "real_run": real_run_section,
-            "sync_async": sync_async_section, "memory": memory_section}
+            "decode": decode_section, "sync_async": sync_async_section,
+            "real_run": real_run_section, "memory": memory_section}
 
 
 def goals(results: dict) -> dict:
@@ -656,8 +663,12 @@ def run_check(shapes: Shapes, work_dir: str, budget_s: float, only=None) -> dict
     except Exception as e:  # noqa: BLE001 -- recorded; the next section runs
       traceback.print_exc()
       results[name] = dict(status="error", error=f"{type(e).__name__}: {e}"[:2000])
+    except KeyboardInterrupt:  # SIGINT, from a time limit: what ran is still reported
+      results[name] = dict(status="error", error="interrupted")
     results[name]["seconds"] = time.perf_counter() - t0
     say(f"[{name}] {results[name]['status']} in {results[name]['seconds']:.1f} s")
+    if results[name]["error"] == "interrupted":
+      break
   device = jax.devices()[0]
   return dict(fast=shapes.fast, backend=jax.default_backend(), device_kind=device.device_kind,
               jax=jax.__version__, wall_s=time.perf_counter() - start, sections=results,
@@ -693,6 +704,11 @@ def main(argv):
   with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
     json.dump(summary, f, indent=1)
   print(json.dumps(summary), flush=True)
+  if any(t.name == "predict_memory" and t.is_alive() for t in threading.enumerate()):
+    # A compile still running on that thread cannot be stopped, and the interpreter's
+    # exit would abort inside it: leave without one, everything written.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -12,4 +12,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/gpu_check_site "${WHEELS:-.whl}"/*.whl
 export PYTHONPATH="/tmp/gpu_check_site:${PWD}${PYTHONPATH:+:${PYTHONPATH}}" PYTHONUNBUFFERED=1
 mkdir -p "${OUT}"
-python3 -m benchmarks.gpu_check --out="${OUT}" "$@" 2>&1 | tee "${OUT}/gpu_check.log"
+# SIGINT past 9 minutes: the check then reports what ran, inside a 10-minute command.
+timeout -s INT 540 python3 -m benchmarks.gpu_check --out="${OUT}" "$@" 2>&1 \
+  | tee "${OUT}/gpu_check.log"

@@ -13,7 +13,7 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parents[1]
-SECTIONS = ("env", "kernels", "training", "decode", "real_run", "sync_async", "memory")
+SECTIONS = ("env", "kernels", "training", "decode", "sync_async", "real_run", "memory")
 
 
 def _normal(name: str) -> str:

@@ -122,6 +122,7 @@ class Shapes:
   decode_chunks: int
   train_steps: int
   run_steps: int
+  sync_steps: int
   run_overrides: tuple
   # The share of the budget (seconds) each section needs to start.
   needs: dict
@@ -130,6 +131,7 @@ class Shapes:
 FULL = Shapes(
     fast=False, kernel_slots=64, kernel_context=8192, kernel_rows=4096,
     decode_slots=(64, 256), decode_context=8192, decode_chunks=8, train_steps=3, run_steps=3,
+    sync_steps=4,
     run_overrides=("batch_groups=4", "generation.group_size=4", "generation.max_new_tokens=256",
                    "generation.num_slots=16", "generation.kv_blocks=0",
                    "staleness.max_concurrent=8", "eval.num_prompts=8", "eval.pass_k=1"),
@@ -138,7 +140,8 @@ FULL = Shapes(
 FAST = Shapes(
     fast=True, kernel_slots=3, kernel_context=40, kernel_rows=64,
     decode_slots=(4,), decode_context=48, decode_chunks=2, train_steps=2, run_steps=2,
-    run_overrides=("eval.num_prompts=1", "eval.pass_k=1"),
+    sync_steps=2,
+    run_overrides=("eval.num_prompts=1", "eval.pass_k=1", "checkpoint.every_steps=2"),
     needs={name: 0 for name in ("env", "kernels", "training", "decode", "memory", "real_run",
                                 "sync_async")})
 # The head shapes the kernels are checked at (`config.MODEL_PRESETS`).
@@ -566,7 +569,7 @@ def sync_async_section(shapes: Shapes, ctx: dict) -> dict:
   out = {}
   for name, eta, mode in (("sync", 0, "drain"), ("async", 2, "retract")):
     cfg = dataclasses.replace(
-        run_stats.measured_config(base, shapes.run_steps + 1),
+        run_stats.measured_config(base, shapes.sync_steps),
         staleness=dataclasses.replace(base.staleness, max_staleness=eta),
         generation=dataclasses.replace(base.generation, update_mode=mode))
     workdir = os.path.join(ctx["work"], f"sync_async_{name}")

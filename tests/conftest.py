@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Optional
 
+import pytest
+
 # pytest-xdist's workers inherit the variable, so they share the controller's cache.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="async_rl_tests_jax_cache_")
@@ -101,3 +103,13 @@ def compiles(fn_name: Optional[str] = None):
     yield built
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture
+def gpu_target():
+  """Lowering for CUDA on a host without a GPU: the GPU that Pallas's Triton kernels are
+  compiled for, which jax >= 0.11 reads from the abstract mesh instead of assuming one."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                       platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+    yield

@@ -179,6 +179,7 @@ def test_gpu_flash_kernel_interpreted_matches_dense_reference():
   _assert_matches_reference(_flash_interpreted, q, k, v, seg, pos, tol=2e-5)
 
 
+@pytest.mark.usefixtures("gpu_target")
 def test_gpu_flash_kernel_lowers_for_cuda():
   """The Triton kernel and its backward compile to a CUDA module without a GPU."""
   seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)

@@ -276,6 +276,7 @@ def test_interpreted_pallas_decode_step_equals_the_xla_step():
   jax.tree.map(functools.partial(np.testing.assert_allclose, **_TOL), pallas_cache, xla_cache)
 
 
+@pytest.mark.usefixtures("gpu_target")
 def test_pallas_decode_step_lowers_for_cuda():
   """The decode step with the Triton kernel in every layer compiles to a CUDA module
   without a GPU (bfloat16, the tiny preset's head dim of 32)."""

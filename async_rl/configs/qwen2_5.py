@@ -63,8 +63,8 @@ params, moments and gradient buffers shard eight ways and the rows of a micro-ba
 one per device.
 
 What runs today: as it stands, this config trains a Qwen2.5-shaped model from random
-weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.sh` times
-5 such steps of the 1.5B on one GPU. From a local checkpoint on GSM8K/MATH-style JSONL
+weights on the arithmetic task (character tokenizer); `benchmarks/gpu_check.py` runs
+a few such steps of the 1.5B on one GPU. From a local checkpoint on GSM8K/MATH-style JSONL
 files (docs/training.md, "Training a Qwen model from a local checkpoint"):
 
   python -m launch.train --config=configs/qwen2_5.py --workdir=/tmp/q15 \

@@ -149,9 +149,7 @@ _ROWS = [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="under-pred
 
 @pytest.mark.parametrize("row", _ROWS, ids=lambda r: r.preset)
 def test_areal_table1_speedup_within_20_percent(row):
-  workload, cluster, sync, asyn = published.areal_setup(row)
-  rs = search.predict(workload, cluster, sync, steps=5, scale=16)
-  ra = search.predict(workload, cluster, asyn, steps=5, scale=16)
+  rs, ra = published.predict_pair(row)
   predicted = ra.samples_per_s / rs.samples_per_s
   assert predicted == pytest.approx(row.speedup, rel=0.2), (predicted, row.speedup)
 

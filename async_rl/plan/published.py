@@ -30,7 +30,8 @@ import dataclasses
 
 from async_rl.config import model_preset
 from async_rl.plan.hardware import HARDWARE
-from async_rl.plan.search import Cluster, Placement, Workload, max_kv_tokens
+from async_rl.plan.search import (Cluster, Placement, Prediction, Workload, max_kv_tokens,
+                                  predict, sim_scale)
 
 AREAL_LENGTHS = dict(length_dist="lognormal", length_median=8000.0, length_sigma=1.0)
 
@@ -68,3 +69,13 @@ def areal_setup(row: ArealRow, *, nodes: int = 0, max_staleness: int = 4):
                    kv_tokens=max_kv_tokens(workload, cluster, tp=1, fsdp=train, sync=False),
                    max_staleness=max_staleness, update_mode="retract")
   return workload, cluster, sync, asyn
+
+
+def predict_pair(row: ArealRow, *, nodes: int = 0, max_staleness: int = 4,
+                 max_simulated_samples: int = 512) -> tuple[Prediction, Prediction]:
+  """The simulated sync and async runs of `areal_setup`, each on the same fraction of
+  the system (`search.predict`'s `scale`)."""
+  workload, cluster, sync, asyn = areal_setup(row, nodes=nodes, max_staleness=max_staleness)
+  scale = sim_scale(workload, asyn, max_simulated_samples)
+  return (predict(workload, cluster, sync, steps=5, scale=scale),
+          predict(workload, cluster, asyn, steps=5, scale=scale))

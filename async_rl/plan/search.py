@@ -191,16 +191,23 @@ def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 
   """Simulates `steps` training steps and measures those after the first
   `_WARMUP_STEPS` (the pipeline's fill).
 
-  `scale` > 1 simulates 1/scale of the system (generators, trainer devices and batch
-  divided by it: each device sees the same load) and multiplies the throughput back; the
-  longest sample of a smaller batch is a little shorter, so this flatters sync slightly.
+  `scale` > 1 simulates 1/scale of the system: the engines and the batch divided by it,
+  and the trainer's devices too, by making each token cost `scale` times as much on
+  them, so each device sees the same load (the throughput is scaled back). The longest
+  sample of a smaller batch is a little shorter, which flatters sync slightly.
+
+  Raises:
+    ValueError: if `scale` divides the engines or the batch's groups unevenly.
   """
   cfg = sim_config(workload, cluster, p)
   if scale > 1:
+    if cfg.num_generators % scale or cfg.batch_groups % scale:
+      raise ValueError(f"scale {scale} must divide the {cfg.num_generators} engines and the "
+                       f"{cfg.batch_groups} groups of a batch")
     cfg = dataclasses.replace(
-        cfg, num_generators=max(1, cfg.num_generators // scale),
-        trainer_accelerators=max(1, cfg.trainer_accelerators // scale),
-        batch_groups=max(1, cfg.batch_groups // scale))
+        cfg, num_generators=cfg.num_generators // scale,
+        batch_groups=cfg.batch_groups // scale,
+        trainer_per_token=cfg.trainer_per_token * scale)
   res = simulate(cfg, steps, seed)
   ends = res.step_end_times
   measured = steps - _WARMUP_STEPS
@@ -282,11 +289,11 @@ def search(workload: Workload, cluster: Cluster, *, top: int = 3, steps: int = 6
            max_simulated_samples: int = 1024, **grid) -> dict[str, list[Prediction]]:
   """The best placements of each mode, simulated, fastest first.
 
-  Candidates are ranked by `estimate_samples_per_s`; the `top` best distinct placements
-  (η and update mode aside) are simulated at every η and update mode of the grid, at a
-  scale that keeps each simulated batch within `max_simulated_samples` samples.
+  Candidates are ranked by `estimate_samples_per_s`; of the `top` best distinct shapes
+  (η and update mode aside) the best is simulated at every η and update mode of the
+  grid, the others at the grid's middle ones; each at a scale that keeps its simulated
+  batch within `max_simulated_samples` samples (`sim_scale`).
   """
-  samples = workload.batch_groups * workload.group_size
   out = {}
   for mode in ("sync", "async"):
     cands = candidates(workload, cluster, mode=mode, **grid)
@@ -295,22 +302,25 @@ def search(workload: Workload, cluster: Cluster, *, top: int = 3, steps: int = 6
       key = (p.gen_devices, p.tp, p.train_devices, p.fsdp, p.slots)
       if key not in shapes and len(shapes) < top:
         shapes[key] = True
+    first = next(iter(shapes), None)
+    etas = sorted({p.max_staleness for p in cands if p.mode == "async"})
+    modes = sorted({p.update_mode for p in cands})
+    middle = (etas[len(etas) // 2] if etas else 0, modes[-1] if modes else "drain")
     chosen = [p for p in cands
-              if (p.gen_devices, p.tp, p.train_devices, p.fsdp, p.slots) in shapes]
-    preds = []
-    for p in chosen:
-      scale = _scale(samples, max_simulated_samples, workload.group_size,
-                     p.engines, p.train_devices)
-      preds.append(predict(workload, cluster, p, steps=steps, scale=scale))
+              if (key := (p.gen_devices, p.tp, p.train_devices, p.fsdp, p.slots)) in shapes
+              and (key == first or (p.max_staleness, p.update_mode) == middle
+                   or p.mode == "sync")]
+    preds = [predict(workload, cluster, p, steps=steps,
+                     scale=sim_scale(workload, p, max_simulated_samples)) for p in chosen]
     out[mode] = sorted(preds, key=lambda r: -r.samples_per_s)
   return out
 
 
-def _scale(samples: int, limit: int, group: int, engines: int, trainers: int) -> int:
-  """The smallest divisor of the batch's groups, the engines and the trainer devices
-  that brings the batch within `limit` samples (their largest common one if none does)."""
-  common = math.gcd(samples // group, engines, trainers)
+def sim_scale(workload: Workload, p: Placement, limit: int) -> int:
+  """The smallest divisor of the engines and the batch's groups that brings the batch
+  within `limit` samples (their largest common one if none does)."""
+  common = math.gcd(workload.batch_groups, p.engines)
   for k in range(1, common + 1):
-    if common % k == 0 and samples // k <= limit:
+    if common % k == 0 and workload.batch_groups * workload.group_size // k <= limit:
       return k
   return common

@@ -99,6 +99,11 @@ def test_memory_uses_the_memory_module_counts():
   m = costs.memory_per_device(_TINY, kv_tokens=1024, tp=2, fsdp=4)
   assert m["generator"] == pytest.approx(ref["params"] / 2 + ref["kv_cache"] / 2)
   assert m["trainer"] == pytest.approx(ref["trainer"] / 4)
+  bare = costs.memory_per_device(_TINY, kv_tokens=0, train_tokens_per_mb=10)
+  assert bare["generator"] == ref["params"]
+  # Under remat: each layer's input (L D) and one layer's q, k, v, output and MLP widths.
+  width = 2 * 128 + (4 + 2 * 2 + 4) * 32 + 3 * 256
+  assert bare["trainer"] == ref["trainer"] + 10 * width * 2
 
 
 def _workload(**kw):

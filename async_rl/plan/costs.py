@@ -127,16 +127,18 @@ def memory_per_device(model: ModelConfig, *, kv_tokens: int, block_size: int = 1
   each layer's input, and one layer's working set (q, k, v, attention output, the
   MLP's three widths); the loss's logits are chunked (`policy`), so they are left out.
   Keys and values split over at most K devices (a larger `tp` replicates them)."""
+  # One block is the shortest budget GenerationConfig takes (a sequence of one block).
   blocks = -(-kv_tokens // block_size)
-  gen = GenerationConfig(kv_blocks=blocks, kv_block_size=block_size, max_prompt_len=1,
-                         max_new_tokens=block_size)
+  gen = GenerationConfig(kv_blocks=max(blocks, 1), kv_block_size=block_size,
+                         max_prompt_len=1, max_new_tokens=block_size - 1)
   counts = memory.estimate_memory(types.SimpleNamespace(model=model, generation=gen))
+  kv_cache = counts["kv_cache"] if blocks else 0
   act_itemsize = _itemsize(model.dtype)
   width = model.n_layers * model.d_model + (
       (model.n_heads + 2 * model.n_kv_heads + model.n_heads) * model.head_dim
       + 3 * model.d_ff)
   activations = train_tokens_per_mb * width * act_itemsize
-  return dict(generator=counts["params"] / tp + counts["kv_cache"] / min(tp, model.n_kv_heads),
+  return dict(generator=counts["params"] / tp + kv_cache / min(tp, model.n_kv_heads),
               trainer=counts["trainer"] / fsdp + activations)
 
 

@@ -62,8 +62,18 @@ class Workload:
 
   def mean_length(self) -> float:
     """The mean completion length (from a fixed sample of the distribution)."""
+    return float(self._lengths().mean())
+
+  def mean_live_tokens(self) -> float:
+    """The tokens a busy slot holds, averaged over time: a sample of n tokens holds a
+    slot for n steps at n / 2 on average, so long samples weigh n times more:
+    prompt + E[n^2] / (2 E[n])."""
+    n = self._lengths().astype(np.float64)
+    return self.prompt_tokens + float((n * n).mean() / (2 * n.mean()))
+
+  def _lengths(self) -> np.ndarray:
     cfg = SimConfig(prompt_tokens=self.prompt_tokens, **self.length_fields())
-    return float(sample_lengths(cfg, np.random.default_rng(0), 20000).mean())
+    return sample_lengths(cfg, np.random.default_rng(0), 20000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,14 +237,14 @@ def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 
 def estimate_samples_per_s(workload: Workload, cluster: Cluster, p: Placement) -> float:
   """A closed-form steady state, to rank placements before simulating them.
 
-  Generation: every engine keeps its slots full (as many as the KV budget holds at the
-  mean length), each sample at half its final length on average. Training: its per-token
+  Generation: every engine keeps its slots full (as many as the KV budget holds), each
+  holding `Workload.mean_live_tokens` on average. Training: its per-token
   cost. Async runs at the slower of the two; sync pays both in turn, and its generation
   lasts as long as the longest sample of the batch (taken at the length cap).
   """
   cfg = sim_config(workload, cluster, p)
   mean = workload.mean_length()
-  live_per_sample = workload.prompt_tokens + mean / 2
+  live_per_sample = workload.mean_live_tokens()
   active = max(1, min(p.slots, int(p.kv_tokens // live_per_sample)))
   samples = workload.batch_groups * workload.group_size
   dc = costs.decode_cost(workload.model, cluster.hardware, tp=p.tp)
@@ -297,23 +307,31 @@ def search(workload: Workload, cluster: Cluster, *, top: int = 3, steps: int = 6
   out = {}
   for mode in ("sync", "async"):
     cands = candidates(workload, cluster, mode=mode, **grid)
-    shapes = {}
-    for p in sorted(cands, key=lambda p: -estimate_samples_per_s(workload, cluster, p)):
-      key = (p.gen_devices, p.tp, p.train_devices, p.fsdp, p.slots)
-      if key not in shapes and len(shapes) < top:
-        shapes[key] = True
-    first = next(iter(shapes), None)
-    etas = sorted({p.max_staleness for p in cands if p.mode == "async"})
+    estimates = {}
+    for p in cands:
+      if _shape(p) not in estimates:
+        estimates[_shape(p)] = estimate_samples_per_s(workload, cluster, p)
+    # The best `top` shapes, whatever their FSDP degree; between equal estimates, the
+    # larger degree (less memory per device).
+    best = {}
+    for shape in sorted(estimates, key=lambda k: (-estimates[k], -k[3])):
+      layout = shape[:3] + shape[4:]
+      if layout not in best and len(best) < top:
+        best[layout] = shape
+    first = next(iter(best.values()), None)
+    etas = sorted({p.max_staleness for p in cands})
     modes = sorted({p.update_mode for p in cands})
     middle = (etas[len(etas) // 2] if etas else 0, modes[-1] if modes else "drain")
-    chosen = [p for p in cands
-              if (key := (p.gen_devices, p.tp, p.train_devices, p.fsdp, p.slots)) in shapes
-              and (key == first or (p.max_staleness, p.update_mode) == middle
-                   or p.mode == "sync")]
+    chosen = [p for p in cands if _shape(p) in best.values() and (
+        _shape(p) == first or (p.max_staleness, p.update_mode) == middle)]
     preds = [predict(workload, cluster, p, steps=steps,
                      scale=sim_scale(workload, p, max_simulated_samples)) for p in chosen]
     out[mode] = sorted(preds, key=lambda r: -r.samples_per_s)
   return out
+
+
+def _shape(p: Placement) -> tuple:
+  return (p.gen_devices, p.tp, p.train_devices, p.fsdp, p.slots)
 
 
 def sim_scale(workload: Workload, p: Placement, limit: int) -> int:

@@ -81,12 +81,12 @@ def _workdir_lengths(workdir: str) -> dict:
 def config_text(workload: Workload, p: Placement, *, nodes: int, summary: str) -> str:
   """A config file (`get_config()` from `config.config_dict()`) that runs `p`."""
   model = dataclasses.asdict(workload.model)
-  model["max_seq_len"] = max(model["max_seq_len"],
-                             workload.prompt_tokens + workload.max_new_tokens)
+  longest = workload.prompt_tokens + workload.max_new_tokens
+  model["max_seq_len"] = max(model["max_seq_len"], longest)
   lines = [
       f"c.batch_groups = {workload.batch_groups}",
       f"c.model.update({model!r})",
-      f"c.batching.max_tokens_per_mb = {workload.train_tokens_per_mb}",
+      f"c.batching.max_tokens_per_mb = {max(workload.train_tokens_per_mb, longest)}",
       f"c.generation.group_size = {workload.group_size}",
       f"c.generation.max_prompt_len = {workload.prompt_tokens}",
       f"c.generation.max_new_tokens = {workload.max_new_tokens}",

@@ -4,14 +4,16 @@ r"""The capacity planner's sync-vs-async prediction for this machine, beside the
   python -m benchmarks.plan_cpu --predict_only    # seconds: the prediction alone
   python -m benchmarks.plan_cpu --steps=4         # the smallest measured mode
 
-"this machine" is measured first (`plan.hardware.measure_host`: a jitted matmul and an
-array copy) and split evenly over its cores, one core a device. The planner then
-predicts `benchmarks/sync_vs_async.py`'s two placements of --config (default
-configs/tiny.py) from the config's shapes and the task's output lengths alone:
+"this machine" is measured first, as each placement will use it
+(`plan.hardware.measure_cores`: a jitted matmul and an array copy in a process pinned
+to those cores, under whatever else runs on the machine): every core together, and the
+generator's core alone. The planner then predicts `benchmarks/sync_vs_async.py`'s two
+placements of --config (default configs/tiny.py) from the config's shapes and the
+task's output lengths alone:
 
-  sync   one engine over every core, then a trainer over every core (η = 0, drain);
-  async  one engine on --generator_cpus, a trainer on --trainer_cpus (one core each),
-         η = --eta, retract.
+  sync   one device of every core: an engine, then a trainer (η = 0, drain);
+  async  two devices of one core each (taken alike: --generator_cpus's is measured), an
+         engine on one and a trainer on the other, η = --eta, retract.
 
 and runs both, as `benchmarks.sync_vs_async` does (same warm start, same steps), so the
 predicted async/sync throughput ratio stands beside the measured one (the target:
@@ -20,7 +22,6 @@ model's steps are dominated by dispatch, not by the bytes and FLOPs the model co
 only the ratio is expected to hold. Last line: one JSON object.
 """
 
-import dataclasses
 import json
 import os
 import time
@@ -38,13 +39,6 @@ from benchmarks.common.run_stats import warm_params
 _PREDICT_ONLY = flags.DEFINE_bool("predict_only", False, "Skip the measured runs.")
 
 
-def per_core(host: hardware.Hardware, cores: int) -> hardware.Hardware:
-  """One core of `host` as a device: an even share of its compute and memory."""
-  return dataclasses.replace(host, name=f"host core (1 of {cores})",
-                             peak_flops=host.peak_flops / cores, hbm_bw=host.hbm_bw / cores,
-                             hbm_bytes=host.hbm_bytes / cores)
-
-
 def workload_of(cfg) -> search.Workload:
   """The config's shapes and its task's reference output lengths."""
   prompt_tokens, lengths = sva.task_lengths(cfg)
@@ -56,17 +50,13 @@ def workload_of(cfg) -> search.Workload:
       train_tokens_per_mb=cfg.batching.max_tokens_per_mb)
 
 
-def placements(cfg, cores: int, eta: int) -> dict[str, search.Placement]:
+def placements(cfg, eta: int) -> dict[str, search.Placement]:
   kv = cfg.generation.kv_cache_blocks * cfg.generation.kv_block_size
-  slots = cfg.generation.num_slots
-  return {
-      "sync": search.Placement("sync", gen_devices=cores, tp=cores, train_devices=cores,
-                               fsdp=cores, slots=slots, kv_tokens=kv, max_staleness=0,
-                               update_mode="drain"),
-      "async_retract": search.Placement("async", gen_devices=1, tp=1, train_devices=1,
-                                        fsdp=1, slots=slots, kv_tokens=kv,
-                                        max_staleness=eta, update_mode="retract"),
-  }
+  one = dict(gen_devices=1, tp=1, train_devices=1, fsdp=1, slots=cfg.generation.num_slots,
+             kv_tokens=kv)
+  return {"sync": search.Placement("sync", max_staleness=0, update_mode="drain", **one),
+          "async_retract": search.Placement("async", max_staleness=eta,
+                                            update_mode="retract", **one)}
 
 
 def main(argv):
@@ -74,14 +64,16 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   cfg = from_dict(sva._CONFIG.value)
   cores = cpu.cores()
-  host = hardware.measure_host()
-  print(f"this machine: {cores} cores, {host.peak_flops / 1e9:.0f} GFLOP/s float32 matmul, "
-        f"{host.hbm_bw / 1e9:.1f} GB/s copy", flush=True)
+  every = hardware.measure_cores(set(range(cores)))
+  one = hardware.measure_cores({int(sva._GENERATOR_CPUS.value[0])})
+  for hw in (every, one):
+    print(f"{hw.name}: {hw.peak_flops / 1e9:.1f} GFLOP/s float32 matmul, "
+          f"{hw.hbm_bw / 1e9:.1f} GB/s copy", flush=True)
   workload = workload_of(cfg)
-  cluster = search.Cluster(per_core(host, cores), 1, cores)
+  clusters = {"sync": search.Cluster(every, 1, 1), "async_retract": search.Cluster(one, 1, 2)}
   steps = sva._STEPS.value or (30 if sva._QUICK.value else 120)
-  predicted = {name: search.predict(workload, cluster, p, steps=max(steps, 4))
-               for name, p in placements(cfg, cores, sva._ETA.value).items()}
+  predicted = {name: search.predict(workload, clusters[name], p, steps=max(steps, 4))
+               for name, p in placements(cfg, sva._ETA.value).items()}
   measured = {}
   if not _PREDICT_ONLY.value:
     out_dir = sva._OUT_DIR.value
@@ -104,9 +96,10 @@ def main(argv):
     got = f"{measured[name]:9.2f}" if name in measured else f"{'-':>9}"
     print(f"{name:14} {pred.samples_per_s:>19.2f} {got}")
   ratio = predicted["async_retract"].samples_per_s / predicted["sync"].samples_per_s
-  headline = dict(config=cfg.model.d_model, steps=steps, cores=cores,
-                  matmul_gflops=round(host.peak_flops / 1e9, 1),
-                  copy_gb_s=round(host.hbm_bw / 1e9, 2), predicted_ratio=round(ratio, 3),
+  headline = dict(d_model=cfg.model.d_model, steps=steps, cores=cores,
+                  matmul_gflops={hw.name: round(hw.peak_flops / 1e9, 1) for hw in (every, one)},
+                  copy_gb_s={hw.name: round(hw.hbm_bw / 1e9, 2) for hw in (every, one)},
+                  predicted_ratio=round(ratio, 3),
                   predicted_samples_per_s={k: round(v.samples_per_s, 2)
                                            for k, v in predicted.items()})
   if measured:

@@ -42,6 +42,8 @@ def test_host_is_measured():
   host = hardware.measure_host(size=128, reps=2, copy_bytes=2**22)
   assert host.name == "host" and host.peak_flops > 1e6 and host.hbm_bw > 1e6
   assert host.decode_eff == host.mfu == 1.0
+  one = hardware.measure_cores({0}, size=128, reps=2, copy_bytes=2**22)
+  assert one.name == "host cores [0]" and one.peak_flops > 1e6 and one.hbm_bw > 1e6
 
 
 def test_decode_step_memory_bound_by_hand():

@@ -17,7 +17,10 @@ measurement already is what runs).
 """
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -120,6 +123,20 @@ def measure_host(size: int = 1024, reps: int = 5, copy_bytes: int = 2**27) -> Ha
                   network_bw=bw, link_latency_s=0.0, decode_eff=1.0, mfu=1.0,
                   source=f"measured: jitted {size}x{size} float32 matmul, "
                          f"{copy_bytes >> 20} MiB copy")
+
+
+def measure_cores(cores: set[int], **sizes) -> Hardware:
+  """`measure_host(**sizes)` in a fresh process pinned to `cores` (XLA sizes its thread
+  pool by the cores it may use), so a share of this machine is measured as it runs,
+  under whatever else runs on it."""
+  code = ("import dataclasses, json, os, sys; os.sched_setaffinity(0, set(json.loads("
+          "sys.argv[1]))); from async_rl.plan.hardware import measure_host; "
+          "print(json.dumps(dataclasses.asdict(measure_host(**json.loads(sys.argv[2])))))")
+  out = subprocess.run([sys.executable, "-c", code, json.dumps(sorted(cores)),
+                        json.dumps(sizes)], capture_output=True, text=True, check=True)
+  fields = json.loads(out.stdout.strip().splitlines()[-1])
+  fields["name"] = f"{HOST} cores {sorted(cores)}"
+  return Hardware(**fields)
 
 
 def hardware(name: str) -> Hardware:

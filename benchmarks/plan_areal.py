@@ -133,7 +133,7 @@ def recommend():
   return out
 
 
-def _plot(nodes_curve, eta_curve, table, fig_dir):
+def _plot(nodes_curve, eta_curve, fig_dir):
   os.makedirs(fig_dir, exist_ok=True)
   paths = {}
   fig, ax = plt.subplots(figsize=(6, 4.2))
@@ -178,7 +178,7 @@ def main(argv):
   nodes_curve = curve_nodes((4, 16, 64) if _QUICK.value else _NODES)
   eta_curve = {} if _QUICK.value else curve_eta()
   recs = {} if _QUICK.value else recommend()
-  paths = _plot(nodes_curve, eta_curve, table, _FIG_DIR.value)
+  paths = _plot(nodes_curve, eta_curve, _FIG_DIR.value)
   headline = dict(
       quick=_QUICK.value,
       table1={r["model"]: dict(published=round(r["speedup"], 2),

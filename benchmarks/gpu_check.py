@@ -86,6 +86,7 @@ from async_rl.config import MODEL_PRESETS, MeshConfig, model_preset  # noqa: E40
 from async_rl.generation import Engine, SamplingParams, SlotSampling, paged  # noqa: E402
 from async_rl.models import attention, flops  # noqa: E402
 from async_rl.rl import build  # noqa: E402
+from async_rl.rl.audit import step_lines  # noqa: E402
 from benchmarks.common import run_stats  # noqa: E402
 from benchmarks.common.peak import copy_bandwidth, matmul_peak  # noqa: E402
 
@@ -543,7 +544,7 @@ def real_run_section(shapes: Shapes, ctx: dict) -> dict:
   wall = time.perf_counter() - start
   if proc.returncode:
     raise RuntimeError(f"launch.train exited {proc.returncode}: {proc.stderr[-2000:]}")
-  steps = run_stats.step_lines(workdir)
+  steps = step_lines(workdir)
   timed = steps[1:] or steps
   step_s = [m["time_wait_s"] + m["time_pack_s"] + m["time_train_s"] + m["time_publish_s"]
             for m in timed]

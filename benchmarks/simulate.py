@@ -16,7 +16,8 @@ CPU machines, so they are ILLUSTRATIVE: plausible orders of magnitude for a ~1B
 model (a decode step of 32 slots ~40 ms, training ~4x faster per token than
 decoding, 1 s weight sync, 0.5 s reward latency, lognormal output lengths with
 median 512, log-sd 1 and a 32k cap, so the longest sample of a batch keeps growing
-with the batch).
+with the batch). `benchmarks/plan_areal.py` runs the same simulator on costs from the
+hardware table instead (`async_rl.plan`, docs/planning.md).
 
 Prints a table, then, as the last line, one JSON object with the headline figures;
 writes a PNG of throughput vs accelerator count for both modes to `--out`.

@@ -149,3 +149,41 @@ def test_sync_requires_eta_zero_and_positive_steps():
     SimConfig(mode="sync", max_staleness=1)
   with pytest.raises(ValueError, match="num_steps"):
     simulate(SimConfig(), 0)
+
+
+def test_kv_budget_of_one_sequence_decodes_one_sample_at_a_time():
+  # 178 tokens hold one prompt of 128 and its 50 generated tokens: the slots serialise.
+  cfg = _aligned(mode="sync", num_generators=1, trainer_accelerators=1, max_staleness=0,
+                 batch_groups=2, group_size=4, max_length=50, kv_tokens=178)
+  res = simulate(cfg, 2)
+  per_sample = 50 * (0.02 + 0.0005 * 1) + 1e-4 * 128
+  np.testing.assert_allclose(res.step_end_times, 8 * per_sample * np.arange(1, 3), rtol=_REL)
+  # One of 8 slots holds a sample while decoding (prefill is not decoding).
+  decoding = 50 * (0.02 + 0.0005) / per_sample
+  assert res.slot_occupancy == pytest.approx(decoding / 8, rel=1e-9) and res.preempted == 0
+
+
+def test_kv_budget_preempts_and_resumes_with_a_re_prefill():
+  # Two samples start (10 + 10 tokens) but cannot both grow to 10 + 50.
+  kw = dict(mode="sync", num_generators=1, trainer_accelerators=1, max_staleness=0, slots=2,
+            batch_groups=1, group_size=2, prompt_tokens=10, length_dist="constant",
+            length_median=50, max_length=50, trainer_per_token=0.0, prefill_per_token=1e-3)
+  free = simulate(SimConfig(**kw), 1)
+  tight = simulate(SimConfig(kv_tokens=80, **kw), 1)
+  assert free.preempted == 0 and tight.preempted >= 1
+  assert tight.trained_tokens == free.trained_tokens == 100
+  assert tight.step_end_times[0] > free.step_end_times[0]
+
+
+def test_decode_step_is_a_roofline_of_reads_and_compute():
+  # Compute 0.01 s per slot beats reads 0.02 + 0.0005 per slot from 3 slots on.
+  sync = simulate(_aligned(mode="sync", trainer_accelerators=4, max_staleness=0,
+                           decode_compute_per_slot=0.01), 2)
+  wave = 50 * (0.01 * 8) + 1e-4 * 128 * 8
+  assert sync.step_end_times[0] == pytest.approx(wave, rel=_REL)
+  # Reads growing with the live tokens: 128 + 50 per slot at the end, so between.
+  grown = simulate(_aligned(mode="sync", trainer_accelerators=4, max_staleness=0,
+                            decode_step_per_context_token=1e-5), 2)
+  low = 50 * (0.02 + 0.0005 * 8 + 1e-5 * 8 * 128) + 1e-4 * 128 * 8
+  high = 50 * (0.02 + 0.0005 * 8 + 1e-5 * 8 * 178) + 1e-4 * 128 * 8
+  assert low < grown.step_end_times[0] < high

@@ -1,9 +1,9 @@
-"""The binaries: train, eval, export_hf and serve_jetstream.
+"""The binaries: train, eval, export_hf, serve_jetstream and plan.
 
 Installed, each is a console script (`async-rl-train`, `async-rl-eval`,
-`async-rl-export`, `async-rl-serve`); `python -m async_rl.launch.NAME` runs the same
-binary, and so does `python -m launch.NAME` in a clone of the repository (`launch/`
-links here).
+`async-rl-export`, `async-rl-serve`, `async-rl-plan`); `python -m async_rl.launch.NAME`
+runs the same binary, and so does `python -m launch.NAME` in a clone of the repository
+(`launch/` links here).
 """
 
 import sys

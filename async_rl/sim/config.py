@@ -22,13 +22,19 @@ class SimConfig:
   `mode="async"`: `num_generators` and `trainer_accelerators` are disjoint and run
   concurrently. `accelerators` is the hardware either mode occupies.
 
-  Costs: a decode step of a generator with `a` active slots takes
-  `decode_step_base + decode_step_per_slot * a` and yields one token per active slot;
-  starting a sample costs `prefill_per_token * prompt_tokens`; under `retract` every
-  in-flight sample is re-prefilled (prompt and tokens so far) at each weight update;
+  Costs: a decode step of a generator with `a` active slots holding `c` live tokens
+  (prompts and tokens so far) takes the larger of its reads,
+  `decode_step_base + decode_step_per_slot * a + decode_step_per_context_token * c`,
+  and its compute, `decode_compute_per_slot * a + decode_compute_per_context_token * c`
+  (a roofline), and yields one token per active slot; starting a sample costs
+  `prefill_per_token` per token it holds (its prompt, and its tokens so far when it
+  resumes); under `retract` every in-flight sample is re-prefilled (prompt and tokens
+  so far) at each weight update; with `kv_tokens` > 0 a generator's live tokens may
+  not exceed it: a sample that finds no room waits, and when the slots' growth fills
+  it the newest sample is preempted back to the queue and re-prefilled when it resumes;
   applying new weights costs a generator `weight_sync`; a finished group is scored
-  `reward_latency` later; a training step costs
-  `trainer_per_token * (prompt + output tokens) / trainer_accelerators`.
+  `reward_latency` later; a training step costs `trainer_step_base +
+  trainer_per_token * (prompt + output tokens) / trainer_accelerators`.
 
   Output lengths: `length_dist` "constant" (`length_median` every time), "lognormal"
   (median `length_median`, log-sd `length_sigma`) or "pareto" (minimum
@@ -42,10 +48,15 @@ class SimConfig:
   slots: int = 16
   decode_step_base: float = 0.02
   decode_step_per_slot: float = 0.0005
+  decode_step_per_context_token: float = 0.0
+  decode_compute_per_slot: float = 0.0
+  decode_compute_per_context_token: float = 0.0
   prefill_per_token: float = 1e-5
   prompt_tokens: int = 128
+  kv_tokens: int = 0
   reward_latency: float = 0.0
   trainer_per_token: float = 3e-4
+  trainer_step_base: float = 0.0
   weight_sync: float = 0.0
   max_staleness: Optional[int] = 4
   batch_groups: int = 8
@@ -66,10 +77,15 @@ class SimConfig:
                  "batch_groups", "group_size", "max_length"):
       _check(name, isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
              "an int >= 1")
-    for name in ("decode_step_per_slot", "prefill_per_token", "reward_latency",
-                 "trainer_per_token", "weight_sync"):
+    for name in ("decode_step_per_slot", "decode_step_per_context_token",
+                 "decode_compute_per_slot", "decode_compute_per_context_token",
+                 "prefill_per_token", "reward_latency",
+                 "trainer_per_token", "trainer_step_base", "weight_sync"):
       _check(name, getattr(self, name) >= 0, ">= 0")
     _check("decode_step_base", self.decode_step_base > 0, "> 0")
+    _check("kv_tokens", isinstance(self.kv_tokens, int) and (
+        self.kv_tokens == 0 or self.kv_tokens >= self.prompt_tokens + self.max_length),
+           "0 (unbounded) or an int holding one sequence (prompt_tokens + max_length)")
     if self.length_dist != "empirical":
       _check("length_median", 1 <= self.length_median <= self.max_length,
              "in [1, max_length]")

@@ -8,6 +8,10 @@ weights, freed gate capacity). Admission goes through the real `StalenessGate`
 group with a token older than v - η is dropped when offered or, while waiting, when v
 moves; the trainer takes the oldest groups first): a finished group is offered as a
 `trajectory.Group` whose tokens carry the versions that generated them.
+
+When a decode step's cost grows with the live tokens, a segment also ends after its
+slots have grown by `_GROWTH` of what they hold, so that the step time is re-read as
+the KV cache grows; under a KV budget it ends before the budget is exceeded.
 """
 
 import dataclasses
@@ -22,11 +26,18 @@ from async_rl.sim.config import SimConfig, sample_lengths
 from async_rl.trajectory import Group, Trajectory
 
 Interval = tuple[float, float, str]
+_GROWTH = 0.05
 
 
 @dataclasses.dataclass
 class SimResult:
-  """What `simulate` predicts. Staleness counts trained generated tokens."""
+  """What `simulate` predicts. Staleness counts trained generated tokens.
+
+  `slot_occupancy` is the mean fraction of all generator slots holding a sample over the
+  wall time; `preempted` counts samples moved out of their slot for lack of KV room;
+  `generator_shares` splits the generators' time into what their timelines label
+  ("decode", "prefill", "update") and "idle".
+  """
   config: SimConfig
   wall_time: float
   trained_samples: int
@@ -40,6 +51,9 @@ class SimResult:
   staleness_mean: float
   staleness_max: int
   staleness_hist: list[int]
+  slot_occupancy: float
+  preempted: int
+  generator_shares: dict[str, float]
   step_end_times: list[float]
   timelines: dict[str, list[Interval]]  # component -> merged busy (start, end, label)
 
@@ -98,6 +112,8 @@ class _Simulation:
     self.published = 0  # Trainer version v: training steps completed.
     self.buffer = AdmissionBuffer(cfg.max_staleness)
     self.trainer_busy = False
+    self.slot_time = 0.0
+    self.preempted = 0
     self.generated = self.trained_samples = self.trained_tokens = 0
     self.step_end_times: list[float] = []
     self.timelines: dict[str, list[Interval]] = {g.name: [] for g in self.gens}
@@ -154,6 +170,7 @@ class _Simulation:
     cfg = self.cfg
     if gen.active and now > gen.seg_start:
       steps = round((now - gen.seg_start) / gen.dt)
+      self.slot_time += len(gen.active) * (now - gen.seg_start)
       self._busy(gen.name, gen.seg_start, now, "decode")
       still = []
       for sample in gen.active:
@@ -172,6 +189,10 @@ class _Simulation:
           self._push(now + cfg.reward_latency, "reward", group)
       self.generated += steps * len(gen.active)
       gen.active = still
+    if cfg.kv_tokens:
+      while len(gen.active) > 1 and self._live(gen.active) + len(gen.active) > cfg.kv_tokens:
+        gen.queue.insert(0, gen.active.pop())  # The newest sample gives its KV back.
+        self.preempted += 1
     overhead, label = 0.0, "prefill"
     if self.published > gen.version:
       if cfg.update_mode == "drain" and gen.active:
@@ -187,9 +208,17 @@ class _Simulation:
       group.samples = [_Sample(group, n) for n in sample_lengths(cfg, self.rng, cfg.group_size)]
       gen.queue.extend(group.samples)
     starting = gen.queue[:cfg.slots - len(gen.active)]
+    if cfg.kv_tokens:
+      live, fits = self._live(gen.active) + len(gen.active), 0
+      for sample in starting:
+        live += cfg.prompt_tokens + sample.done + 1
+        if live > cfg.kv_tokens and (gen.active or fits):
+          break
+        fits += 1
+      starting = starting[:fits]
     del gen.queue[:len(starting)]
     gen.active.extend(starting)
-    overhead += cfg.prefill_per_token * cfg.prompt_tokens * len(starting)
+    overhead += cfg.prefill_per_token * sum(cfg.prompt_tokens + s.done for s in starting)
     self._busy(gen.name, now, now + overhead, label)
     self._schedule(gen, now + overhead, overhead)
 
@@ -200,9 +229,23 @@ class _Simulation:
       if overhead > 0:
         self._wake(gen, start)  # Pick up whatever arrived while updating.
       return
-    gen.dt = self.cfg.decode_step_base + self.cfg.decode_step_per_slot * len(gen.active)
-    gen.seg_end = start + min(s.length - s.done for s in gen.active) * gen.dt
+    cfg, a = self.cfg, len(gen.active)
+    live = self._live(gen.active)
+    gen.dt = max(
+        cfg.decode_step_base + cfg.decode_step_per_slot * a
+        + cfg.decode_step_per_context_token * live,
+        cfg.decode_compute_per_slot * a + cfg.decode_compute_per_context_token * live)
+    steps = min(s.length - s.done for s in gen.active)
+    if cfg.decode_step_per_context_token or cfg.decode_compute_per_context_token:
+      steps = min(steps, max(1, math.ceil(_GROWTH * live / a)))
+    if cfg.kv_tokens:
+      steps = min(steps, max(1, (cfg.kv_tokens - live) // a))
+    gen.seg_end = start + steps * gen.dt
     self._wake(gen, gen.seg_end)
+
+  def _live(self, samples) -> int:
+    """Tokens the samples' KV cache holds: their prompts and what they generated."""
+    return sum(self.cfg.prompt_tokens + s.done for s in samples)
 
   def _offer(self, group, now):
     if self.buffer.offer(group.scored(), self.published, ticket=next(self.order)):
@@ -220,7 +263,7 @@ class _Simulation:
     tokens = generated + cfg.prompt_tokens * cfg.batch_groups * cfg.group_size
     self.trained_tokens += generated
     self.trained_samples += cfg.batch_groups * cfg.group_size
-    duration = cfg.trainer_per_token * tokens / cfg.trainer_accelerators
+    duration = cfg.trainer_step_base + cfg.trainer_per_token * tokens / cfg.trainer_accelerators
     self.trainer_busy = True
     self._busy("trainer", now, now + duration, "train")
     self._push(now + duration, "trained")
@@ -251,6 +294,13 @@ class _Simulation:
       self.timelines[name] = [(s, min(e, end), label) for s, e, label in lane if s < end]
     busy = {name: sum(e - s for s, e, _ in lane) for name, lane in self.timelines.items()}
     gen_busy = sum(v for k, v in busy.items() if k != "trainer")
+    gen_time = cfg.num_generators * end
+    shares = {}
+    for name, lane in self.timelines.items():
+      if name != "trainer":
+        for s, e, label in lane:
+          shares[label] = shares.get(label, 0.0) + (e - s) / gen_time
+    shares["idle"] = max(0.0, 1 - gen_busy / gen_time)
     hist = list(self.buffer.staleness_hist)
     counted = sum(hist)
     return SimResult(
@@ -258,10 +308,12 @@ class _Simulation:
         trained_tokens=self.trained_tokens, generated_tokens=self.generated,
         dropped_groups=self.buffer.dropped, samples_per_s=self.trained_samples / end,
         tokens_per_s=self.trained_tokens / end,
-        generator_idle=max(0.0, 1 - gen_busy / (cfg.num_generators * end)),
+        generator_idle=shares["idle"],
         trainer_idle=max(0.0, 1 - busy["trainer"] / end),
         staleness_mean=sum(k * c for k, c in enumerate(hist)) / max(counted, 1),
         staleness_max=len(hist) - 1 if counted else 0, staleness_hist=hist,
+        slot_occupancy=self.slot_time / (gen_time * cfg.slots), preempted=self.preempted,
+        generator_shares=shares,
         step_end_times=list(self.step_end_times), timelines=self.timelines)
 
 

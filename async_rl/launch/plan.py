@@ -1,0 +1,103 @@
+r"""Capacity planner: how to place an RL run on a cluster, and how fast it will go.
+
+  async-rl-plan --model=qwen2.5-7b --hardware=H100 --nodes=8 --gpus_per_node=8 \
+      --batch_groups=512 --group_size=16 --prompt_tokens=1024 --max_new_tokens=31744 \
+      --lengths=lognormal:8000:1.0 [--write_config=/tmp/plan.py]
+
+(in a clone of the repository, also `python -m launch.plan ...`). --model takes a
+preset, a config file or a Hugging Face config.json; --lengths takes
+lognormal:MEDIAN:SIGMA, pareto:MEDIAN:ALPHA, constant:N, file:PATH (a histogram) or
+workdir:PATH (a run's recorded lengths); --hardware is a row of the hardware table
+(`async_rl.plan.hardware`) or "host" (this machine, measured now).
+
+Searches placements (synchronous and asynchronous; the generation/training split, the
+engines' tensor-parallel degree, the trainer's FSDP degree, slots, KV budget, η, update
+mode), drops those that do not fit a device's memory, and prints the best simulated
+ones, fastest first, with their predicted throughput, memory per device and staleness.
+--write_config writes the best as a config file for `launch.train`. docs/planning.md
+explains the cost model.
+"""
+
+from absl import app, flags
+
+from async_rl import launch
+from async_rl.plan import hardware, inputs, search
+
+_MODEL = flags.DEFINE_string("model", None, "Preset name, config file (.py) or HF config.json.")
+_HARDWARE = flags.DEFINE_string("hardware", "H100", f"One of {sorted(hardware.HARDWARE)} or "
+                                f"{hardware.HOST!r}.")
+_NODES = flags.DEFINE_integer("nodes", 1, "Nodes.")
+_GPUS = flags.DEFINE_integer("gpus_per_node", 8, "Accelerators per node.")
+_BATCH = flags.DEFINE_integer("batch_groups", 64, "Prompt groups per training step.")
+_GROUP = flags.DEFINE_integer("group_size", 8, "Samples per prompt.")
+_PROMPT = flags.DEFINE_integer("prompt_tokens", 512, "Tokens of a prompt.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 8192, "The longest completion.")
+_LENGTHS = flags.DEFINE_string("lengths", "lognormal:2048:1.0", "Completion lengths.")
+_REWARD = flags.DEFINE_float("reward_latency", 0.0, "Seconds from a group's end to its reward.")
+_TOP = flags.DEFINE_integer("top", 2, "Placements per mode simulated at every η and update "
+                            "mode (the best by a closed-form estimate).")
+_ETAS = flags.DEFINE_list("etas", ["2", "4", "8"], "The η to try in async mode.")
+_WRITE = flags.DEFINE_string("write_config", None, "Write the best placement's config here.")
+flags.mark_flags_as_required(["model"])
+
+GIB = 2**30
+
+
+def main(argv):
+  del argv
+  try:
+    model = inputs.read_model(_MODEL.value)
+    lengths = inputs.read_lengths(_LENGTHS.value)
+    hw = hardware.hardware(_HARDWARE.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  workload = search.Workload(model, batch_groups=_BATCH.value, group_size=_GROUP.value,
+                             prompt_tokens=_PROMPT.value, max_new_tokens=_NEW.value,
+                             reward_latency=_REWARD.value, **lengths)
+  cluster = search.Cluster(hw, _NODES.value, _GPUS.value)
+  results = search.search(workload, cluster, top=_TOP.value,
+                          etas=tuple(int(e) for e in _ETAS.value))
+  print(f"{model.num_params() / 1e9:.2f}B params on {cluster.devices} x {hw.name} "
+        f"({_NODES.value} nodes); batch {workload.batch_groups} x {workload.group_size}, "
+        f"mean completion {workload.mean_length():.0f} tokens")
+  rows = sorted(results["sync"] + results["async"], key=lambda r: -r.samples_per_s)
+  if not rows:
+    print("no placement fits: a larger cluster, a smaller model or shorter sequences")
+    return
+  sync_best = max((r.samples_per_s for r in results["sync"]), default=None)
+  print(format_table(rows, sync_best))
+  best = rows[0]
+  if _WRITE.value:
+    p = best.placement
+    summary = (f"{p.mode} placement of {model.num_params() / 1e9:.2f}B params on "
+               f"{cluster.devices} x {hw.name}: predicted {best.samples_per_s:.2f} samples/s")
+    with open(_WRITE.value, "w") as f:
+      f.write(inputs.config_text(workload, p, nodes=cluster.nodes, summary=summary))
+    print(f"wrote {_WRITE.value}")
+
+
+def format_table(rows, sync_best) -> str:
+  """The ranked predictions, one line each."""
+  head = (f"{'#':>2} {'mode':5} {'gen':>5} {'tp':>2} {'train':>5} {'fsdp':>4} {'slots':>5} "
+          f"{'kv tok':>8} {'eta':>3} {'update':7} {'samples/s':>9} {'tok/s':>9} "
+          f"{'x sync':>6} {'GiB/dev':>7} {'stale':>5} {'occup':>5} {'gen idle':>8} "
+          f"{'tr idle':>7}")
+  out = [head]
+  for i, r in enumerate(rows, 1):
+    p = r.placement
+    ratio = f"{r.samples_per_s / sync_best:6.2f}" if sync_best else f"{'-':>6}"
+    out.append(f"{i:>2} {p.mode:5} {p.gen_devices:>5} {p.tp:>2} {p.train_devices:>5} "
+               f"{p.fsdp:>4} {p.slots:>5} {p.kv_tokens:>8} {p.max_staleness:>3} "
+               f"{p.update_mode:7} {r.samples_per_s:>9.2f} {r.tokens_per_s:>9.0f} {ratio} "
+               f"{r.memory_per_device / GIB:>7.1f} {r.staleness_mean:>5.2f} "
+               f"{r.slot_occupancy:>5.2f} {r.generator_idle:>8.2f} {r.trainer_idle:>7.2f}")
+  return "\n".join(out)
+
+
+def run():
+  """The console script `async-rl-plan`."""
+  launch.run(main, __name__, has_config=False)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,344 @@
+"""Placements of an RL run on a cluster: what fits, and how fast each runs (simulated).
+
+A `Workload` (model, batch, lengths) on a `Cluster` (hardware kind, nodes, devices per
+node) runs in a `Placement`: synchronous (every device generates, then every device
+trains: η = 0) or asynchronous (disjoint generator and trainer devices, η > 0). `predict`
+turns a placement into a `sim.SimConfig` with the costs of `plan.costs` and simulates
+it with the real staleness gate and admission buffer. `search` enumerates placements,
+drops those that do not fit in a device's memory, ranks the rest by a closed-form
+estimate, and simulates the best few.
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from async_rl.config import ModelConfig
+from async_rl.plan import costs
+from async_rl.plan.hardware import Hardware
+from async_rl.sim import SimConfig, sample_lengths, simulate
+
+# The share of a device's memory a run may fill: what the runtime, the compiled
+# programs' scratch and fragmentation leave (SGLang's default static fraction is
+# 0.8-0.9 of the GPU; this is the upper end).
+USABLE_MEMORY = 0.9
+_WARMUP_STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What one training step needs.
+
+  Attributes:
+    model: the model's shapes.
+    batch_groups: prompt groups per step (B).
+    group_size: samples per prompt (G).
+    prompt_tokens: tokens of a prompt.
+    max_new_tokens: the longest completion.
+    length_dist, length_median, length_sigma, length_alpha, length_samples: the
+      completion lengths, as `sim.SimConfig` takes them.
+    reward_latency: seconds from a group's last token to its reward.
+    train_tokens_per_mb: the trainer's micro-batch, in tokens (its activations).
+  """
+  model: ModelConfig
+  batch_groups: int
+  group_size: int
+  prompt_tokens: int
+  max_new_tokens: int
+  length_dist: str = "lognormal"
+  length_median: float = 1024.0
+  length_sigma: float = 1.0
+  length_alpha: float = 1.5
+  length_samples: tuple[int, ...] = ()
+  reward_latency: float = 0.0
+  train_tokens_per_mb: int = 32768
+
+  def length_fields(self) -> dict:
+    return dict(length_dist=self.length_dist, length_median=self.length_median,
+                length_sigma=self.length_sigma, length_alpha=self.length_alpha,
+                length_samples=self.length_samples, max_length=self.max_new_tokens)
+
+  def mean_length(self) -> float:
+    """The mean completion length (from a fixed sample of the distribution)."""
+    return float(self._lengths().mean())
+
+  def mean_live_tokens(self) -> float:
+    """The tokens a busy slot holds, averaged over time: a sample of n tokens holds a
+    slot for n steps at n / 2 on average, so long samples weigh n times more:
+    prompt + E[n^2] / (2 E[n])."""
+    n = self._lengths().astype(np.float64)
+    return self.prompt_tokens + float((n * n).mean() / (2 * n.mean()))
+
+  def _lengths(self) -> np.ndarray:
+    cfg = SimConfig(prompt_tokens=self.prompt_tokens, **self.length_fields())
+    return sample_lengths(cfg, np.random.default_rng(0), 20000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """`nodes` nodes of `devices_per_node` accelerators of kind `hardware`."""
+  hardware: Hardware
+  nodes: int = 1
+  devices_per_node: int = 8
+
+  @property
+  def devices(self) -> int:
+    return self.nodes * self.devices_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """One way to run a workload on a cluster.
+
+  Attributes:
+    mode: "sync" (generation and training alternate on every device) or "async"
+      (`gen_devices` generate while `train_devices` train).
+    gen_devices: devices running generator engines.
+    tp: devices per engine (tensor parallelism).
+    train_devices: devices of the trainer.
+    fsdp: the trainer's FSDP degree (params sharded over it; data-parallel across
+      `train_devices / fsdp` replicas).
+    slots: samples each engine decodes at once.
+    kv_tokens: each engine's KV budget in tokens.
+    max_staleness: η (0 in sync mode).
+    update_mode: how new weights reach in-flight samples.
+  """
+  mode: str
+  gen_devices: int
+  tp: int
+  train_devices: int
+  fsdp: int
+  slots: int
+  kv_tokens: int
+  max_staleness: Optional[int]
+  update_mode: str
+
+  @property
+  def engines(self) -> int:
+    return self.gen_devices // self.tp
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """A placement's simulated steady state: throughput, where time goes, memory."""
+  placement: Placement
+  samples_per_s: float
+  tokens_per_s: float
+  step_s: float
+  generator_memory: float
+  trainer_memory: float
+  slot_occupancy: float
+  generator_idle: float
+  trainer_idle: float
+  staleness_mean: float
+  staleness_hist: tuple[int, ...]
+  generator_shares: dict
+  preempted_per_step: float
+
+  @property
+  def memory_per_device(self) -> float:
+    """The largest use of one device's memory (both roles on each device in sync mode)."""
+    p = self.placement
+    if p.mode == "sync":
+      return self.generator_memory + self.trainer_memory
+    return max(self.generator_memory, self.trainer_memory)
+
+
+def device_memory(workload: Workload, p: Placement) -> tuple[float, float]:
+  """Bytes per device of a generator engine's device and of a trainer device."""
+  m = costs.memory_per_device(workload.model, kv_tokens=p.kv_tokens, tp=p.tp, fsdp=p.fsdp,
+                              train_tokens_per_mb=workload.train_tokens_per_mb)
+  return m["generator"], m["trainer"]
+
+
+def fits(workload: Workload, cluster: Cluster, p: Placement) -> bool:
+  """Whether the placement's busiest device holds what it must, in `USABLE_MEMORY`."""
+  gen, train = device_memory(workload, p)
+  used = gen + train if p.mode == "sync" else max(gen, train)
+  return used <= USABLE_MEMORY * cluster.hardware.hbm_bytes
+
+
+def max_kv_tokens(workload: Workload, cluster: Cluster, *, tp: int, fsdp: int,
+                  sync: bool) -> int:
+  """The largest KV budget of an engine that fits beside the rest (0 if none does)."""
+  m = costs.memory_per_device(workload.model, kv_tokens=0, tp=tp, fsdp=fsdp,
+                              train_tokens_per_mb=workload.train_tokens_per_mb)
+  room = USABLE_MEMORY * cluster.hardware.hbm_bytes - m["generator"]
+  if sync:
+    room -= m["trainer"]
+  per_token = costs.kv_bytes_per_token(workload.model) / min(tp, workload.model.n_kv_heads)
+  blocks = int(max(room, 0) // (per_token * 16))
+  return blocks * 16
+
+
+def sim_config(workload: Workload, cluster: Cluster, p: Placement) -> SimConfig:
+  """The placement as the simulator takes it, its costs from `plan.costs`."""
+  model, hw = workload.model, cluster.hardware
+  dc = costs.decode_cost(model, hw, tp=p.tp)
+  multi_node = cluster.nodes > 1
+  trainer_multi_node = p.train_devices > cluster.devices_per_node
+  sequence = workload.prompt_tokens + workload.mean_length()
+  return SimConfig(
+      mode=p.mode, num_generators=p.engines, trainer_accelerators=p.train_devices,
+      slots=p.slots, decode_step_base=dc.base, decode_step_per_slot=dc.per_slot,
+      decode_step_per_context_token=dc.per_token, decode_compute_per_slot=dc.compute_per_slot,
+      decode_compute_per_context_token=dc.compute_per_token,
+      prefill_per_token=costs.prefill_s_per_token(model, hw, workload.prompt_tokens, tp=p.tp),
+      prompt_tokens=workload.prompt_tokens, kv_tokens=p.kv_tokens,
+      reward_latency=workload.reward_latency,
+      trainer_per_token=costs.train_s_per_token(model, hw, sequence),
+      trainer_step_base=costs.train_sync_s(model, hw, p.train_devices,
+                                           crosses_nodes=trainer_multi_node),
+      weight_sync=costs.publish_s(model, hw, crosses_nodes=multi_node),
+      max_staleness=p.max_staleness, batch_groups=workload.batch_groups,
+      group_size=workload.group_size, update_mode=p.update_mode, **workload.length_fields())
+
+
+def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 6,
+            scale: int = 1, seed: int = 0) -> Prediction:
+  """Simulates `steps` training steps and measures those after the first
+  `_WARMUP_STEPS` (the pipeline's fill).
+
+  `scale` > 1 simulates 1/scale of the system: the engines and the batch divided by it,
+  and the trainer's devices too, by making each token cost `scale` times as much on
+  them, so each device sees the same load (the throughput is scaled back). The longest
+  sample of a smaller batch is a little shorter, which flatters sync slightly.
+
+  Raises:
+    ValueError: if `scale` divides the engines or the batch's groups unevenly.
+  """
+  cfg = sim_config(workload, cluster, p)
+  if scale > 1:
+    if cfg.num_generators % scale or cfg.batch_groups % scale:
+      raise ValueError(f"scale {scale} must divide the {cfg.num_generators} engines and the "
+                       f"{cfg.batch_groups} groups of a batch")
+    cfg = dataclasses.replace(
+        cfg, num_generators=cfg.num_generators // scale,
+        batch_groups=cfg.batch_groups // scale,
+        trainer_per_token=cfg.trainer_per_token * scale)
+  res = simulate(cfg, steps, seed)
+  ends = res.step_end_times
+  measured = steps - _WARMUP_STEPS
+  step_s = (ends[-1] - ends[_WARMUP_STEPS - 1]) / measured
+  samples = workload.batch_groups * workload.group_size
+  gen, train = device_memory(workload, p)
+  return Prediction(
+      placement=p, samples_per_s=samples / step_s,
+      tokens_per_s=res.trained_tokens / res.trained_samples * samples / step_s,
+      step_s=step_s, generator_memory=gen, trainer_memory=train,
+      slot_occupancy=res.slot_occupancy, generator_idle=res.generator_idle,
+      trainer_idle=res.trainer_idle, staleness_mean=res.staleness_mean,
+      staleness_hist=tuple(res.staleness_hist), generator_shares=res.generator_shares,
+      preempted_per_step=res.preempted / steps)
+
+
+def estimate_samples_per_s(workload: Workload, cluster: Cluster, p: Placement) -> float:
+  """A closed-form steady state, to rank placements before simulating them.
+
+  Generation: every engine keeps its slots full (as many as the KV budget holds), each
+  holding `Workload.mean_live_tokens` on average. Training: its per-token
+  cost. Async runs at the slower of the two; sync pays both in turn, and its generation
+  lasts as long as the longest sample of the batch (taken at the length cap).
+  """
+  cfg = sim_config(workload, cluster, p)
+  mean = workload.mean_length()
+  live_per_sample = workload.mean_live_tokens()
+  active = max(1, min(p.slots, int(p.kv_tokens // live_per_sample)))
+  samples = workload.batch_groups * workload.group_size
+  dc = costs.decode_cost(workload.model, cluster.hardware, tp=p.tp)
+  step = dc.step_s(active, int(active * live_per_sample))
+  gen_samples_per_s = p.engines * active / (step * mean)
+  train_s = cfg.trainer_step_base + cfg.trainer_per_token * samples * (
+      workload.prompt_tokens + mean) / p.train_devices + cfg.weight_sync
+  if p.mode == "async":
+    return min(gen_samples_per_s, samples / train_s)
+  per_engine = math.ceil(samples / p.engines)
+  waves = max(1, per_engine / active)
+  tail = workload.max_new_tokens * dc.step_s(1, workload.prompt_tokens + workload.max_new_tokens)
+  gen_s = max(waves * step * mean, tail)
+  return samples / (gen_s + train_s)
+
+
+def candidates(workload: Workload, cluster: Cluster, *, mode: str,
+               etas=(1, 2, 4, 8), update_modes=("retract", "keep"),
+               slots=(64, 128, 256), gen_fractions=(0.5, 0.625, 0.75, 0.875)) -> list:
+  """Every placement of `mode` that fits in memory, its KV budget the most that fits
+  (and no more than its slots at full length)."""
+  n, per_node = cluster.devices, cluster.devices_per_node
+  tps = [t for t in (1, 2, 4, 8) if t <= per_node and per_node % t == 0]
+  seq = workload.prompt_tokens + workload.max_new_tokens
+  out = []
+  for tp in tps:
+    if mode == "sync":
+      splits = [(n, n)]
+    else:
+      splits = sorted({(g, n - g) for f in gen_fractions
+                       for g in [int(round(n * f / tp)) * tp] if 0 < g < n})
+    for gen, train in splits:
+      for fsdp in sorted({min(train, per_node), train}):
+        if train % fsdp:
+          continue
+        kv_max = max_kv_tokens(workload, cluster, tp=tp, fsdp=fsdp, sync=mode == "sync")
+        if kv_max < seq:
+          continue
+        for s in slots:
+          kv = min(kv_max, s * seq)
+          base = dict(mode=mode, gen_devices=gen, tp=tp, train_devices=train, fsdp=fsdp,
+                      slots=s, kv_tokens=kv)
+          if mode == "sync":
+            out.append(Placement(max_staleness=0, update_mode="drain", **base))
+          else:
+            out.extend(Placement(max_staleness=eta, update_mode=u, **base)
+                       for eta in etas for u in update_modes)
+  return [p for p in out if fits(workload, cluster, p)]
+
+
+def search(workload: Workload, cluster: Cluster, *, top: int = 3, steps: int = 6,
+           max_simulated_samples: int = 1024, **grid) -> dict[str, list[Prediction]]:
+  """The best placements of each mode, simulated, fastest first.
+
+  Candidates are ranked by `estimate_samples_per_s`; of the `top` best distinct shapes
+  (η and update mode aside) the best is simulated at every η and update mode of the
+  grid, the others at the grid's middle ones; each at a scale that keeps its simulated
+  batch within `max_simulated_samples` samples (`sim_scale`).
+  """
+  out = {}
+  for mode in ("sync", "async"):
+    cands = candidates(workload, cluster, mode=mode, **grid)
+    estimates = {}
+    for p in cands:
+      if _shape(p) not in estimates:
+        estimates[_shape(p)] = estimate_samples_per_s(workload, cluster, p)
+    # The best `top` shapes, whatever their FSDP degree; between equal estimates, the
+    # larger degree (less memory per device).
+    best = {}
+    for shape in sorted(estimates, key=lambda k: (-estimates[k], -k[3])):
+      layout = shape[:3] + shape[4:]
+      if layout not in best and len(best) < top:
+        best[layout] = shape
+    first = next(iter(best.values()), None)
+    etas = sorted({p.max_staleness for p in cands})
+    modes = sorted({p.update_mode for p in cands})
+    middle = (etas[len(etas) // 2] if etas else 0, modes[-1] if modes else "drain")
+    chosen = [p for p in cands if _shape(p) in best.values() and (
+        _shape(p) == first or (p.max_staleness, p.update_mode) == middle)]
+    preds = [predict(workload, cluster, p, steps=steps,
+                     scale=sim_scale(workload, p, max_simulated_samples)) for p in chosen]
+    out[mode] = sorted(preds, key=lambda r: -r.samples_per_s)
+  return out
+
+
+def _shape(p: Placement) -> tuple:
+  return (p.gen_devices, p.tp, p.train_devices, p.fsdp, p.slots)
+
+
+def sim_scale(workload: Workload, p: Placement, limit: int) -> int:
+  """The smallest divisor of the engines and the batch's groups that brings the batch
+  within `limit` samples (their largest common one if none does)."""
+  common = math.gcd(workload.batch_groups, p.engines)
+  for k in range(1, common + 1):
+    if common % k == 0 and workload.batch_groups * workload.group_size // k <= limit:
+      return k
+  return common

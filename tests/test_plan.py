@@ -163,7 +163,8 @@ def test_areal_table1_speedup_within_20_percent(row):
 
 def test_read_model_and_lengths(tmp_path):
   assert inputs.read_model("qwen2.5-7b") == config.model_preset("qwen2.5-7b")
-  assert inputs.read_model(str(ROOT / "configs" / "qwen2_5_1_5b.py")).d_model == 1536
+  assert inputs.read_model(str(ROOT / "configs" / "qwen2_5.py")).d_model == 1536
+  assert inputs.read_model(str(ROOT / "configs" / "qwen2_5.py") + ":7b").d_model == 3584
   hf = dict(architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6,

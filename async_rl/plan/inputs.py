@@ -15,16 +15,19 @@ _Z90 = 1.2815515655446004  # the standard normal's 90th percentile
 
 
 def read_model(spec: str) -> config.ModelConfig:
-  """A model from a preset name (`config.MODEL_PRESETS`), a config file (`NAME.py`,
-  whose `get_config()` holds a `model` section), or a Hugging Face `config.json` (the
-  file or its directory)."""
+  """A model from a preset name (`config.MODEL_PRESETS`), a config file (`NAME.py`, or
+  `NAME.py:VARIANT` as `launch.train` takes it, whose `get_config()` holds a `model`
+  section), or a Hugging Face `config.json` (the file or its directory)."""
   if spec in config.MODEL_PRESETS:
     return config.model_preset(spec)
-  if spec.endswith(".py"):
-    loaded = importlib.util.spec_from_file_location("_plan_model_config", spec)
+  file, _, variant = spec.partition(".py:")
+  if spec.endswith(".py") or variant:
+    loaded = importlib.util.spec_from_file_location(
+        "_plan_model_config", spec if not variant else file + ".py")
     module = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(module)
-    return cli.from_dict(module.get_config()).model
+    values = module.get_config(variant) if variant else module.get_config()
+    return cli.from_dict(values).model
   path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
   if path.endswith(".json") and os.path.isfile(path):
     with open(path) as f:

@@ -396,6 +396,8 @@ class GenerationConfig:
     temperature: the sampling temperature (> 0 for training).
     top_k: sample from the k most likely tokens; 0: all.
     top_p: sample from the smallest set of tokens whose mass reaches top_p; 1: all.
+    truncated_logp: record and train log-probs under the top-k / top-p truncated
+      distribution tokens are drawn from; False: under the full softmax (comparison).
     num_slots: samples decoded at once per generator engine (S).
     update_mode: how new weights reach in-flight samples (`UPDATE_MODES`): "retract"
       re-prefills them, "keep" keeps their KV cache, "drain" lets them finish first.
@@ -412,6 +414,7 @@ class GenerationConfig:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  truncated_logp: bool = True
   num_slots: int = 32
   update_mode: str = "retract"
   steps_per_call: int = 8

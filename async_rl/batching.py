@@ -99,7 +99,8 @@ class PackedBatch:
     behav_logp: float32 behaviour-policy log-prob, 0 off the mask.
     advantages: float32 the trajectory's advantage, 0 off the mask.
     versions: int32 version of each loss-mask token, -1 elsewhere; only packed
-      (`with_versions`) for the log-linear proximal estimate, None otherwise.
+      (`with_versions`) for the trainer (the log-linear proximal estimate and the
+      step's mismatch metrics), None otherwise.
     ref_logp: float32 reference-policy log-prob, 0 off the mask; set by the trainer
       (not packed) when the KL penalty is in the loss, None otherwise.
     top_k, top_p: int32 and float32 truncation each loss-mask token's behaviour

@@ -3,6 +3,7 @@ support they were drawn from, through the real engine -> trajectory -> packing -
 policy path; and the step's mismatch metrics, within the rounding bound of the dtype."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -12,7 +13,9 @@ import pytest
 from async_rl import batching, loss, models, policy, sharding, train_step
 from async_rl.config import MeshConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
+from async_rl.rl import build
 from async_rl.trajectory import Trajectory
+from rl_test_utils import small_config
 
 CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   head_dim=8, d_ff=64)
@@ -138,3 +141,19 @@ def test_the_step_measures_the_mismatch_of_its_own_versions_tokens(num_minibatch
   np.testing.assert_allclose(metrics["mismatch_mean"], d.mean(), atol=1e-5)
   np.testing.assert_allclose(metrics["mismatch_abs_max"], np.abs(d).max(), atol=1e-5)
   np.testing.assert_allclose(metrics["mismatch_k3"], np.mean(np.exp(d) - 1 - d), atol=1e-5)
+
+
+def test_a_run_with_top_p_trains_on_the_drawn_support_and_logs_the_mismatch(tmp_path):
+  cfg = small_config(**{"generation.top_p": 0.9, "generation.top_k": 20,
+                        "staleness.max_staleness": 0, "generation.update_mode": "drain",
+                        "num_steps": 2})
+  lines = []
+  build.run(cfg, str(tmp_path), progress=False, echo=lines.append)
+  steps = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  steps = [s for s in steps if "mismatch_tokens" in s]
+  assert len(steps) == 2
+  for s in steps:
+    # Synchronous: the step's version made every token it trains.
+    assert s["mismatch_tokens"] == s["trained_tokens"] > 0
+    assert s["mismatch_abs_max"] <= policy.LOGP_ROUNDING[cfg.model.dtype]
+  assert sum("logp_mismatch=" in line for line in lines) == 2

@@ -233,6 +233,7 @@ class TrainLoop:
         self._eval_and_log()
       if version % self.checkpoint_every == 0:
         self._checkpoint()
+      self.checkpointer.check()  # a failed background write stops the run now
 
   def _checkpoint_before_stopping(self) -> str:
     """Saves the current version on the way out; says what became of it."""

@@ -113,9 +113,9 @@ def test_a_step_whose_contents_disagree_with_its_number_is_damaged(tmp_path):
   checkpointer.close()
 
 
-def _fail_writes_after(monkeypatch, good: int):
+def _fail_writes_after(monkeypatch, good: int) -> dict:
   """Orbax's background write of every checkpoint after the first `good` fails with
-  ENOSPC, as on a full disk."""
+  ENOSPC, as on a full disk; the dict returned gets the time of the first failure."""
   calls = {"n": 0}
   write = ocp.JsonCheckpointHandler._save_fn
 
@@ -123,10 +123,12 @@ def _fail_writes_after(monkeypatch, good: int):
     calls["n"] += 1
     if calls["n"] > good:
       await asyncio.sleep(0.1)
+      calls.setdefault("failed_at", time.monotonic())
       raise OSError(errno.ENOSPC, "No space left on device")
     return await write(self, *args, **kwargs)
 
   monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_disk)
+  return calls
 
 
 def test_a_failed_background_write_surfaces_at_once_and_keeps_the_last_good_one(
@@ -154,17 +156,19 @@ def test_the_first_save_refuses_a_directory_without_room(tmp_path, monkeypatch):
   assert checkpointer.latest_step() is None
 
 
-def test_a_run_whose_checkpoint_write_fails_stops_within_a_step_and_frees_the_workdir(
+def test_a_run_whose_checkpoint_write_fails_stops_within_seconds_and_frees_the_workdir(
     tmp_path, monkeypatch):
-  # Checkpoints every 2 steps; the second (version 4) fails in the background.
-  _fail_writes_after(monkeypatch, good=1)
-  cfg = small_config(**{"num_steps": 12, "checkpoint.every_steps": 2})
+  # Checkpoints every 10 steps; the second (version 20) fails in the background. Before
+  # the loop asked after every step, the run went on to the next save (version 30).
+  calls = _fail_writes_after(monkeypatch, good=1)
+  cfg = small_config(**{"num_steps": 30, "checkpoint.every_steps": 10})
   with pytest.raises(CheckpointError, match="No space left on device") as e:
     build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
-  assert "the last good checkpoint is 2" in str(e.value)
+  assert time.monotonic() - calls["failed_at"] < 10
+  assert "the last good checkpoint is 10" in str(e.value)
   steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
            if '"loss"' in l]
-  assert max(steps) <= 5  # stopped after the step it failed in, not at the next save
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+  assert 20 <= max(steps) < 30
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["10"]
   with workdir.hold(str(tmp_path)):  # the lock is free
     pass

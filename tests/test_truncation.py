@@ -79,7 +79,7 @@ def test_a_drawn_token_is_always_in_the_trainers_support():
   batch = _pack(_generate(CFG, params, sampling, seed=1))
   tokens, mask = batch.tokens[0], batch.loss_mask[0] > 0
   x = models.hidden(params, CFG, tokens, batch.positions[0], batch.segment_ids[0])
-  scaled = np.asarray(models.unembed(params, CFG, x), np.float32)[:, :-1] / 1.0
+  scaled = np.asarray(models.unembed(params, CFG, x), np.float32)[:, :-1]  # temperature 1
   R, T1, V = scaled.shape
   keep = np.asarray(jax.vmap(policy.support)(scaled.reshape(-1, V),
                                              batch.top_k[0][:, 1:].reshape(-1),

@@ -99,9 +99,14 @@ class PackedBatch:
     behav_logp: float32 behaviour-policy log-prob, 0 off the mask.
     advantages: float32 the trajectory's advantage, 0 off the mask.
     versions: int32 version of each loss-mask token, -1 elsewhere; only packed
-      (`with_versions`) for the log-linear proximal estimate, None otherwise.
+      (`with_versions`) for the trainer (the log-linear proximal estimate and the
+      step's mismatch metrics), None otherwise.
     ref_logp: float32 reference-policy log-prob, 0 off the mask; set by the trainer
       (not packed) when the KL penalty is in the loss, None otherwise.
+    top_k, top_p: int32 and float32 truncation each loss-mask token's behaviour
+      log-prob is taken under (its trajectory's `top_k` / `top_p`), 0 and 1
+      elsewhere; packed only when a trajectory is truncated, None otherwise (the
+      log-probs are then of the full softmax, at no cost for truncation).
   """
   tokens: np.ndarray
   positions: np.ndarray
@@ -111,6 +116,8 @@ class PackedBatch:
   advantages: np.ndarray
   versions: Optional[np.ndarray] = None
   ref_logp: Optional[np.ndarray] = None
+  top_k: Optional[np.ndarray] = None
+  top_p: Optional[np.ndarray] = None
 
 
 def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[SequenceOf[int]], *,
@@ -120,7 +127,7 @@ def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[Sequenc
   Each row holds its group's trajectories concatenated in order, then padding up to
   `row_len`; trajectory i's loss-mask tokens get advantage `advantages_N[i]`. Empty
   rows pad the row count to a multiple of `rows_per_mb`; an empty group gives an
-  empty row.
+  empty row. The truncation fields are packed when a trajectory is truncated.
 
   Raises:
     ValueError: if a group holds more than `row_len` tokens, or on invalid arguments.
@@ -139,6 +146,9 @@ def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[Sequenc
   behav_logp = np.zeros(shape, np.float32)
   advantages = np.zeros(shape, np.float32)
   versions = np.full(shape, -1, np.int32)
+  truncated = any(trajs[i].truncated for group in groups for i in group)
+  top_k = np.zeros(shape, np.int32)
+  top_p = np.ones(shape, np.float32)
   for r, group in enumerate(groups):
     total = sum(len(trajs[i]) for i in group)
     if total > row_len:
@@ -155,13 +165,16 @@ def pack(trajs: SequenceOf[Trajectory], advantages_N, groups: SequenceOf[Sequenc
       behav_logp[r, span] = np.where(mask_T, traj.logp_T, 0.0)
       advantages[r, span] = np.where(mask_T, advantages_N[i], 0.0)
       versions[r, span] = np.where(mask_T, traj.versions_T, -1)
+      top_k[r, span] = np.where(mask_T, traj.top_k, 0)
+      top_p[r, span] = np.where(mask_T, traj.top_p, 1.0)
       start = span.stop
   to_mrt = lambda x: x.reshape(num_mb, rows_per_mb, row_len)
   return PackedBatch(
       tokens=to_mrt(tokens), positions=to_mrt(positions),
       segment_ids=to_mrt(segment_ids), loss_mask=to_mrt(loss_mask),
       behav_logp=to_mrt(behav_logp), advantages=to_mrt(advantages),
-      versions=to_mrt(versions) if with_versions else None)
+      versions=to_mrt(versions) if with_versions else None,
+      top_k=to_mrt(top_k) if truncated else None, top_p=to_mrt(top_p) if truncated else None)
 
 
 def default_row_buckets(max_tokens_per_mb: int, smallest: int = 64,
@@ -317,6 +330,6 @@ def pad_micro_batches(batch: PackedBatch, multiple: int) -> PackedBatch:
   for name in PackedBatch.__dataclass_fields__:
     x = getattr(batch, name)
     if x is not None:
-      fill = -1 if name == "versions" else 0
+      fill = {"versions": -1, "top_p": 1}.get(name, 0)
       padded[name] = np.concatenate([x, np.full((extra, *x.shape[1:]), fill, x.dtype)])
   return batch.replace(**padded)

@@ -345,6 +345,9 @@ class GenerationConfig:
   top_k: int = _field(0, "sample from the k most likely tokens; 0: all.")
   top_p: float = _field(
       1.0, "sample from the smallest set of tokens whose mass reaches top_p; 1: all.")
+  truncated_logp: bool = _field(
+      True, "record and train log-probs under the top-k / top-p truncated distribution tokens "
+      "are drawn from; False: under the full softmax (comparison).")
   num_slots: int = _field(32, "samples decoded at once per generator engine (S).")
   update_mode: str = _field(
       "retract", 'how new weights reach in-flight samples (`UPDATE_MODES`): "retract" '

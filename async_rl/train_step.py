@@ -103,10 +103,31 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
       ref_params=None if abstract_state.ref_params is None else params_sh)
 
 
+def _logp_and_entropy(params, mb: PackedBatch, *, model_cfg, temperature, rows):
+  """`policy.logp_and_entropy` of a micro-batch, on the truncated support its tokens
+  were sampled from where the batch carries one."""
+  return policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions, mb.segment_ids,
+                                 temperature=temperature, top_k_BT=mb.top_k,
+                                 top_p_BT=mb.top_p, rows=rows)
+
+
+def mismatch(logp, behav_logp, on, num_tokens):
+  """The behaviour-vs-recomputed log-ratio d = log π_θ - log π_behav over the tokens
+  `on`, as metrics that add up over micro-batches and updates (`finish_step` turns
+  them into the step's): `mismatch_mean` (of d), `mismatch_k3` (the k3 estimate of
+  KL(π_behav || π_θ), exp(d) - 1 - d, for tokens drawn from π_behav),
+  `mismatch_abs_max` (max |d|) and `mismatch_tokens` (how many)."""
+  d = jnp.where(on, jax.lax.stop_gradient(logp) - behav_logp, 0.0)
+  return {"mismatch_mean": d.sum() / num_tokens,
+          "mismatch_k3": off_policy.divergence(-d, "kl_k3").sum() / num_tokens,
+          "mismatch_abs_max": jnp.abs(d).max(),
+          "mismatch_tokens": on.sum() / num_tokens}
+
+
 def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta_version, *,
              model_cfg, loss_fn, temperature, rows):
-  logp, ent = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
-                                      mb.segment_ids, temperature=temperature, rows=rows)
+  logp, ent = _logp_and_entropy(params, mb, model_cfg=model_cfg, temperature=temperature,
+                                rows=rows)
   if prox_logp is None:
     prox_logp = off_policy.loglinear_prox_logp(logp, mb.behav_logp, mb.versions,
                                                prox_version=prox_version,
@@ -114,8 +135,14 @@ def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta
   # Only a batch with reference log-probs passes them, so losses without a KL term
   # (the SFT loss) keep their signature.
   ref = {} if mb.ref_logp is None else {"ref_logp": mb.ref_logp}
-  return loss_fn(logp, prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
-                 mb.segment_ids, num_tokens=num_tokens, entropy=ent, **ref)
+  loss, metrics = loss_fn(logp, prox_logp, mb.behav_logp, mb.advantages, mb.loss_mask,
+                          mb.segment_ids, num_tokens=num_tokens, entropy=ent, **ref)
+  if mb.versions is not None:
+    # Tokens the params being trained produced, before the first update moves them:
+    # their recorded and recomputed log-probs differ only by rounding.
+    on = (mb.versions == prox_version) & (mb.loss_mask != 0) & (theta_version == prox_version)
+    metrics = {**metrics, **mismatch(logp, mb.behav_logp, on, num_tokens)}
+  return loss, metrics
 
 
 def _combine(acc, new):
@@ -199,6 +226,11 @@ def finish_step(state: TrainState, per_update):
   metrics.update(grad_norm=per_update["grad_norm"].mean(),
                  skipped=per_update["skipped"].any().astype(jnp.int32),
                  applied_updates=per_update["applied_updates"].sum(dtype=jnp.int32))
+  if "mismatch_tokens" in metrics:  # token means over the mismatch's own tokens
+    share = metrics["mismatch_tokens"]
+    for k in ("mismatch_mean", "mismatch_k3"):
+      metrics[k] = jnp.where(share > 0, metrics[k] / jnp.where(share > 0, share, 1.0), 0.0)
+    metrics["mismatch_tokens"] = jnp.round(share * total)
   return state.replace(step=state.step + 1), metrics
 
 
@@ -230,7 +262,9 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
 
   A non-finite loss or gradient leaves params and optimizer moments as they were
   (that update is skipped). Metrics are the whole batch's: token means weighted by
-  each minibatch's tokens, `skipped` 1 if any update was skipped, `applied_updates`.
+  each minibatch's tokens, `skipped` 1 if any update was skipped, `applied_updates`;
+  with `batch.versions`, the `mismatch` of the tokens of version v, measured in the
+  first update's forward pass (before it moves the params).
   """
   n = num_minibatches
   version = state.step
@@ -255,8 +289,8 @@ def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,
   """Log-probs [M, R, T] of the batch's tokens under `params` (the proximal policy);
   `rows` as `train_step`'s."""
   def one(mb):
-    logp, _ = policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions,
-                                      mb.segment_ids, temperature=temperature, rows=rows)
+    logp, _ = _logp_and_entropy(params, mb, model_cfg=model_cfg, temperature=temperature,
+                                rows=rows)
     return logp * mb.loss_mask
 
   def body(_, mb):

@@ -15,6 +15,11 @@ All per-token arrays have one length T: the prompt, then everything after it
   versions_T   int32 version of the params that produced each policy token; -1 on
                prompt and environment tokens.
 
+The behaviour log-probs are taken under the distribution the policy tokens were drawn
+from: softmax(logits / temperature) truncated to the top-k / top-p support that
+`top_k` and `top_p` (per sample) give `policy.support`; 0 and 1 mean the full
+softmax. The trainer scores the tokens on the support the same function gives.
+
 Policy tokens are exactly those with `versions_T >= 0`. The loss mask is usually the
 policy tokens; it can hold fewer (a policy token too stale to train on) or, for a
 supervised sequence, non-policy tokens. Staleness at trainer version v is
@@ -39,6 +44,8 @@ class Trajectory:
       workflow's own reason.
     reward: the scalar reward, None until scored.
     metadata: anything the task or workflow attaches (not read by the trainer).
+    top_k, top_p: the truncation `logp_T` is taken under (the sampling's
+      `SamplingParams.logp_truncation`); 0 and 1: none.
   """
   tokens_T: np.ndarray
   loss_mask_T: np.ndarray
@@ -48,6 +55,8 @@ class Trajectory:
   finish_reason: str
   reward: Optional[float] = None
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  top_k: int = 0
+  top_p: float = 1.0
 
   @classmethod
   def from_completion(cls, prompt_P, completion_C, logp_C, versions_C, finish_reason: str,
@@ -77,6 +86,11 @@ class Trajectory:
   @property
   def num_policy_tokens(self) -> int:
     return int(np.count_nonzero(self.versions_T >= 0))
+
+  @property
+  def truncated(self) -> bool:
+    """Whether `logp_T` is taken under a truncated distribution."""
+    return self.top_k > 0 or self.top_p < 1
 
   def with_reward(self, reward: float) -> "Trajectory":
     return dataclasses.replace(self, reward=float(reward))
@@ -121,11 +135,16 @@ def validate(traj: Trajectory, *, vocab_size: Optional[int] = None) -> Trajector
     raise ValueError(f"Trajectory.finish_reason must be a str, got {traj.finish_reason!r}")
   if traj.reward is not None and not np.isreal(traj.reward):
     raise ValueError(f"Trajectory.reward must be a real number or None, got {traj.reward!r}")
+  if not (isinstance(traj.top_k, (int, np.integer)) and traj.top_k >= 0):
+    raise ValueError(f"Trajectory.top_k must be an int >= 0 (0: none), got {traj.top_k!r}")
+  if not 0 < traj.top_p <= 1:
+    raise ValueError(f"Trajectory.top_p must lie in (0, 1] (1: none), got {traj.top_p!r}")
   return dataclasses.replace(
       traj, tokens_T=tokens_T.astype(np.int32), loss_mask_T=mask_T,
       logp_T=np.where(arrays["versions_T"] >= 0, arrays["logp_T"], 0).astype(np.float32),
       versions_T=arrays["versions_T"].astype(np.int32), prompt_len=int(traj.prompt_len),
-      reward=None if traj.reward is None else float(traj.reward))
+      reward=None if traj.reward is None else float(traj.reward), top_k=int(traj.top_k),
+      top_p=float(traj.top_p))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -190,7 +209,8 @@ def split_turns(traj: Trajectory) -> list[Trajectory]:
         logp_T=_within(traj.logp_T, start, end, 0),
         versions_T=_within(traj.versions_T, start, end, -1), prompt_len=int(start),
         finish_reason=traj.finish_reason if k == len(starts) - 1 else "stop",
-        reward=traj.reward, metadata={**traj.metadata, "turn": k}))
+        reward=traj.reward, metadata={**traj.metadata, "turn": k}, top_k=traj.top_k,
+        top_p=traj.top_p))
   return out or [traj]
 
 

@@ -1,5 +1,6 @@
 """Tests for async_rl.batching: FFD allocation, packing, bucketed shapes."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -190,14 +191,28 @@ def test_pack_hand_case():
       loss_mask=([0, 0, 1, 1, 0, 1, 1, 0], np.float32),
       behav_logp=([0, 0, -0.5, -0.25, 0, -1, -2, 0], np.float32),
       advantages=([0, 0, 1.5, 1.5, 0, -2, -2, 0], np.float32))
-  assert set(expected) | {"versions", "ref_logp"} == set(vars(batch)), "only what the device reads"
-  assert batch.versions is None, "versions are packed only for the log-linear estimate"
+  assert set(expected) | {"versions", "ref_logp", "top_k", "top_p"} == set(vars(batch)), \
+      "only what the device reads"
+  assert batch.versions is None, "versions are packed only when asked"
+  assert batch.top_k is None and batch.top_p is None, "no truncation, no truncation fields"
   assert batch.ref_logp is None, "the trainer adds reference log-probs, packing does not"
   for name, (row, dtype) in expected.items():
     got = getattr(batch, name)
     assert got.dtype == dtype, name
     np.testing.assert_array_equal(got[0, 0], np.array(row, dtype), err_msg=name)
     np.testing.assert_array_equal(got[0, 1], np.zeros(8, dtype), err_msg=name)
+
+
+def test_pack_places_each_tokens_truncation_on_its_loss_mask():
+  a = dataclasses.replace(_seq([11, 12], [13, 14]), top_k=5, top_p=0.9)
+  b = _seq([21], [22, 23])  # no truncation: the full softmax
+  batch = batching.pack([a, b], [0.0, 0.0], [[0, 1]], rows_per_mb=1, row_len=8)
+  np.testing.assert_array_equal(batch.top_k[0, 0], [0, 0, 5, 5, 0, 0, 0, 0])
+  np.testing.assert_allclose(batch.top_p[0, 0], [1, 1, 0.9, 0.9, 1, 1, 1, 1])
+  assert batch.top_k.dtype == np.int32 and batch.top_p.dtype == np.float32
+  padded = batching.pad_micro_batches(batch, 2)
+  np.testing.assert_array_equal(padded.top_k[1], 0)
+  np.testing.assert_array_equal(padded.top_p[1], 1)
 
 
 def test_pack_follows_the_loss_mask():

@@ -1,16 +1,27 @@
 """Checkpoints that survive damage: a truncated file or a missing item in the newest
-step falls back to the previous one; with none left, a clear error."""
+step falls back to the previous one; with none left, a clear error. A write that fails
+(no space left) surfaces at once as a CheckpointError naming where and why, keeping
+the last good checkpoint; in a run it stops the run and frees the workdir."""
 
+import asyncio
+import errno
+import json
 import os
+import shutil
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import struct
 
+from async_rl.rl import build, workdir
 from async_rl.rl.checkpoint import Checkpointer, NoUsableCheckpointError
+from async_rl.rl.errors import CheckpointError
+from rl_test_utils import small_config
 
 
 @struct.dataclass
@@ -100,3 +111,64 @@ def test_a_step_whose_contents_disagree_with_its_number_is_damaged(tmp_path):
   restored = checkpointer.restore_latest(_abstract())
   assert restored.step == 1 and "train state is at step 7" in restored.damaged[0][1]
   checkpointer.close()
+
+
+def _fail_writes_after(monkeypatch, good: int) -> dict:
+  """Orbax's background write of every checkpoint after the first `good` fails with
+  ENOSPC, as on a full disk; the dict returned gets the time of the first failure."""
+  calls = {"n": 0}
+  write = ocp.JsonCheckpointHandler._save_fn
+
+  async def full_disk(self, *args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] > good:
+      await asyncio.sleep(0.1)
+      calls.setdefault("failed_at", time.monotonic())
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return await write(self, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_disk)
+  return calls
+
+
+def test_a_failed_background_write_surfaces_at_once_and_keeps_the_last_good_one(
+    tmp_path, monkeypatch):
+  checkpointer = _checkpoints(tmp_path, steps=(1,))
+  _fail_writes_after(monkeypatch, good=0)
+  checkpointer.save(2, _state(2), {"version": 2})  # returns: the write is in the background
+  deadline = time.monotonic() + 30
+  with pytest.raises(CheckpointError) as e:
+    while time.monotonic() < deadline:
+      checkpointer.check()
+      time.sleep(0.05)
+  message = str(e.value)
+  assert "No space left on device" in message and str(tmp_path / "checkpoints") in message
+  assert "a checkpoint needs ~0 MiB" in message and "the last good checkpoint is 1" in message
+  assert checkpointer.latest_step() == 1
+  assert checkpointer.restore_latest(_abstract()).step == 1
+
+
+def test_the_first_save_refuses_a_directory_without_room(tmp_path, monkeypatch):
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=2)
+  monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000))
+  with pytest.raises(CheckpointError, match=r"no room for a checkpoint in .*checkpoints"):
+    checkpointer.save(1, _state(1), {"version": 1})
+  assert checkpointer.latest_step() is None
+
+
+def test_a_run_whose_checkpoint_write_fails_stops_within_seconds_and_frees_the_workdir(
+    tmp_path, monkeypatch):
+  # Checkpoints every 10 steps; the second (version 20) fails in the background. Before
+  # the loop asked after every step, the run went on to the next save (version 30).
+  calls = _fail_writes_after(monkeypatch, good=1)
+  cfg = small_config(**{"num_steps": 30, "checkpoint.every_steps": 10})
+  with pytest.raises(CheckpointError, match="No space left on device") as e:
+    build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  assert time.monotonic() - calls["failed_at"] < 10
+  assert "the last good checkpoint is 10" in str(e.value)
+  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
+           if '"loss"' in l]
+  assert 20 <= max(steps) < 30
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["10"]
+  with workdir.hold(str(tmp_path)):  # the lock is free
+    pass

@@ -60,9 +60,14 @@ def _full_logits(params, seq):
   return np.asarray(_forward(params, CFG, *_padded(seq)))[0, :len(seq)]
 
 
-def _recompute_logp(params, prompt, tokens, temperature):
+def _recompute_logp(params, prompt, tokens, temperature, top_k=0, top_p=1.0):
+  """The policy's log-probs of `tokens` after `prompt`, on the support of the given
+  truncation (none by default)."""
   seq = np.concatenate([prompt, tokens])
-  logp_1T, _ = _logp_and_entropy(params, CFG, *_padded(seq), temperature=temperature)
+  truncation = {} if (top_k, top_p) == (0, 1.0) else {
+      "top_k_BT": np.full((1, T), top_k, np.int32), "top_p_BT": np.full((1, T), top_p, np.float32)}
+  logp_1T, _ = _logp_and_entropy(params, CFG, *_padded(seq), temperature=temperature,
+                                 **truncation)
   return np.asarray(logp_1T)[0, len(prompt):len(seq)]
 
 
@@ -175,16 +180,24 @@ def test_greedy_pool_equals_argmax_of_full_reforward(engine, params):
       seq.append(int(token))
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.6), (5, 0.8)])
-def test_behaviour_logp_equals_policy_recomputation(engine, params, top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,truncated_logp", [
+    (0, 1.0, True), (3, 1.0, True), (0, 0.6, True), (5, 0.8, True), (5, 0.8, False)])
+def test_behaviour_logp_equals_policy_recomputation(engine, params, top_k, top_p,
+                                                    truncated_logp):
   prompts = _prompts(2, 4)
-  sp = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=3)
+  sp = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=3,
+                      truncated_logp=truncated_logp)
   results = _run(engine, params, [Request(i, p, n=2, sampling=sp) for i, p in enumerate(prompts)])
   for prompt, samples in zip(prompts, results):
     for s in samples:
-      # Full-softmax log-prob at the temperature, whatever the truncation.
-      np.testing.assert_allclose(_logp(s), _recompute_logp(params, prompt, s.completion_C, 0.7),
-                                 atol=1e-4)
+      # The sample records the truncation its log-probs are under, and the policy
+      # scores the tokens on that truncation's support: the two agree to rounding.
+      assert (s.top_k, s.top_p) == ((top_k, top_p) if truncated_logp else (0, 1.0))
+      np.testing.assert_allclose(
+          _logp(s), _recompute_logp(params, prompt, s.completion_C, 0.7, s.top_k, s.top_p),
+          atol=1e-4)
+      if s.truncated:  # Renormalised over the support: above the full softmax's.
+        assert np.all(_logp(s) >= _recompute_logp(params, prompt, s.completion_C, 0.7) - 1e-6)
       seq = np.concatenate([prompt, s.completion_C])
       logits_TV = _full_logits(params, seq)[len(prompt) - 1:-1]
       probs_TV = np.asarray(jax.nn.softmax(logits_TV / 0.7))
@@ -245,7 +258,8 @@ def test_sample_draws_what_jax_random_categorical_draws():
   for i in range(S):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(11), i), positions_S[i])
     scaled_V = logits_SV[i] / sp[i % 3].temperature
-    truncated_V = sampling_lib._truncate(scaled_V, sp[i % 3].top_k, sp[i % 3].top_p)
+    keep_V = policy.support(scaled_V, sp[i % 3].top_k, sp[i % 3].top_p)
+    truncated_V = np.where(keep_V, scaled_V, -np.inf)
     assert tokens_S[i] == jax.random.categorical(key, truncated_V)
 
 

@@ -89,3 +89,48 @@ def test_chunked_logp_and_gradients_equal_unchunked():
       np.testing.assert_allclose(logp_5[row, start:start + n], _single(params, cfg, s, 0.7),
                                  atol=2e-5)
       start += n
+
+
+def test_truncated_scoring_renormalises_over_the_support_chunked_as_unchunked():
+  cfg, params = _setup()
+  rng = np.random.default_rng(2)
+  B, T = 2, 20
+  tokens = rng.integers(0, 37, (B, T))
+  pos = np.arange(T)[None].repeat(B, 0)
+  seg = np.ones((B, T), int)
+  top_k = np.where(rng.random((B, T)) < 0.5, 5, 0).astype(np.int32)
+  top_p = np.where(rng.random((B, T)) < 0.5, 0.6, 1.0).astype(np.float32)
+  weights = rng.normal(size=(2, B, T))
+
+  def loss(params, max_chunk_logits):
+    logp, ent = policy.logp_and_entropy(params, cfg, tokens, pos, seg, temperature=0.7,
+                                        top_k_BT=top_k, top_p_BT=top_p,
+                                        max_chunk_logits=max_chunk_logits)
+    return jnp.sum(weights[0] * logp + weights[1] * ent), (logp, ent)
+
+  run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+  (_, (logp_1, ent_1)), grads_1 = run(params, 2 * B * T * 37)
+  (_, (logp_5, ent_5)), grads_5 = run(params, 2 * B * 4 * 37)
+  np.testing.assert_allclose(logp_5, logp_1, atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(ent_5, ent_1, atol=1e-6, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads_5), jax.tree.leaves(grads_1)):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+  # By hand: softmax over the support of each position's logits, plus the token.
+  logits = np.asarray(models.forward(params, cfg, tokens, pos, seg), np.float64) / 0.7
+  for b in range(B):
+    for t in range(1, T):
+      scaled = logits[b, t - 1]
+      order = np.argsort(-scaled)
+      k = top_k[b, t] or 37
+      probs = np.exp(scaled[order[:k]] - scaled[order[:k]].max())
+      probs /= probs.sum()
+      kept = order[:k][np.cumsum(probs) - probs < top_p[b, t]] if top_p[b, t] < 1 else order[:k]
+      keep = set(kept.tolist()) | {int(tokens[b, t])}
+      z = np.log(np.sum(np.exp(scaled[list(keep)])))
+      np.testing.assert_allclose(logp_1[b, t], scaled[tokens[b, t]] - z, atol=2e-5)
+  # Without truncation fields the full softmax: the truncated log-probs are no lower.
+  full, _ = policy.logp_and_entropy(params, cfg, tokens, pos, seg, temperature=0.7)
+  assert np.all(np.asarray(logp_1) >= np.asarray(full) - 1e-6)
+  truncated = (top_k > 0) | (top_p < 1)
+  assert np.all(np.asarray(logp_1)[~truncated] == np.asarray(full)[~truncated])

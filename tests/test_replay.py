@@ -3,6 +3,7 @@ recorded run's at every checkpoint bit for bit, for each weight update mode, aft
 resume too; a changed record, config or thread count, or a run recorded without its
 schedule, is refused, naming what differs or is missing."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -194,6 +195,12 @@ def test_the_recomputable_tokens_are_those_whose_cache_their_version_computed():
   assert got["keep"] == [True, True, False, False, False]  # the cache holds version 4 after
   assert replay.recomputable_T(traj, 4, "keep")[2:].tolist() == [False] * 5
   assert not replay.recomputable_T(traj, 3, "retract")[:2].any()  # the prompt
+
+
+def test_the_record_keeps_the_truncation_the_log_probs_are_under():
+  truncated = dataclasses.replace(_traj([0, 0]), top_k=8, top_p=0.9)
+  groups, _ = replay.decode(replay.encode([Group("p", (truncated, _traj([0])))], {}))
+  assert [(t.top_k, t.top_p) for t in groups[0].trajectories] == [(8, 0.9), (0, 1.0)]
 
 
 def test_a_resume_keeps_the_record_through_its_checkpoint_and_a_gap_stops_recording(tmp_path):

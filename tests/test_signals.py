@@ -44,3 +44,23 @@ def test_first_signal_sets_stop_and_second_exits_at_once_while_main_is_busy(firs
   assert f"{first.name}: stopping" in err
   assert f"{second.name}, a second signal: exiting at once with status {128 + second}" in err
   assert "the call ended" not in proc.stdout.read()
+
+
+def test_the_first_signal_alone_exits_when_the_stop_does_not_end_the_run_in_time():
+  # The main thread never reaches the stop (as a checkpoint write that hangs).
+  busy = _BUSY.replace("StopOnSignals(threading.Event())",
+                       "StopOnSignals(threading.Event(), grace_s=1.0)")
+  proc = subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
+  try:
+    assert proc.stdout.readline() == "busy\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline() == f"stop {int(signal.SIGTERM)} 143\n"
+    proc.wait(timeout=30)
+  finally:
+    proc.kill()
+  assert proc.returncode == 143
+  err = proc.stderr.read()
+  assert "SIGTERM: stopping" in err and "(within 1 s)" in err
+  assert "SIGTERM: the stop did not end the run within 1 s: exiting with status 143" in err
+  assert "the call ended" not in proc.stdout.read()

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from async_rl.trajectory import Group, Trajectory, staleness_counts, staleness_T, validate
+from async_rl.trajectory import (Group, Trajectory, split_turns, staleness_counts, staleness_T,
+                                 validate)
 
 
 def _traj(**overrides):
@@ -44,12 +45,23 @@ def test_validate_canonicalises_and_zeroes_logp_off_policy_tokens():
     ({"tokens_T": np.array([1, 2, 3, 40])}, r"tokens_T must lie in \[0, 32\)"),
     ({"finish_reason": 3}, "finish_reason must be a str"),
     ({"reward": "high"}, "reward must be a real number"),
+    ({"top_k": -1}, "top_k must be an int >= 0"),
+    ({"top_k": 2.5}, "top_k must be an int >= 0"),
+    ({"top_p": 0.0}, r"top_p must lie in \(0, 1\]"),
+    ({"top_p": float("nan")}, r"top_p must lie in \(0, 1\]"),
 ])
 def test_validate_names_the_bad_field(overrides, message):
   with pytest.raises(ValueError, match=message):
     validate(_traj(**overrides), vocab_size=32)
   with pytest.raises(ValueError, match="expected a Trajectory"):
     validate({"tokens_T": [1]})
+
+
+def test_the_truncation_record_survives_validation_and_split_turns():
+  t = validate(_traj(top_k=np.int64(8), top_p=0.9))
+  assert (t.top_k, t.top_p) == (8, 0.9) and type(t.top_k) is int and t.truncated
+  assert not _traj().truncated
+  assert {(s.top_k, s.top_p) for s in split_turns(t)} == {(8, 0.9)}
 
 
 def test_group_versions_and_checks():

@@ -325,7 +325,9 @@ class HostBatch:
 
   def _record(self, s: Sample, reason: str, metadata: dict) -> None:
     metadata = {"request_id": s.job.request.request_id, "index": s.index, **metadata}
+    top_k, top_p = s.job.request.sampling.logp_truncation
     s.job.samples[s.index] = Trajectory.from_completion(
-        s.job.prompt_P, s.tokens, s.logp, s.versions, reason, metadata=metadata)
+        s.job.prompt_P, s.tokens, s.logp, s.versions, reason, metadata=metadata,
+        top_k=top_k, top_p=top_p)
     if all(x is not None for x in s.job.samples):
       self._on_done(s.job)

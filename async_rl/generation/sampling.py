@@ -10,11 +10,13 @@ slot, not the other requests in the batch, not how many times the sequence was
 re-prefilled), so a fixed seed reproduces the same samples under any batching.
 
 Log-probs: the recorded behaviour log-prob of a token is `policy.token_logp` of the
-logits that sampled it, i.e. the log-prob under softmax(logits / temperature) over
-the *full* vocabulary. With top-k / top-p the token is drawn from the truncated
-distribution, but the recorded log-prob is still the full-softmax one (as AReaL
-does), so the trainer's recomputation of the same quantity agrees to float rounding.
-Greedy decoding (temperature 0) records the log-prob at temperature 1.
+logits that sampled it, i.e. the log-prob under softmax(logits / temperature)
+renormalised over the top-k / top-p support it was drawn from (`policy.support`, the
+one function the sampler and the trainer both truncate with). With
+`SamplingParams.truncated_logp` False it is the log-prob under the full softmax
+instead (for comparison); `SamplingParams.logp_truncation` names the truncation the
+log-probs are taken under, which the trajectory records for the trainer. Greedy
+decoding (temperature 0) records the log-prob at temperature 1.
 """
 
 import dataclasses
@@ -26,7 +28,7 @@ import numpy as np
 from flax import struct
 
 from async_rl.generation import noise
-from async_rl.policy import token_logp
+from async_rl.policy import support, token_logp
 
 _SEED_LIMIT = 2 ** 32
 MAX_STOP_IDS = 32  # Stop ids live in a fixed-width per-slot array (padded with -1).
@@ -45,6 +47,8 @@ class SamplingParams:
     stop_token_ids: generation stops with reason "stop" after emitting any of these
       (the stop token is part of the completion); at most `MAX_STOP_IDS`.
     seed: PRNG seed in [0, 2**32); None lets the pool draw one.
+    truncated_logp: record the log-prob under the truncated distribution the token
+      is drawn from; False: under the full softmax (for comparison).
   """
   temperature: float = 1.0
   top_k: int = 0
@@ -52,6 +56,7 @@ class SamplingParams:
   max_new_tokens: int = 256
   stop_token_ids: Sequence[int] = ()
   seed: int | None = None
+  truncated_logp: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -69,6 +74,11 @@ class SamplingParams:
     if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
       raise ValueError(f"sampling.seed must be in [0, 2**32), got {self.seed}")
 
+  @property
+  def logp_truncation(self) -> tuple[int, float]:
+    """(top_k, top_p) of the distribution the recorded log-probs are taken under."""
+    return (self.top_k, self.top_p) if self.truncated_logp else (0, 1.0)
+
 
 @struct.dataclass
 class SlotSampling:
@@ -77,6 +87,7 @@ class SlotSampling:
   `seed` and `index` (the sample's index within its request) define the sample's
   random stream; see the module docstring. `stop_ids` ([MAX_STOP_IDS], then [S,
   MAX_STOP_IDS]) are the stop token ids padded with -1, which no token matches.
+  `truncated_logp` is `SamplingParams.truncated_logp`.
   """
   temperature: jax.Array
   top_k: jax.Array
@@ -85,6 +96,7 @@ class SlotSampling:
   index: jax.Array
   max_new_tokens: jax.Array
   stop_ids: jax.Array
+  truncated_logp: jax.Array
 
   @classmethod
   def create(cls, params: SamplingParams, seed: int, index: int) -> "SlotSampling":
@@ -92,7 +104,8 @@ class SlotSampling:
     stop_ids[:len(params.stop_token_ids)] = params.stop_token_ids
     return cls(temperature=np.float32(params.temperature), top_k=np.int32(params.top_k),
                top_p=np.float32(params.top_p), seed=np.uint32(seed), index=np.uint32(index),
-               max_new_tokens=np.int32(params.max_new_tokens), stop_ids=stop_ids)
+               max_new_tokens=np.int32(params.max_new_tokens), stop_ids=stop_ids,
+               truncated_logp=np.bool_(params.truncated_logp))
 
   @classmethod
   def zeros(cls, num_slots: int) -> "SlotSampling":
@@ -100,7 +113,8 @@ class SlotSampling:
                top_p=np.ones(num_slots, np.float32), seed=np.zeros(num_slots, np.uint32),
                index=np.zeros(num_slots, np.uint32),
                max_new_tokens=np.zeros(num_slots, np.int32),
-               stop_ids=np.full((num_slots, MAX_STOP_IDS), -1, np.int32))
+               stop_ids=np.full((num_slots, MAX_STOP_IDS), -1, np.int32),
+               truncated_logp=np.ones(num_slots, np.bool_))
 
 
 def argmax(x_SV):
@@ -111,23 +125,6 @@ def argmax(x_SV):
   V = x_SV.shape[-1]
   is_max_SV = x_SV == jnp.max(x_SV, axis=-1, keepdims=True)
   return jnp.min(jnp.where(is_max_SV, jnp.arange(V, dtype=jnp.int32), V - 1), axis=-1)
-
-
-def _truncate(scaled_V, top_k, top_p):
-  """Masks `scaled_V` to its top-k, then to the top-p nucleus of what remains; an
-  identity when top_k is 0 and top_p 1."""
-  V = scaled_V.shape[-1]
-  sorted_V = jnp.sort(scaled_V)[::-1]
-  rank_V = jnp.arange(V)
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-  in_k_V = rank_V < k
-  probs_V = jax.nn.softmax(jnp.where(in_k_V, sorted_V, -jnp.inf))
-  # A token is in the nucleus if the mass strictly before it is below top_p, so the
-  # most likely token is always kept and the kept set is a prefix of the ranking.
-  # top_p = 1 keeps everything outright: rounding in the cumsum could drop the tail.
-  keep_V = in_k_V & ((jnp.cumsum(probs_V) - probs_V < top_p) | (top_p >= 1))
-  threshold = sorted_V[jnp.sum(keep_V) - 1]
-  return jnp.where(scaled_V >= threshold, scaled_V, -jnp.inf)
 
 
 def sample(logits_SV, sampling_S: SlotSampling, positions_S):
@@ -141,13 +138,14 @@ def sample(logits_SV, sampling_S: SlotSampling, positions_S):
   scaled_SV = logits_SV.astype(jnp.float32) / temperature_S[:, None]
   # Sorting the vocabulary costs more than the rest of sampling (and on a CPU more
   # than a small model's decode step), so it is skipped when no slot truncates; a
-  # slot's draw is the same either way, since `_truncate` is then an identity.
-  masked_SV = jax.lax.cond(jnp.any((sampling_S.top_k > 0) | (sampling_S.top_p < 1)),
-                           jax.vmap(_truncate), lambda x, *_: x,
-                           scaled_SV, sampling_S.top_k, sampling_S.top_p)
+  # slot's draw is the same either way, since its support is then every token.
+  keep_SV = jax.lax.cond(jnp.any((sampling_S.top_k > 0) | (sampling_S.top_p < 1)),
+                         jax.vmap(support), lambda x, *_: jnp.ones(x.shape, bool),
+                         scaled_SV, sampling_S.top_k, sampling_S.top_p)
   # Gumbel-max, as `jax.random.categorical` draws (the same tokens), with jax's noise
   # written out (`noise`) and its argmax as two plain reductions.
   gumbel_SV = noise.gumbel(sampling_S.seed, sampling_S.index, positions_S, scaled_SV.shape[-1])
-  drawn_S = argmax(masked_SV + gumbel_SV)
+  drawn_S = argmax(jnp.where(keep_SV, scaled_SV, -jnp.inf) + gumbel_SV)
   tokens_S = jnp.where(greedy_S, argmax(logits_SV), drawn_S).astype(jnp.int32)
-  return tokens_S, token_logp(logits_SV, tokens_S, temperature_S[:, None])
+  keep_SV |= ~sampling_S.truncated_logp[:, None]
+  return tokens_S, token_logp(logits_SV, tokens_S, temperature_S[:, None], keep_SV)

@@ -423,7 +423,8 @@ def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
   """How the rollouts sample: the generation section, and the task's stop ids."""
   g = cfg.generation
   return SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                        max_new_tokens=g.max_new_tokens, stop_token_ids=task.tokenizer.stop_ids)
+                        max_new_tokens=g.max_new_tokens, stop_token_ids=task.tokenizer.stop_ids,
+                        truncated_logp=g.truncated_logp)
 
 
 def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=None,

@@ -10,12 +10,20 @@ when every item is complete, so a process killed mid-save leaves the previous
 checkpoints as they were and no half-written step among them. Damage after the
 fact (a truncated or deleted file, a missing item) shows up when the step is read:
 `restore_latest` then falls back to the newest step that restores whole.
+
+A write that fails (no space left, a workdir made unwritable or removed) fails in
+Orbax's background thread; `check` raises it without waiting for a write still
+under way, so the loop learns of it after the step it happened in, not at the next
+save. Every write failure is a `CheckpointError` naming the directory, the cause,
+the space free there against a checkpoint's size, and the last good checkpoint,
+which the failed write leaves whole. The first save also checks the free space.
 """
 
 import dataclasses
 import functools
 import logging
 import os
+import shutil
 import time
 from typing import Any, Callable, Optional
 
@@ -24,7 +32,7 @@ import orbax.checkpoint as ocp
 
 from async_rl import models
 from async_rl.config import ModelConfig
-from async_rl.rl.errors import NoUsableCheckpointError
+from async_rl.rl.errors import CheckpointError, NoUsableCheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,7 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int):
     self.directory = os.path.abspath(directory)
+    self._bytes = None  # a checkpoint's size, known at the first save
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
@@ -57,11 +66,46 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False) -> None:
-    """Saves asynchronously (the arrays are copied first, so `state` may be donated)."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_arrays(state)), meta=ocp.args.JsonSave(meta)))
-    if wait:
+    """Saves asynchronously (the arrays are copied first, so `state` may be donated).
+
+    Raises:
+      CheckpointError: this write failed, or an earlier one did in the background; or,
+        on the first save, the directory has less free space than a checkpoint needs.
+    """
+    if self._bytes is None:
+      self._bytes = _nbytes(state)
+      if self._free_bytes() < self._bytes:
+        raise CheckpointError(self._describe("no room for a checkpoint"))
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(_arrays(state)), meta=ocp.args.JsonSave(meta)))
+      if wait:
+        self._manager.wait_until_finished()
+    except Exception as e:
+      raise CheckpointError(self._describe(f"writing checkpoint {step} failed", e)) from e
+
+  def check(self) -> None:
+    """Raises `CheckpointError` if a background write has failed; returns at once while
+    one is still under way."""
+    if self._bytes is None or self._manager.is_saving_in_progress():
+      return
+    try:
       self._manager.wait_until_finished()
+    except Exception as e:
+      raise CheckpointError(self._describe("writing a checkpoint failed", e)) from e
+
+  def _free_bytes(self) -> int:
+    try:
+      return shutil.disk_usage(self.directory).free
+    except OSError:  # the directory vanished: the write says why
+      return 0
+
+  def _describe(self, what: str, error: Optional[BaseException] = None) -> str:
+    cause = "" if error is None else f" ({type(error).__name__}: {' '.join(str(error).split())})"
+    return (f"{what} in {self.directory}{cause}: {self._free_bytes() / 2**20:,.0f} MiB free "
+            f"there, a checkpoint needs ~{self._bytes / 2**20:,.0f} MiB; the last good "
+            f"checkpoint is {self.latest_step()}. Fix the cause and rerun the same command "
+            f"to resume from it")
 
   def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
     """The state (with the shardings of `abstract_state`) and meta saved at `step`."""
@@ -152,6 +196,10 @@ def _check_step(step, state, meta):
     raise ValueError(f"its train state is at step {int(state.step)}")
   if meta.get("version") != step:
     raise ValueError(f"its meta says version {meta.get('version')!r}")
+
+
+def _nbytes(state) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(_arrays(state)))
 
 
 def _arrays(state) -> dict[str, Any]:

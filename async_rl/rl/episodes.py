@@ -102,7 +102,11 @@ class EpisodeRunner:
       trajectories = list(self._workflow.run(prompt, request.n, generate))
       if not trajectories:
         raise ValueError(f"{type(self._workflow).__name__}.run returned no trajectories")
-      return [validate(t, vocab_size=self._vocab_size) for t in trajectories]
+      # Every turn is sampled with the request's params: its record names the
+      # truncation the log-probs are under, whoever built the trajectory.
+      top_k, top_p = request.sampling.logp_truncation
+      return [dataclasses.replace(validate(t, vocab_size=self._vocab_size), top_k=top_k,
+                                  top_p=top_p) for t in trajectories]
     except Exception:
       if self._closed:  # the run is ending; the waits were failed on purpose
         raise

@@ -153,6 +153,8 @@ def encode(groups: Sequence[Group], context: dict[str, Any]) -> dict[str, np.nda
   arrays.update(
       lengths=np.array([len(t) for t in trajs], np.int64),
       prompt_lens=np.array([t.prompt_len for t in trajs], np.int64),
+      top_ks=np.array([t.top_k for t in trajs], np.int64),
+      top_ps=np.array([t.top_p for t in trajs], np.float64),
       rewards=np.array([t.reward for t in trajs], np.float64),
       finish_reasons=np.array([t.finish_reason for t in trajs], np.str_),
       group_sizes=np.array([len(g.trajectories) for g in groups], np.int64),
@@ -168,6 +170,7 @@ def decode(arrays: dict[str, np.ndarray]) -> tuple[list[Group], dict[str, Any]]:
   per_token = {name: np.split(arrays[name], ends[:-1]) for name in _PER_TOKEN}
   trajs = [Trajectory(**{field: per_token[name][i] for name, (field, _) in _PER_TOKEN.items()},
                       prompt_len=int(arrays["prompt_lens"][i]),
+                      top_k=int(arrays["top_ks"][i]), top_p=float(arrays["top_ps"][i]),
                       finish_reason=str(arrays["finish_reasons"][i]),
                       reward=float(arrays["rewards"][i]))
            for i in range(ends.size)]

@@ -112,11 +112,12 @@ class Trainer:
       trajs = [s for ts in turns for s in ts]
       value_N = np.repeat(value_N, [len(ts) for ts in turns])
     parts = self.steps.micro_batch_multiple  # equal shares of the batch
+    # Versions serve the log-linear estimate and the step's mismatch metrics.
     batch = batching_lib.pack_dynamic(trajs, value_N,
                                       max_tokens_per_mb=self._batching.max_tokens_per_mb,
                                       num_shards=self._num_shards, row_buckets=self._row_buckets,
                                       attention_len=self._attention_len,
-                                      with_versions=self._ppo.prox_logp == "loglinear",
+                                      with_versions=True,
                                       num_parts=parts, compiled=self._compiled,
                                       reuse_slack=self._batching.reuse_slack)
     batch = batching_lib.pad_micro_batches(batch, parts)

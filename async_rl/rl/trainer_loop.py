@@ -233,6 +233,7 @@ class TrainLoop:
         self._eval_and_log()
       if version % self.checkpoint_every == 0:
         self._checkpoint()
+      self.checkpointer.check()  # a failed background write stops the run now
 
   def _checkpoint_before_stopping(self) -> str:
     """Saves the current version on the way out; says what became of it."""
@@ -437,7 +438,8 @@ def _line(version, m) -> str:
           f"stale={m['staleness_mean']:.2f}/{m['staleness_max']} "
           f"gen={m['gen_tokens_per_s']:.0f}tok/s train={m['train_tokens_per_s']:.0f}tok/s "
           f"wait={m['time_wait_s']:.2f}s update={m['time_train_s']:.2f}s "
-          f"publish={m['time_publish_s']:.2f}s loss={m['loss']:.4f} lr={m['lr']:.3g} "
+          f"publish={m['time_publish_s']:.2f}s loss={m['loss']:.4f} "
+          f"logp_mismatch={m['mismatch_abs_max']:.1e} lr={m['lr']:.3g} "
           f"reward_err={m['reward_error_rate']:.2f}")
 
 

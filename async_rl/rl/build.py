@@ -307,9 +307,7 @@ def make_engine(cfg: ExperimentConfig, devices=None):
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
   param_sharding = None
   if len(devices) > 1:
-    abstract = jax.eval_shape(functools.partial(models.init_params, cfg.model),
-                              jax.random.key(0))
-    param_sharding = sharding.param_shardings(abstract, mesh)
+    param_sharding = sharding.param_shardings(models.abstract_params(cfg.model), mesh)
   groups = decode_groups(cfg, devices[0].platform) if len(devices) == 1 else 1
   if g.kv_blocks:
     groups = cpu.engine.num_groups(g.num_slots, min(groups, g.kv_blocks // g.sequence_blocks))
@@ -377,10 +375,8 @@ def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None
   shardings; else the warm start on `task` (its metrics passed to `record`); else None
   (a random init)."""
   if cfg.hf_model_dir is not None:
-    abstract = jax.eval_shape(functools.partial(models.init_params, cfg.model),
-                              jax.random.key(0))
-    return hf.load_hf(cfg.hf_model_dir, cfg.model,
-                      shardings=sharding.param_shardings(abstract, mesh))
+    return hf.load_hf(cfg.hf_model_dir, cfg.model, shardings=sharding.param_shardings(
+        models.abstract_params(cfg.model), mesh))
   if cfg.sft.steps:
     return warm_start(task, cfg.model, cfg.sft, cfg.batching, mesh, seed=cfg.seed, echo=echo,
                       record=record)
@@ -548,8 +544,7 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
       json.dump(config.to_dict(cfg), f, indent=2)
     log = MetricsLog(workdir, me.run_id, resume_step=restored.step, hparams=config.to_dict(cfg))
     reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
+    abstract = trainer.abstract_state()
     float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
     replayer = replay_lib.Replay(
         trainer, checkpointer, log, recorded=recorded,

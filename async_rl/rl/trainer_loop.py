@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-import jax
 import numpy as np
 
 from async_rl.config import LogConfig
@@ -127,9 +126,7 @@ class TrainLoop:
               echo: Callable[[str], None] = print) -> Restored:
     """Restores the newest checkpoint that reads whole into `trainer` and `server` (None:
     a process without one, a `jax.distributed` follower)."""
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
-    restored = checkpointer.restore_latest(abstract, accept=None if server is None else (
+    restored = checkpointer.restore_latest(trainer.abstract_state(), accept=None if server is None else (
         lambda state, meta: server.load_state_dict(meta["server"])))
     if restored is None:
       return Restored()

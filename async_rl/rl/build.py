@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 import jax
@@ -415,6 +416,34 @@ def reward_service(cfg: ExperimentConfig, num_workers: int) -> RewardService:
                        error_window=r.reward_error_window)
 
 
+def make_evaluator(cfg: ExperimentConfig, task, params, *, engines=None, version: int = 0,
+                   reward_workers: int = 1,
+                   wait: Optional[Callable[[Future, str], Any]] = None) -> Evaluator:
+  """The held-out evaluator of `params` (at `version`) on `task`, as `cfg.eval` says: a
+  generator pool over `engines` (None: one new engine), a reward service of
+  `reward_workers` processes as `rollout` configures them (`reward_service`), and
+  `correct_fn` to score with. Its waits end as `wait(future, what)` says (None: never
+  time out)."""
+  rewards = reward_service(cfg, num_workers=reward_workers)
+  try:
+    pool = make_pool(engines or [make_engine(cfg)], params, version=version)
+  except BaseException:
+    rewards.close()
+    raise
+  return Evaluator(pool, rewards, task, cfg.eval, reward_fn=correct_fn(cfg, task),
+                   max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
+                   vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
+                   wait=wait)
+
+
+def random_params(cfg: ExperimentConfig, mesh):
+  """A random init of `cfg.model` (the trainer's, with `cfg.seed`), built straight onto
+  its shardings on `mesh`: no optimizer state."""
+  shardings = sharding.param_shardings(models.abstract_params(cfg.model), mesh)
+  return jax.jit(functools.partial(models.init_params, cfg.model),
+                 out_shardings=shardings)(jax.random.key(cfg.seed))
+
+
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
   """How the rollouts sample: the generation section, and the task's stop ids."""
   g = cfg.generation
@@ -462,12 +491,8 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, bar.echo)
   stop = stop or threading.Event()
-  evaluator = Evaluator(
-      make_pool(engines or [make_engine(cfg)], params, version=trainer.version),
-      reward_service(cfg, num_workers=1), task, cfg.eval, reward_fn=correct_fn(cfg, task),
-      max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
-      vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
-      wait=functools.partial(deadlines.result, stop=stop))
+  evaluator = make_evaluator(cfg, task, params, engines=engines, version=trainer.version,
+                             wait=functools.partial(deadlines.result, stop=stop))
   log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step,
                    wandb_project=cfg.log.wandb_project, hparams=config.to_dict(cfg))
   for step, metrics, at in warm_start_log:

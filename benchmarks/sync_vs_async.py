@@ -61,7 +61,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from async_rl import cpu, timeline  # noqa: E402
 from async_rl.config import ExperimentConfig, from_dict, parse_flags  # noqa: E402
-from async_rl.rl import build  # noqa: E402
+from async_rl.rl import build, entry  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402
 from async_rl.tasks import TrainStream  # noqa: E402
 from async_rl.tasks.registry import make_task  # noqa: E402
@@ -223,7 +223,7 @@ def run_variant(v: Variant, cfg: ExperimentConfig, params, steps: int, prompt_to
   """Runs `v` for `steps` steps from `params`; its figures, config and summary. Writes its
   timeline PNG and Chrome trace."""
   run_cfg = variant_config(v, measured_config(cfg, steps))
-  summary = build.run(run_cfg, os.path.join(_OUT_DIR.value, v.name), init_params=params,
+  summary = entry.run(run_cfg, os.path.join(_OUT_DIR.value, v.name), init_params=params,
                       echo=lambda _: None, progress=False)
   row = measure(run_cfg, summary)
   spans, history = summary["timeline"], summary["history"]

@@ -15,7 +15,7 @@ import numpy as np
 
 from async_rl import models
 from async_rl.generation import GeneratorPool, Request, SamplingParams
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.rl.checkpoint import restore_params
 from rl_test_utils import small_config
 
@@ -47,7 +47,7 @@ def main(workdir):
           cfg.mesh, fsdp=4), rollout=dataclasses.replace(
               cfg.rollout, reward_fn="reward_fns_for_tests:length"))
   placed = build.split_devices(run.placement, devices, devices)
-  summary = build.run(run, workdir, echo=lambda _: None, progress=False)
+  summary = entry.run(run, workdir, echo=lambda _: None, progress=False)
   last = summary["history"][-1]
   start = build.make_trainer(run, jax.sharding.Mesh(np.array(devices[:4]).reshape(1, 4, 1),
                                                     ("data", "fsdp", "tensor"))).state.params

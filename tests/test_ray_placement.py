@@ -14,8 +14,7 @@ pytest.importorskip("ray", reason="the ray placement needs ray (pip install -e .
 
 import ray  # noqa: E402
 from async_rl import config  # noqa: E402
-from async_rl.rl import ray_placement  # noqa: E402
-from async_rl.rl.ray_placement import run_on_ray  # noqa: E402
+from async_rl.rl import entry, ray_placement  # noqa: E402
 from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
 
 
@@ -48,7 +47,7 @@ def _run(workdir, stop=None, **overrides):
   cfg = small_config(**{"staleness.max_staleness": 1, "placement.kind": "ray",
                         "rollout.reward_fn": "reward_fns_for_tests:length",
                         "eval.num_prompts": 1, "eval.pass_k": 1, **overrides})
-  return run_on_ray(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None)
+  return entry.run(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None)
 
 
 def test_actors_train_within_the_bound_and_resume(tmp_path, request):

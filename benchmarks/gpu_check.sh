@@ -53,9 +53,10 @@ step_s = [m["time_wait_s"] + m["time_pack_s"] + m["time_train_s"] + m["time_publ
           for m in timed]
 generated = timed[-1]["rollout"]["generated_tokens"] - (
     steps[0]["rollout"]["generated_tokens"] if len(steps) > 1 else 0)
-first, last = (steps[0] if len(steps) > 1 else {"pool": {}}), timed[-1]
-replicas = last["pool"].get("replicas", [last["pool"]])
-before = first["pool"].get("replicas", [first["pool"]] if first["pool"] else [])
+pools = [m["workers"]["0"]["pool"] for m in steps]  # one rollout worker in process
+first, last = (pools[0] if len(steps) > 1 else {}), pools[-1]
+replicas = last.get("replicas", [last])
+before = first.get("replicas", [first] if first else [])
 per_replica = [(r["generated_tokens"] - (before[i]["generated_tokens"] if before else 0))
                / sum(step_s) for i, r in enumerate(replicas)]
 trainer_devices = jax.local_device_count() // 2 if jax.local_device_count() > 1 else 1

@@ -236,7 +236,8 @@ def step_figures(summary: dict) -> dict[str, np.ndarray]:
                          for a, b in windows]),
       "train_s": np.array([s.end - s.start for s in train[WARMUP:]]),
       "wait_s": np.array([m["time_wait_s"] for m in history[WARMUP:]]),
-      "decode_steps": np.diff([m["pool"]["decode_steps"] for m in history])[WARMUP - 1:],
+      "decode_steps": np.diff([m["workers"]["0"]["pool"]["decode_steps"]
+                              for m in history])[WARMUP - 1:],
   }
 
 

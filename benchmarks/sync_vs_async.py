@@ -151,7 +151,7 @@ def calibrate(cfg: ExperimentConfig, summary: dict, prompt_tokens: float,
   `eta` and `update_mode`, run at that bound and with those updates instead of the
   run's."""
   spans, history = summary["timeline"], summary["history"]
-  pool = history[-1]["pool"]
+  pool = history[-1]["workers"]["0"]["pool"]
   # Mean time of a decode-loop iteration, the prefills of the samples it starts included.
   step_tokens = pool["slot_occupancy"] * pool["decode_steps"] * cfg.generation.num_slots
   decode_step = step_tokens / pool["decode_tokens_per_s"] / pool["decode_steps"]
@@ -211,7 +211,7 @@ def predicted_samples_per_s(sim_cfg: SimConfig, steps: int) -> float:
 
 def steady_occupancy(history: list[dict]) -> float:
   """The share of the generator's slot-steps that made a token, from step 2 on."""
-  first, last = history[0]["pool"], history[-1]["pool"]
+  first, last = history[0]["workers"]["0"]["pool"], history[-1]["workers"]["0"]["pool"]
   steps = last["decode_steps"] - first["decode_steps"]
   made = (last["slot_occupancy"] * last["decode_steps"]
           - first["slot_occupancy"] * first["decode_steps"])
@@ -233,7 +233,7 @@ def run_variant(v: Variant, cfg: ExperimentConfig, params, steps: int, prompt_to
              predicted_samples_per_s=predicted,
              prediction_error=predicted / row["samples_per_s"] - 1,
              slot_occupancy=steady_occupancy(history),
-             preemptions=history[-1]["pool"]["preemptions"],
+             preemptions=history[-1]["workers"]["0"]["pool"]["preemptions"],
              swap_share=timeline.busy_fraction([s for s in spans if s.name == "swap"],
                                                "generator", start, end),
              **timeline.overlap_shares(spans, "generator", "trainer", start, end))

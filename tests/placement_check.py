@@ -61,7 +61,7 @@ def main(workdir):
       "trainer_devices": [d.id for d in placed.trainer],
       "replica_devices": [[d.id for d in r] for r in placed.replicas],
       "end_version": summary["end_version"],
-      "replica_tokens": [r["generated_tokens"] for r in last["pool"]["replicas"]],
+      "replica_tokens": [r["generated_tokens"] for r in last["workers"]["0"]["pool"]["replicas"]],
       "trained_tokens": [m["trained_tokens"] for m in summary["history"]],
       "params_moved": moved,
   }))

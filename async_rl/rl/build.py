@@ -42,7 +42,7 @@ from async_rl.progress import Progress
 from async_rl.rl.metrics_log import MetricsLog, check_wandb
 from async_rl.rl.rollout import PromptSource, RolloutController, RolloutWorker
 from async_rl.rl.trainer import Trainer
-from async_rl.rl.trainer_loop import Restored, TrainLoop
+from async_rl.rl.trainer_loop import Outputs, Publishing, Restored, Settings, TrainLoop
 from async_rl.sft import warm_start
 from async_rl.tasks.registry import check_task, make_task
 from async_rl.timeline import Timeline
@@ -437,9 +437,11 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
                                record_context(cfg, mesh), enabled=cfg.run.record_schedule,
                                echo=bar.echo)
   leader = multihost.Leader() if jax.process_count() > 1 else None
-  on_host = publish_on_host or leader is not None
-  dtype = cfg.placement.publish_dtype
-  params = trainer.host_params(dtype) if on_host else trainer.device_params()
+  publishing = Publishing(on_host=publish_on_host or leader is not None,
+                          dtype=cfg.placement.publish_dtype, leader=leader)
+  # Unannounced: every follower makes this first host copy of its own (`entry.follow`).
+  params = (trainer.host_params(publishing.dtype) if publishing.on_host
+            else trainer.device_params())
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, bar.echo)
   stop = stop or threading.Event()
@@ -449,16 +451,16 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
                    wandb_project=cfg.log.wandb_project, hparams=config.to_dict(cfg))
   for step, metrics, at in warm_start_log:
     log.write_warm_start(step, metrics, at)
-  return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
-                   num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
-                   checkpoint_every=cfg.checkpoint.every_steps,
-                   max_consecutive_skips=cfg.train.max_consecutive_skips,
-                   max_untrainable_groups=cfg.run.max_untrainable_groups, restored=restored,
-                   publish_on_host=publish_on_host, publish_dtype=dtype, leader=leader,
-                   stop=stop, echo=bar.echo, progress=bar,
-                   learning_rate=train_step.learning_rate(cfg.optimizer),
-                   correct_threshold=cfg.eval.correct_threshold, decode=task.tokenizer.decode,
-                   log_cfg=cfg.log, record=record)
+  settings = Settings(
+      num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
+      checkpoint_every=cfg.checkpoint.every_steps,
+      max_consecutive_skips=cfg.train.max_consecutive_skips,
+      learning_rate=train_step.learning_rate(cfg.optimizer), decode=task.tokenizer.decode,
+      max_untrainable_groups=cfg.run.max_untrainable_groups,
+      correct_threshold=cfg.eval.correct_threshold, log=cfg.log)
+  return TrainLoop(trainer, server, evaluator, deadlines, settings,
+                   Outputs(checkpointer, log, echo=bar.echo, progress=bar, record=record),
+                   publishing, restored=restored, stop=stop)
 
 
 def record_context(cfg: ExperimentConfig, mesh) -> dict[str, Any]:

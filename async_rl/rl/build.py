@@ -108,15 +108,22 @@ def task_of(cfg: ExperimentConfig):
     return make_task(cfg.task)
 
 
-def preflight(cfg: ExperimentConfig, task):
-  """`check`, then the checks of a run on `task` (built from `cfg.task`, or given): that
-  it fits the model, that its reward functions load, and that what the log needs
-  imports; returns `task`.
+def preflight(cfg: ExperimentConfig, task=None):
+  """The checks of a run on `task`, before anything is compiled; returns the task.
+
+  None: `check`, then the task `cfg.task` names, built (`task_of`). A task given
+  instead is not `cfg.task`'s, so of `check` only the objective's checks concern it.
+  Then, on either: that the task fits the model, that its reward functions load, and
+  that what the log needs imports.
 
   Raises:
     ConfigError: naming the field whose value a part rejects.
   """
-  check(cfg)
+  if task is None:
+    task = task_of(check(cfg))
+  else:
+    with _config_errors():
+      _check_objective(cfg)
   with _config_errors():
     reward_fn(cfg, task)
     correct_fn(cfg, task)

@@ -53,7 +53,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
   cfg = build.resolve(cfg)
   if cfg.placement.kind == "ray" and task is not None:
     raise ConfigError("a task object runs in process only; on Ray name it in task.name")
-  task = build.preflight(cfg, build.task_of(cfg) if task is None else task)
+  task = build.preflight(cfg, task)
   if not multihost.is_leader():  # the leader holds the workdir
     follow(cfg, workdir, task=task, init_params=init_params)
     return {}

@@ -44,7 +44,7 @@ def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
   service of `rollout.reward_workers` processes): greedy accuracy, pass@k, mean
   completion length, and the reward calls that failed."""
   cfg = build.resolve(cfg)
-  task = build.preflight(cfg, make_task(cfg.task))
+  task = build.preflight(cfg)
   cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
       cfg.eval, num_prompts=num_prompts or cfg.eval.num_prompts,
       pass_k=pass_k or cfg.eval.pass_k))

@@ -184,7 +184,7 @@ def make_task(cfg: TaskConfig) -> RandomTokenTask:
 def init_params(cfg: ModelConfig, seed: int):
   """Weight matrices ~ N(0, INIT_STD), biases 0, norm scales 1, as host arrays (numpy's
   generator: jax.random would compile for every shape, seconds each on a CPU)."""
-  abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  abstract = models.abstract_params(cfg)
   rng = np.random.default_rng(seed)
 
   def leaf(path, x):

@@ -35,7 +35,7 @@ from async_rl.cli import from_dict
 from async_rl.config import ExperimentConfig
 from async_rl.launch import parse_flags
 from async_rl.param_server.buffer import length_summary
-from async_rl.rl import build
+from async_rl.rl import entry
 from async_rl.rl.checkpoint import restore_params
 from benchmarks.common.run_stats import (HeldoutEval, longest_heldout, measured_config,
                                          warm_params)
@@ -119,7 +119,7 @@ def main(argv):
       run_cfg = variant(cfg, eta, policy)
       workdir = os.path.join(_OUT_DIR.value, f"eta{eta}_{policy}")
       started = time.perf_counter()
-      summary = build.run(run_cfg, workdir, init_params=params, echo=lambda _: None,
+      summary = entry.run(run_cfg, workdir, init_params=params, echo=lambda _: None,
                           progress=False)
       server = summary["server"]
       trained = restore_params(os.path.join(workdir, "checkpoints"), run_cfg.model)

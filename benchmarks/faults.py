@@ -56,7 +56,7 @@ from async_rl.cli import from_dict
 from async_rl.config import ExperimentConfig
 from async_rl.launch import parse_flags
 from async_rl.param_server import ParameterServer
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.rl.audit import prompt_accounting, step_lines
 from async_rl.rl.errors import StallError
 from async_rl.tasks.registry import make_task
@@ -165,12 +165,12 @@ def in_process_faults(cfg, workdir):
 
 def worker_kill(cfg, workdir):
   """Fault 6: under Ray, the rollout worker's process dies while scoring a group."""
-  from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
   os.environ["FAULTS_KILL_COUNT"] = os.path.join(workdir, "reward_calls")
   os.environ["FAULTS_KILL_AT"] = str(3 * cfg.batch_groups * cfg.generation.group_size + 1)
   os.makedirs(workdir, exist_ok=True)
-  summary = run_on_ray(dataclasses.replace(
-      cfg, rollout=dataclasses.replace(cfg.rollout, reward_fn=KILLER)), workdir,
+  summary = entry.run(dataclasses.replace(
+      cfg, rollout=dataclasses.replace(cfg.rollout, reward_fn=KILLER),
+      placement=dataclasses.replace(cfg.placement, kind="ray")), workdir,
       progress=False, echo=lambda _: None)
   last = step_lines(workdir)[-1]
   survived = (summary["end_version"] == cfg.num_steps and last["worker_restarts"] == 1

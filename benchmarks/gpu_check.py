@@ -85,7 +85,7 @@ from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import MODEL_PRESETS, MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine, SamplingParams, SlotSampling, paged  # noqa: E402
 from async_rl.models import attention, flops  # noqa: E402
-from async_rl.rl import build  # noqa: E402
+from async_rl.rl import entry  # noqa: E402
 from async_rl.rl.audit import step_lines  # noqa: E402
 from benchmarks.common import run_stats  # noqa: E402
 from benchmarks.common.peak import copy_bandwidth, matmul_peak  # noqa: E402
@@ -576,7 +576,7 @@ def sync_async_section(shapes: Shapes, ctx: dict) -> dict:
         generation=dataclasses.replace(base.generation, update_mode=mode))
     workdir = os.path.join(ctx["work"], f"sync_async_{name}")
     shutil.rmtree(workdir, ignore_errors=True)
-    summary = build.run(cfg, workdir, echo=lambda _: None, progress=False)
+    summary = entry.run(cfg, workdir, echo=lambda _: None, progress=False)
     row = run_stats.measure(cfg, summary)
     out[name] = {k: row[k] for k in ("wall_s", "steps", "trained_tokens_per_s",
                                      "generated_tokens_per_s", "generator_idle",

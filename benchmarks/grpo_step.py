@@ -14,7 +14,7 @@ advantages, eps 0.2, Adam 1e-4, no KL term (but in the _kl variant), one optimiz
 step per RL step. All 64
 samples of a step decode together (64 generator slots). Everything else is the
 library's default (1024 tokens per micro-batch, so [8, 11, 80] batches; 8 decode
-steps per host round trip), and the run is `rl.build.run`, as a user's would be;
+steps per host round trip), and the run is `rl.entry.run`, as a user's would be;
 held-out evaluation (one prompt) runs only before the first and after the last step.
 On the CPU, the synchronous variants give the generator and the trainer every core
 (they take turns), the overlapping ones half each (`config.CPUConfig`).
@@ -76,7 +76,7 @@ from async_rl import cpu, models, timeline
 from async_rl.config import (CPUConfig, EvalConfig, ExperimentConfig, GenerationConfig,
                              ModelConfig, OptimizerConfig, PPOConfig, StalenessConfig, TaskConfig)
 from async_rl.models import flops
-from async_rl.rl import build
+from async_rl.rl import entry
 from benchmarks.common.run_stats import measured_config
 from benchmarks.train_step import matmul_peak
 
@@ -184,7 +184,7 @@ def make_task(cfg: TaskConfig) -> RandomTokenTask:
 def init_params(cfg: ModelConfig, seed: int):
   """Weight matrices ~ N(0, INIT_STD), biases 0, norm scales 1, as host arrays (numpy's
   generator: jax.random would compile for every shape, seconds each on a CPU)."""
-  abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  abstract = models.abstract_params(cfg)
   rng = np.random.default_rng(seed)
 
   def leaf(path, x):
@@ -236,14 +236,15 @@ def step_figures(summary: dict) -> dict[str, np.ndarray]:
                          for a, b in windows]),
       "train_s": np.array([s.end - s.start for s in train[WARMUP:]]),
       "wait_s": np.array([m["time_wait_s"] for m in history[WARMUP:]]),
-      "decode_steps": np.diff([m["pool"]["decode_steps"] for m in history])[WARMUP - 1:],
+      "decode_steps": np.diff([m["workers"]["0"]["pool"]["decode_steps"]
+                              for m in history])[WARMUP - 1:],
   }
 
 
 def run_variant(name: str, steps: int, seed: int) -> dict:
   cfg = experiment(name, steps, seed)
   with tempfile.TemporaryDirectory(prefix=f"grpo_step_{name}_") as workdir:
-    summary = build.run(cfg, workdir, init_params=init_params(cfg.model, seed),
+    summary = entry.run(cfg, workdir, init_params=init_params(cfg.model, seed),
                         task=make_task(cfg.task), echo=lambda _: None, progress=False)
   per_step = step_figures(summary)
   history = summary["history"]

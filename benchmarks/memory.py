@@ -171,7 +171,7 @@ def engine_on(cfg, devices, model_cfg):
   `model_cfg`, and its params' abstract serving layout."""
   g, k = cfg.generation, len(devices)
   mesh = Mesh(np.array(devices).reshape(1, 1, k), sharding.AXES)
-  stacked = jax.eval_shape(functools.partial(models.init_params, model_cfg), jax.random.key(0))
+  stacked = models.abstract_params(model_cfg)
   engine = Engine(model_cfg, max_concurrent_decodes=g.num_slots,
                   max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
                   steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks,

@@ -14,7 +14,7 @@ batch into a temporary directory (arrays, digest, file), against the step itself
 proximal recompute, update), calls and a float32 1024³ matmul peak taking turns.
 Overhead: median record time / median step time. Recording costs per token, a step
 per token and parameter, so the smallest model is the worst case. Then a recording
-run of the micro config (`build.run`, its η and update mode): the median
+run of the micro config (`entry.run`, its η and update mode): the median
 `time_record_s` of its step lines against the median time between two of them (the
 loop's whole step: waiting for groups, training, publishing, logging, checkpointing).
 
@@ -42,7 +42,7 @@ from async_rl import cpu, models, sharding
 from async_rl.cli import from_dict
 from async_rl.config import ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
-from async_rl.rl import build, replay
+from async_rl.rl import build, entry, replay
 from async_rl.trajectory import Group, Trajectory
 # Also defines --quick (fewer rounds and samples here) and --seed (of the batches and prompts).
 from benchmarks.train_step import matmul_peak
@@ -109,7 +109,7 @@ def bench_run(name, steps):
   """A recording run of `steps` steps: its record time per step against its step time."""
   cfg = dataclasses.replace(_config(name), num_steps=steps)
   with tempfile.TemporaryDirectory() as workdir:
-    build.run(cfg, workdir, progress=False, echo=lambda _: None)
+    entry.run(cfg, workdir, progress=False, echo=lambda _: None)
     rows = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
   lines = [line for line in map(json.loads, rows) if "loss" in line]
   record_s = float(np.median([line["time_record_s"] for line in lines]))

@@ -50,7 +50,7 @@ from ml_collections import config_flags  # noqa: E402
 from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import ExperimentConfig  # noqa: E402
 from async_rl.launch import parse_flags  # noqa: E402
-from async_rl.rl import build  # noqa: E402
+from async_rl.rl import entry  # noqa: E402
 from async_rl.rl.checkpoint import restore_params  # noqa: E402
 from benchmarks.common.run_stats import (  # noqa: E402
     HeldoutEval, longest_heldout, measure, measured_config, warm_params)
@@ -191,7 +191,7 @@ def run_grid(cfg: ExperimentConfig, todo: list[tuple], rows: dict, results: str)
       run_cfg = variant(cfg, prox, eta, seed)
       workdir = os.path.join(_OUT_DIR.value, f"{prox}_eta{_eta_name(eta)}_seed{seed}")
       started = time.perf_counter()
-      summary = build.run(run_cfg, workdir, init_params=params, echo=lambda _: None,
+      summary = entry.run(run_cfg, workdir, init_params=params, echo=lambda _: None,
                           progress=False)
       measured = measure(run_cfg, summary)
       for own_eval in ("accuracy_before", "accuracy"):  # of the run's one-prompt evaluation

@@ -63,7 +63,7 @@ from async_rl import cpu, timeline  # noqa: E402
 from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import ExperimentConfig  # noqa: E402
 from async_rl.launch import parse_flags  # noqa: E402
-from async_rl.rl import build  # noqa: E402
+from async_rl.rl import build, entry  # noqa: E402
 from async_rl.sim import SimConfig, simulate  # noqa: E402
 from async_rl.tasks import TrainStream  # noqa: E402
 from async_rl.tasks.registry import make_task  # noqa: E402
@@ -153,7 +153,7 @@ def calibrate(cfg: ExperimentConfig, summary: dict, prompt_tokens: float,
   `eta` and `update_mode`, run at that bound and with those updates instead of the
   run's."""
   spans, history = summary["timeline"], summary["history"]
-  pool = history[-1]["pool"]
+  pool = history[-1]["workers"]["0"]["pool"]
   # Mean time of a decode-loop iteration, the prefills of the samples it starts included.
   step_tokens = pool["slot_occupancy"] * pool["decode_steps"] * cfg.generation.num_slots
   decode_step = step_tokens / pool["decode_tokens_per_s"] / pool["decode_steps"]
@@ -213,7 +213,7 @@ def predicted_samples_per_s(sim_cfg: SimConfig, steps: int) -> float:
 
 def steady_occupancy(history: list[dict]) -> float:
   """The share of the generator's slot-steps that made a token, from step 2 on."""
-  first, last = history[0]["pool"], history[-1]["pool"]
+  first, last = history[0]["workers"]["0"]["pool"], history[-1]["workers"]["0"]["pool"]
   steps = last["decode_steps"] - first["decode_steps"]
   made = (last["slot_occupancy"] * last["decode_steps"]
           - first["slot_occupancy"] * first["decode_steps"])
@@ -225,7 +225,7 @@ def run_variant(v: Variant, cfg: ExperimentConfig, params, steps: int, prompt_to
   """Runs `v` for `steps` steps from `params`; its figures, config and summary. Writes its
   timeline PNG and Chrome trace."""
   run_cfg = variant_config(v, measured_config(cfg, steps))
-  summary = build.run(run_cfg, os.path.join(_OUT_DIR.value, v.name), init_params=params,
+  summary = entry.run(run_cfg, os.path.join(_OUT_DIR.value, v.name), init_params=params,
                       echo=lambda _: None, progress=False)
   row = measure(run_cfg, summary)
   spans, history = summary["timeline"], summary["history"]
@@ -235,7 +235,7 @@ def run_variant(v: Variant, cfg: ExperimentConfig, params, steps: int, prompt_to
              predicted_samples_per_s=predicted,
              prediction_error=predicted / row["samples_per_s"] - 1,
              slot_occupancy=steady_occupancy(history),
-             preemptions=history[-1]["pool"]["preemptions"],
+             preemptions=history[-1]["workers"]["0"]["pool"]["preemptions"],
              swap_share=timeline.busy_fraction([s for s in spans if s.name == "swap"],
                                                "generator", start, end),
              **timeline.overlap_shares(spans, "generator", "trainer", start, end))

@@ -24,7 +24,7 @@ from ml_collections import config_flags
 from async_rl.cli import from_dict
 from async_rl.generation import GeneratorPool
 from async_rl.launch import parse_flags
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.rl.checkpoint import restore_params
 from async_rl.rl.evaluate import evaluate
 from async_rl.tasks import heldout_set, verify
@@ -65,7 +65,7 @@ def main(argv):
   t0 = time.perf_counter()
   warm = warm_params(cfg, task)
   t_sft = time.perf_counter()
-  summary = build.run(cfg, workdir, init_params=warm, task=task, progress=False,
+  summary = entry.run(cfg, workdir, init_params=warm, task=task, progress=False,
                       echo=lambda _: None)
   t_rl = time.perf_counter()
   final = restore_params(os.path.join(workdir, "checkpoints"), cfg.model)

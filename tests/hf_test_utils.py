@@ -4,7 +4,6 @@ torch, transformers and tokenizers are imported where used: each test module ski
 itself first when the one it needs is missing.
 """
 
-import functools
 import json
 
 import jax
@@ -92,6 +91,5 @@ def load_hf(model_dir, mesh=None, dtype=None):
   cfg = ModelConfig(**hf_config.read_config(str(model_dir), dtype=dtype))
   shardings = None
   if mesh is not None:
-    abstract = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
-    shardings = sharding.param_shardings(abstract, mesh)
+    shardings = sharding.param_shardings(models.abstract_params(cfg), mesh)
   return cfg, hf.load_hf(str(model_dir), cfg, shardings=shardings)

@@ -15,7 +15,7 @@ import numpy as np
 
 from async_rl import models
 from async_rl.generation import GeneratorPool, Request, SamplingParams
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.rl.checkpoint import restore_params
 from rl_test_utils import small_config
 
@@ -47,7 +47,7 @@ def main(workdir):
           cfg.mesh, fsdp=4), rollout=dataclasses.replace(
               cfg.rollout, reward_fn="reward_fns_for_tests:length"))
   placed = build.split_devices(run.placement, devices, devices)
-  summary = build.run(run, workdir, echo=lambda _: None, progress=False)
+  summary = entry.run(run, workdir, echo=lambda _: None, progress=False)
   last = summary["history"][-1]
   start = build.make_trainer(run, jax.sharding.Mesh(np.array(devices[:4]).reshape(1, 4, 1),
                                                     ("data", "fsdp", "tensor"))).state.params
@@ -61,7 +61,7 @@ def main(workdir):
       "trainer_devices": [d.id for d in placed.trainer],
       "replica_devices": [[d.id for d in r] for r in placed.replicas],
       "end_version": summary["end_version"],
-      "replica_tokens": [r["generated_tokens"] for r in last["pool"]["replicas"]],
+      "replica_tokens": [r["generated_tokens"] for r in last["workers"]["0"]["pool"]["replicas"]],
       "trained_tokens": [m["trained_tokens"] for m in summary["history"]],
       "params_moved": moved,
   }))

@@ -1,5 +1,5 @@
 """The micro experiment config (configs/micro.py) with overrides, and a run's parts built
-as `rl.build.run` builds them, for loop tests."""
+as `rl.entry.run` builds them, for loop tests."""
 
 import importlib.util
 import json
@@ -36,7 +36,7 @@ def small_config(**overrides):
 
 def run_parts(cfg, workdir, server, **loop_kw):
   """The train loop and rollout worker 0 of `cfg` on `server`, sharing one engine as
-  `build.run` does (not started: `loop.run([worker])`)."""
+  `entry.run` does (not started: `loop.run([worker])`)."""
   cfg = build.resolve(cfg)
   task = make_task(cfg.task)
   engines = [build.make_engine(cfg)]

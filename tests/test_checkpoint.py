@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import struct
 
-from async_rl.rl import build, workdir
+from async_rl.rl import entry, workdir
 from async_rl.rl.checkpoint import Checkpointer, NoUsableCheckpointError
 from async_rl.rl.errors import CheckpointError
 from rl_test_utils import small_config
@@ -163,7 +163,7 @@ def test_a_run_whose_checkpoint_write_fails_stops_within_seconds_and_frees_the_w
   calls = _fail_writes_after(monkeypatch, good=1)
   cfg = small_config(**{"num_steps": 30, "checkpoint.every_steps": 10})
   with pytest.raises(CheckpointError, match="No space left on device") as e:
-    build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+    entry.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert time.monotonic() - calls["failed_at"] < 10
   assert "the last good checkpoint is 10" in str(e.value)
   steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()

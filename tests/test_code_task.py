@@ -11,7 +11,7 @@ import pytest
 from async_rl.cli import from_dict
 from async_rl.config import CodeConfig
 from async_rl.rewards import code_tests_reward, isolation
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.tasks.code_task import CodeTask, make_program
 from rl_test_utils import small_config
 
@@ -69,7 +69,7 @@ def test_a_short_code_run_scores_every_sample_in_the_sandbox(tmp_path):
                         "generation.max_new_tokens": 48, "batching.max_tokens_per_mb": 96,
                         "sft.steps": 2, "sft.batch_size": 4, "eval.num_prompts": 2,
                         "task.code.max_ops": 1, "task.code.num_tests": 2})
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = entry.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
   lines = [json.loads(l) for l in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
   steps = [l for l in lines if "eval" not in l and "sft" not in l]

@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from async_rl.rl import build, export
+from rl_test_utils import small_config
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -35,3 +40,18 @@ def test_eval_names_what_is_missing(tmp_path):
   assert out.returncode != 0 and "config.json does not exist" in out.stderr
   out = _run("launch.eval")
   assert out.returncode != 0 and "give --workdir" in out.stderr
+
+
+def test_eval_reward_workers_get_the_run_s_memory_limit(monkeypatch):
+  # async-rl-eval builds its evaluator as a run does, so rollout.reward_memory_mb holds.
+  class Built(Exception):
+    pass
+
+  def reward_service(**kwargs):
+    raise Built(kwargs)
+
+  monkeypatch.setattr(build, "RewardService", reward_service)
+  with pytest.raises(Built) as built:
+    export.score(small_config(**{"rollout.reward_memory_mb": 1234,
+                                 "rollout.reward_workers": 3}), params=None)
+  assert built.value.args[0]["memory_mb"] == 1234 and built.value.args[0]["num_workers"] == 3

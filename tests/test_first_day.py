@@ -13,7 +13,7 @@ import pytest
 
 from async_rl import cli
 from async_rl.cli import from_dict
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.rl.errors import ConfigError, NoTrainableGroupError
 from rl_test_utils import small_config
 
@@ -86,7 +86,7 @@ def test_a_task_whose_prompts_never_fit_is_refused_at_once():
 
 
 def test_prompts_too_long_are_rejected_and_counted_and_the_run_goes_on(tmp_path):
-  summary = build.run(small_config(**{"num_steps": 2}), str(tmp_path), task=_LongPrompts(40, 2),
+  summary = entry.run(small_config(**{"num_steps": 2}), str(tmp_path), task=_LongPrompts(40, 2),
                       echo=lambda _: None, progress=False)
   assert summary["end_version"] == 2
   rollout = summary["history"][-1]["rollout"]
@@ -201,7 +201,7 @@ def test_groups_that_can_never_be_trained_stop_the_run_saying_why(tmp_path):
                         "run.max_untrainable_groups": 12})
   lines = []
   with pytest.raises(NoTrainableGroupError) as e:
-    build.run(cfg, str(tmp_path), echo=lines.append, progress=False)
+    entry.run(cfg, str(tmp_path), echo=lines.append, progress=False)
   message = str(e.value)
   in_a_row = int(re.match(r"(\d+) groups in a row finished and none could be trained "
                           r"\(run.max_untrainable_groups=12\)", message).group(1))
@@ -213,7 +213,7 @@ def test_groups_that_can_never_be_trained_stop_the_run_saying_why(tmp_path):
 
 def test_the_step_line_shows_the_reward_error_rate(tmp_path):
   lines = []
-  build.run(small_config(**{"num_steps": 1}), str(tmp_path), echo=lines.append, progress=False)
+  entry.run(small_config(**{"num_steps": 1}), str(tmp_path), echo=lines.append, progress=False)
   step = next(line for line in lines if " v=1 reward=" in line)
   assert step.endswith("reward_err=0.00")
 

@@ -14,8 +14,7 @@ pytest.importorskip("ray", reason="the ray placement needs ray (pip install -e .
 
 import ray  # noqa: E402
 from async_rl import config  # noqa: E402
-from async_rl.rl import ray_placement  # noqa: E402
-from async_rl.rl.ray_placement import run_on_ray  # noqa: E402
+from async_rl.rl import entry, ray_placement  # noqa: E402
 from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
 
 
@@ -48,7 +47,7 @@ def _run(workdir, stop=None, **overrides):
   cfg = small_config(**{"staleness.max_staleness": 1, "placement.kind": "ray",
                         "rollout.reward_fn": "reward_fns_for_tests:length",
                         "eval.num_prompts": 1, "eval.pass_k": 1, **overrides})
-  return run_on_ray(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None)
+  return entry.run(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None)
 
 
 def test_actors_train_within_the_bound_and_resume(tmp_path, request):
@@ -105,7 +104,8 @@ def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_p
   steps = _steps(tmp_path)
   assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
   assert steps[0]["worker_restarts"] == 0 and steps[-1]["worker_restarts"] == 1
-  assert steps[0]["pid"] == summary["pids"]["rollout"][0] != steps[-1]["pid"]
+  assert (steps[0]["workers"]["0"]["pid"] == summary["pids"]["rollout"][0]
+          != steps[-1]["workers"]["0"]["pid"])
   assert steps[-1]["server"]["lost_groups"] >= 1
   check_prompt_accounting(tmp_path)
 
@@ -149,7 +149,7 @@ def test_two_rollout_workers_train_a_user_task_shipped_by_the_runtime_env(tmp_pa
   assert summary["end_version"] == 3 and len(summary["pids"]["rollout"]) == 2
   steps = _steps(tmp_path / "run")
   assert [s["step"] for s in steps] == [1, 2, 3]
-  workers = steps[-1]["workers"]
+  workers = list(steps[-1]["workers"].values())
   assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
   assert all(w["rollout"]["submitted"] > 0 and w["rewards"]["calls"] > 0
              and w["rewards"]["errors"] == 0 for w in workers)

@@ -13,7 +13,7 @@ import pytest
 
 from async_rl import batching, models, sharding, train_step
 from async_rl.cli import from_dict
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.trainer_loop import TrainLoop
 from async_rl.trajectory import Group, Trajectory
@@ -142,9 +142,9 @@ def test_a_run_with_the_kl_penalty_trains_and_resumes_with_the_same_reference(tm
   init = jax.device_get(models.init_params(cfg.model, jax.random.key(123)))
   seeded = jax.device_get(models.init_params(cfg.model, jax.random.key(cfg.seed)))
   assert not np.array_equal(jax.tree.leaves(init)[0], jax.tree.leaves(seeded)[0])
-  build.run(cfg, str(tmp_path), init_params=init, progress=False, echo=lambda _: None)
+  entry.run(cfg, str(tmp_path), init_params=init, progress=False, echo=lambda _: None)
   # The resume builds its trainer from the seed's init, then restores.
-  summary = build.run(small_config(**overrides, num_steps=3), str(tmp_path), progress=False,
+  summary = entry.run(small_config(**overrides, num_steps=3), str(tmp_path), progress=False,
                       echo=lambda _: None)
   assert (summary["start_version"], summary["end_version"]) == (2, 3)
   steps = _steps(tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_rl.rl import build, replay
+from async_rl.rl import entry, replay
 from async_rl.rl.errors import ConfigError
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
@@ -38,7 +38,7 @@ def recorded(tmp_path_factory):
   def get(mode):
     if mode not in runs:
       workdir = tmp_path_factory.mktemp(f"recorded_{mode}")
-      build.run(_config(mode), str(workdir), progress=False, echo=lambda _: None)
+      entry.run(_config(mode), str(workdir), progress=False, echo=lambda _: None)
       runs[mode] = workdir
     return runs[mode]
   return get
@@ -74,7 +74,7 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
     staleness.append(step - 1 - versions.min())
   assert max(staleness) > 0 and max(staleness) <= ETA  # asynchronous, within the bound
 
-  summary = build.replay(_config(mode), str(tmp_path / "new"), str(old), progress=False,
+  summary = entry.replay(_config(mode), str(tmp_path / "new"), str(old), progress=False,
                          echo=lambda _: None)
   assert summary["compared"] == [1, 2, 3] and summary["end_version"] == 3
   assert 0 < summary["logp_tokens"] and summary["logp_max_abs_diff"] <= replay.LOGP_ATOL
@@ -91,7 +91,7 @@ def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays_in_t
   for step in (2, 3):
     shutil.rmtree(old / "checkpoints" / str(step))
   cfg = _config("keep", num_steps=2)
-  build.run(cfg, str(old), progress=False, echo=lambda _: None)
+  entry.run(cfg, str(old), progress=False, echo=lambda _: None)
   assert replay.recorded_steps(_schedule(old)) == [1, 2]
   groups, _ = replay.read_batch(_schedule(old), 2)
   assert [g.prompt_id for g in groups] == _lines(old)[2]["prompts"]
@@ -99,7 +99,7 @@ def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays_in_t
   # A replay stopped after step 1 goes on from its own checkpoint.
   lines = []
   for steps in (1, 2):
-    summary = build.replay(_config("keep", num_steps=steps), str(tmp_path / "new"), str(old),
+    summary = entry.replay(_config("keep", num_steps=steps), str(tmp_path / "new"), str(old),
                            progress=False, echo=lines.append)
     # The restored state is compared too.
     assert summary["start_version"] == steps - 1 and summary["compared"] == [1, 2][:steps]
@@ -149,13 +149,13 @@ def test_a_changed_record_is_refused_naming_the_step(tmp_path, recorded, change,
   if not log:
     (old / "metrics.jsonl").unlink()
   with pytest.raises(replay.ReplayError, match=error):
-    build.replay(_config("drain"), str(tmp_path / "new"), str(old), progress=False,
+    entry.replay(_config("drain"), str(tmp_path / "new"), str(old), progress=False,
                  echo=lambda _: None)
 
 
 def test_a_replay_needs_the_recorded_config_thread_count_and_schedule(tmp_path, recorded):
   old = recorded("drain")
-  replay_into = lambda cfg, recorded_dir, name: build.replay(
+  replay_into = lambda cfg, recorded_dir, name: entry.replay(
       cfg, str(tmp_path / name), str(recorded_dir), progress=False, echo=lambda _: None)
   with pytest.raises(ConfigError, match=r"optimizer.learning_rate: 0.0001 -> 0.5"):
     replay_into(_config("drain", **{"optimizer.learning_rate": 0.5}), old, "a")

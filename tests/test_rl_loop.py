@@ -16,7 +16,7 @@ import pytest
 from async_rl import cpu, sharding
 from async_rl.config import LogConfig, MeshConfig
 from async_rl.generation import Engine
-from async_rl.rl import build, trainer_loop
+from async_rl.rl import build, entry, trainer_loop
 from async_rl.rl.errors import ConfigError
 from async_rl.rl.evaluate import Evaluator
 from async_rl.trajectory import Group, Trajectory
@@ -36,7 +36,7 @@ def _steps(workdir):
 @pytest.mark.parametrize("eta, mode", [(1, "retract"), (0, "drain"), (2, "keep")])
 def test_run_trains_within_the_staleness_bound(tmp_path, eta, mode):
   cfg = small_config(**{"staleness.max_staleness": eta, "generation.update_mode": mode})
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = entry.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 3
   steps, evals = _steps(tmp_path)
   assert [s["step"] for s in steps] == [1, 2, 3]
@@ -67,7 +67,7 @@ def test_periodic_evaluations_and_the_final_one_evaluate_each_version_once(tmp_p
 
   monkeypatch.setattr(build, "make_engine", counting)
   cfg = small_config(**{"num_steps": 2, "eval.every_steps": 1})
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = entry.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert len(engines) == 1, "the held-out and rollout pools share one engine"
   _, evals = _steps(tmp_path)
   assert [e["step"] for e in evals] == [0, 1, 2]
@@ -80,7 +80,7 @@ def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path)
   cfg = small_config(**{"rollout.reward_fn": "reward_fns_for_tests:raises",
                         "num_steps": 2})
   lines = []
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lines.append)
+  summary = entry.run(cfg, str(tmp_path), progress=False, echo=lines.append)
   assert summary["end_version"] == 2
   steps, evals = _steps(tmp_path)
   assert steps[-1]["rewards"]["errors"] >= 2 * 2 * 2
@@ -96,7 +96,7 @@ def test_a_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path)
 def test_ppo_minibatches_with_the_loglinear_proximal_policy(tmp_path):
   cfg = small_config(**{"num_steps": 2, "ppo.num_minibatches": 2, "ppo.prox_logp": "loglinear",
                         "rollout.reward_fn": "reward_fns_for_tests:length"})
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = entry.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
   steps, _ = _steps(tmp_path)
   assert [s["applied_updates"] for s in steps] == [2, 2]
@@ -179,7 +179,7 @@ def test_a_stop_during_the_first_evaluation_ends_it_and_checkpoints_version_0(
     return evaluate(self, *args, **kwargs)
 
   monkeypatch.setattr(Evaluator, "evaluate", stopped_meanwhile)
-  summary = build.run(small_config(), str(tmp_path), stop=stop, progress=False,
+  summary = entry.run(small_config(), str(tmp_path), stop=stop, progress=False,
                       echo=lines.append)
   assert summary["stopped"] and summary["eval_before"] is None
   assert (summary["end_version"], summary["checkpoint"]) == (0, 0)
@@ -191,7 +191,7 @@ def test_a_stop_during_the_first_evaluation_ends_it_and_checkpoints_version_0(
 def test_a_stop_before_the_run_is_built_writes_nothing(tmp_path):
   stop = threading.Event()
   stop.set()
-  summary = build.run(small_config(), str(tmp_path / "w"), stop=stop, progress=False,
+  summary = entry.run(small_config(), str(tmp_path / "w"), stop=stop, progress=False,
                       echo=lambda _: None)
   assert summary == {"stopped": True} and not (tmp_path / "w").exists()
 
@@ -206,7 +206,7 @@ def test_the_log_holds_the_warm_start_learning_rates_and_samples_and_a_log_file_
                         "log.num_samples": 4})  # micro: the batch's 2 groups of 2
   stderr, lines = io.StringIO(), []  # standard error is a log file, not a terminal
   monkeypatch.setattr(sys, "stderr", stderr)
-  build.run(cfg, str(tmp_path), progress=True, echo=lines.append)
+  entry.run(cfg, str(tmp_path), progress=True, echo=lines.append)
   assert "\r" not in stderr.getvalue() and "train:" not in stderr.getvalue()
 
   # The warm start's lines come first (before RL: version 0), its learning rate warming
@@ -261,5 +261,40 @@ def test_weights_and_biases_asked_for_without_wandb_stops_the_run_before_it_is_b
   monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
   cfg = small_config(**{"log.wandb_project": "proj"})
   with pytest.raises(ConfigError, match=r"log\.wandb_project needs the wandb package"):
-    build.run(cfg, str(tmp_path / "w"), progress=False, echo=lambda _: None)
+    entry.run(cfg, str(tmp_path / "w"), progress=False, echo=lambda _: None)
   assert not (tmp_path / "w").exists()
+
+
+def _worker_metrics(pid, calls, latency_s):
+  return {"rollout": {"submitted": 2, "generated_tokens": 10 * pid}, "pool": {"version": 1},
+          "rewards": {"calls": float(calls), "errors": 1.0, "timeouts": 0.0,
+                      "worker_restarts": 0.0, "mean_latency_s": latency_s},
+          "pid": pid}
+
+
+def test_step_metrics_keep_one_schema_whatever_the_number_of_rollout_workers():
+  groups = [types.SimpleNamespace(prompt_id=f"g{i}", trajectories=[
+      types.SimpleNamespace(reward=r) for r in (0.0, 1.0)]) for i in range(2)]
+
+  def metrics(workers):
+    return trainer_loop.step_metrics(
+        {"skipped": 0, "applied_updates": 1, "trained_tokens": 8, "time_train_s": 2.0},
+        groups, server={"staleness_hist": [3, 1], "lost_groups": 0}, lengths={},
+        workers=workers, since=trainer_loop.Since(0.0, np.zeros(1, np.int64)), now=2.0,
+        time_wait_s=0.1, time_publish_s=0.2, time_record_s=0.0, skipped_steps=0,
+        applied_updates=1, learning_rate=lambda n: 1e-3, correct_threshold=1.0,
+        longest_unreported_wait_s=0.0)
+
+  one, _ = metrics([_worker_metrics(1, 4, 0.5)])
+  two, counted = metrics([_worker_metrics(1, 4, 0.5), _worker_metrics(2, 6, 1.0)])
+  assert set(one) == set(two)
+  for section in ("rollout", "rewards"):
+    assert set(one[section]) == set(two[section])
+  assert {i: w["pid"] for i, w in one["workers"].items()} == {"0": 1}
+  assert {i: w["pid"] for i, w in two["workers"].items()} == {"0": 1, "1": 2}
+  assert two["rewards"]["calls"] == 10 and two["rewards"]["errors"] == 2
+  assert two["rewards"]["mean_latency_s"] == pytest.approx((0.5 * 4 + 1.0 * 6) / 10)
+  assert two["rollout"]["generated_tokens"] == 30 and two["gen_tokens_per_s"] == 15
+  assert two["reward_error_rate"] == 2 / 10 and counted.reward_failures == 2
+  assert one["staleness_hist"] == {0: 3, 1: 1} and one["staleness_mean"] == 0.25
+  assert one["accuracy"] == 0.5 and one["train_tokens_per_s"] == 4

@@ -11,7 +11,7 @@ import numpy as np
 
 from async_rl import sharding
 from async_rl.config import ArithmeticConfig
-from async_rl.rl import build
+from async_rl.rl import build, entry
 from async_rl.tasks import Problem, TrainStream, verify
 from async_rl.tasks.arithmetic import step_credit
 from async_rl.tasks.arithmetic import SFT_SEED_OFFSET
@@ -115,7 +115,7 @@ def test_a_short_tool_run_trains_on_policy_tokens_within_the_bound(tmp_path):
                         "task.sample_per_turn": True,
                         "eval.num_prompts": 2, "generation.max_new_tokens": 40,
                         "batching.max_tokens_per_mb": 64})
-  summary = build.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+  summary = entry.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
   assert summary["end_version"] == 2
   lines = [json.loads(l) for l in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
   steps = [l for l in lines if "eval" not in l and "sft" not in l]

@@ -13,7 +13,7 @@ import pytest
 from async_rl import batching, loss, models, policy, sharding, train_step
 from async_rl.config import MeshConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
-from async_rl.rl import build
+from async_rl.rl import entry
 from async_rl.trajectory import Trajectory
 from rl_test_utils import small_config
 
@@ -148,7 +148,7 @@ def test_a_run_with_top_p_trains_on_the_drawn_support_and_logs_the_mismatch(tmp_
                         "staleness.max_staleness": 0, "generation.update_mode": "drain",
                         "num_steps": 2})
   lines = []
-  build.run(cfg, str(tmp_path), progress=False, echo=lines.append)
+  entry.run(cfg, str(tmp_path), progress=False, echo=lines.append)
   steps = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [s for s in steps if "mismatch_tokens" in s]
   assert len(steps) == 2

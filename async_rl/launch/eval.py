@@ -54,7 +54,7 @@ def main(argv):
       cfg = build.resolve(cli.from_dict(_CONFIG.value))
       mesh = sharding.make_mesh(config.MeshConfig(), jax.devices()[:1])
       params = build.initial_params(cfg, mesh, make_task(cfg.task)) if cfg.hf_model_dir \
-          else build.make_trainer(cfg, mesh).state.params
+          else build.random_params(cfg, mesh)
       source = {"hf_model_dir": cfg.hf_model_dir}
     report = {**source, "task": cfg.task.name,
               **export.score(cfg, params, num_prompts=_NUM_PROMPTS.value,

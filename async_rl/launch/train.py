@@ -60,12 +60,12 @@ def main(argv):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
                                process_id=_PROCESS_ID.value)
-  from async_rl.rl import build  # noqa: PLC0415 (after jax.distributed, which must come first)
+  from async_rl.rl import entry  # noqa: PLC0415 (after jax.distributed, which must come first)
   try:
     if _REPLAY.value:
-      summary = build.replay(cfg, _WORKDIR.value, _REPLAY.value, stop=signals.stop)
+      summary = entry.replay(cfg, _WORKDIR.value, _REPLAY.value, stop=signals.stop)
     else:
-      summary = build.run(cfg, _WORKDIR.value, stop=signals.stop)
+      summary = entry.run(cfg, _WORKDIR.value, stop=signals.stop)
   except ConfigError as e:
     raise app.UsageError(f"invalid config: {e}") from None
   except WorkdirInUseError as e:

@@ -3,5 +3,6 @@
 Every function takes the model's shape and numerics as `cfg`, a `config.ModelConfig`.
 """
 
-from async_rl.models.transformer import (decode, decode_layers, forward, hidden, init_cache,
-                                         init_params, prefill, split_layers, unembed)
+from async_rl.models.transformer import (abstract_params, decode, decode_layers, forward,
+                                         hidden, init_cache, init_params, prefill,
+                                         split_layers, unembed)

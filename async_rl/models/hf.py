@@ -10,7 +10,6 @@ Needs the `hf` extra (safetensors, which reads bf16 into numpy via ml_dtypes).
 """
 
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import jax
 import numpy as np
 
 from async_rl.models.hf_config import config_to_hf
-from async_rl.models.transformer import Params, init_params
+from async_rl.models.transformer import Params, abstract_params
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "special_tokens_map.json", "added_tokens.json", "generation_config.json")
@@ -68,10 +67,6 @@ def _get(tree, path):
   for key in path:
     tree = tree[key]
   return tree
-
-
-def _abstract_params(cfg):
-  return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
 
 
 def _active_rules(abstract) -> list[_Rule]:
@@ -145,7 +140,7 @@ def load_hf(model_dir: str, cfg, *, shardings=None) -> Params:
   more than its shards. Missing, unexpected and mis-shaped tensors raise ValueError
   naming the tensor.
   """
-  abstract = _abstract_params(cfg)
+  abstract = abstract_params(cfg)
   rules = _active_rules(abstract)
   where = _tensor_files(model_dir)
 
@@ -181,7 +176,7 @@ def save_hf(cfg, params: Params, out_dir: str, *,
   from safetensors.numpy import save_file
   hf_config = config_to_hf(cfg)
   tensors: dict[str, Any] = {}
-  for rule in _active_rules(_abstract_params(cfg)):
+  for rule in _active_rules(abstract_params(cfg)):
     leaf = np.asarray(jax.device_get(_get(params, rule.path)))
     layers = list(enumerate(leaf)) if "{}" in rule.hf_name else [(None, leaf)]
     for i, w in layers:

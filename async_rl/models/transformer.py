@@ -17,6 +17,7 @@ Two entry points share one layer body:
     a paged one (`generation.paged`) and inserts `prefill`'s cache into its blocks.
 """
 
+import functools
 import math
 from typing import Any
 
@@ -68,6 +69,12 @@ def init_params(cfg, key: jax.Array) -> Params:
   if not cfg.tie_embeddings:
     params["lm_head"] = dense((D, V), D)
   return params
+
+
+def abstract_params(cfg):
+  """The params' shapes and dtypes (`jax.ShapeDtypeStruct`s), nothing allocated: what
+  shardings are derived from and checkpoints or HF files are read into."""
+  return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
 
 
 def rms_norm(x, scale, eps):

@@ -1,13 +1,11 @@
-"""How a run is put together, top to bottom: the one place that builds its parts.
+"""How a run's parts are built: the one place that builds them, in the order a run
+needs them (`rl.entry` starts the run and places the parts).
 
-`run` resolves the config (what it names on disk), checks every part's settings before
-anything is compiled, and places the parts: in this process (`in_process`: the
-trainer loop on the calling thread, the rollout controller, the generator pool's
-decode loop and the reward service's dispatch on threads of their own, the reward
-functions in worker processes) or as Ray actors (`rl.ray_placement`), which build their
-parts with the functions below. Each part gets the config sections it owns and takes
-what else it needs ready-made; reading checkpoints and data, writing the workdir and
-starting the pools and services is done here, in the order below.
+`resolve` reads what the config names on disk, `check` and `preflight` check every
+part's settings before anything is compiled, and the functions below build each part
+from the config sections it owns, taking what else it needs ready-made: reading
+checkpoints and data, writing the workdir and starting the pools and services is done
+here.
 
 Choices that exist only for XLA:CPU speed (`async_rl.cpu`) are made here, and nowhere
 else: on the CPU backend a generator's slots split into groups decoded from threads of
@@ -17,11 +15,11 @@ their own, and a one-device trainer shares each update's micro-batches among thr
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 import jax
@@ -33,7 +31,6 @@ from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
-from async_rl.param_server import ParameterServer
 from async_rl.rewards import Reward, RewardService
 from async_rl.rl import multihost, replay as replay_lib
 from async_rl.rl import workdir as workdir_lib
@@ -45,78 +42,10 @@ from async_rl.progress import Progress
 from async_rl.rl.metrics_log import MetricsLog, check_wandb
 from async_rl.rl.rollout import PromptSource, RolloutController, RolloutWorker
 from async_rl.rl.trainer import Trainer
-from async_rl.rl.trainer_loop import TrainLoop
+from async_rl.rl.trainer_loop import Outputs, Publishing, Restored, Settings, TrainLoop
 from async_rl.sft import warm_start
-from async_rl.tasks.registry import TASKS, check_task, make_task
+from async_rl.tasks.registry import check_task, make_task
 from async_rl.timeline import Timeline
-
-
-def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
-        stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
-        progress: bool = True) -> dict[str, Any]:
-  """Runs (or resumes from `workdir`) the experiment, placed as `cfg.placement` says;
-  returns the loop's summary.
-
-  Args:
-    cfg: the experiment.
-    workdir: checkpoints, `metrics.jsonl`, TensorBoard files and `config.json`.
-    task: a task built in this process (say, in a notebook) in place of `cfg.task`'s
-      (in process only).
-    init_params: params to start from when not resuming; by default those of
-      `cfg.hf_model_dir`, else a warm start of `cfg.sft.steps`, else a random init.
-    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early (at
-      once, saving nothing, if it is set before the run is built).
-    echo: receives the run's id, the one-line summary of every step, and warnings.
-    progress: show a progress bar (on a terminal only).
-
-  Raises:
-    ConfigError: a setting that cannot work, found before anything is compiled.
-    WorkdirInUseError: another run holds `workdir` (`rl.workdir`).
-  """
-  cfg = resolve(cfg)
-  if cfg.placement.kind == "ray" and task is not None:
-    raise ConfigError("a task object runs in process only; on Ray name it in task.name")
-  task = preflight(cfg, _make_task(cfg) if task is None else task)
-  if not multihost.is_leader():  # the leader holds the workdir
-    follow(cfg, workdir, task=task, init_params=init_params)
-    return {}
-  if stop is not None and stop.is_set():  # before anything is built or written
-    echo(f"stopped before the run started; {workdir} is as it was")
-    return {"stopped": True}
-  # The workdir is this run's (on Ray, the driver holds it) before anything is written.
-  with workdir_lib.hold(workdir, echo) as me:
-    echo(f"{me}: workdir {os.path.abspath(workdir)}")
-    check_resume(cfg, workdir)
-    if cfg.placement.kind == "ray":
-      from async_rl.rl.ray_placement import run_on_ray  # noqa: PLC0415 (ray is an extra)
-      return run_on_ray(cfg, workdir, stop=stop, init_params=init_params, echo=echo,
-                        progress=progress, run_id=me.run_id)
-    devices = split_devices(cfg.placement, jax.local_devices(), jax.devices())
-    with _config_errors():
-      cfg.mesh.axis_sizes(len(devices.trainer))  # the mesh must fill the trainer's devices
-    server = ParameterServer(cfg.staleness, cfg.batch_groups)
-    # One engine per generator replica, for the rollout and held-out pools alike: their
-    # programs compile once.
-    engines = [make_engine(cfg, replica) for replica in devices.replicas]
-    loop = worker = None
-    try:
-      loop = train_loop(cfg, workdir, server, task=task, engines=engines,
-                        trainer_devices=devices.trainer, init_params=init_params, stop=stop,
-                        echo=echo, progress=progress, run_id=me.run_id)
-      worker = rollout_worker(cfg, server, task=task, engines=engines)
-      summary = loop.run([worker])
-      summary["history"] = loop.history
-      return summary
-    finally:
-      server.close()
-      for part in (worker, loop):
-        if part is not None:
-          part.close()
-
-
-def _make_task(cfg):
-  with _config_errors():
-    return make_task(cfg.task)
 
 
 def resolve(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -158,7 +87,7 @@ def resolve(cfg: ExperimentConfig) -> ExperimentConfig:
 def check(cfg: ExperimentConfig) -> ExperimentConfig:
   """Runs the checks each part owns on its settings (the loss's, the advantage
   estimator's, the task's: a built-in task's own checks, or that a "module:attr"
-  factory loads); returns `cfg`.
+  factory loads), which need nothing built; returns `cfg`.
 
   Raises:
     ConfigError: naming the field whose value a part rejects.
@@ -169,18 +98,33 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
   return cfg
 
 
-def preflight(cfg: ExperimentConfig, task):
-  """`check` for a run on `task` (built from `cfg.task`, or given), that the task
-  fits the model, that its reward functions load, and that what the log needs imports;
-  returns `task`.
+def task_of(cfg: ExperimentConfig):
+  """The task `cfg.task` names, built (`tasks.registry.make_task`).
+
+  Raises:
+    ConfigError: a setting the task rejects.
+  """
+  with _config_errors():
+    return make_task(cfg.task)
+
+
+def preflight(cfg: ExperimentConfig, task=None):
+  """The checks of a run on `task`, before anything is compiled; returns the task.
+
+  None: `check`, then the task `cfg.task` names, built (`task_of`). A task given
+  instead is not `cfg.task`'s, so of `check` only the objective's checks concern it.
+  Then, on either: that the task fits the model, that its reward functions load, and
+  that what the log needs imports.
 
   Raises:
     ConfigError: naming the field whose value a part rejects.
   """
+  if task is None:
+    task = task_of(check(cfg))
+  else:
+    with _config_errors():
+      _check_objective(cfg)
   with _config_errors():
-    _check_objective(cfg)
-    if cfg.task.name in TASKS:
-      TASKS[cfg.task.name].check(cfg)
     reward_fn(cfg, task)
     correct_fn(cfg, task)
     check_wandb(cfg.log.wandb_project)
@@ -307,9 +251,7 @@ def make_engine(cfg: ExperimentConfig, devices=None):
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
   param_sharding = None
   if len(devices) > 1:
-    abstract = jax.eval_shape(functools.partial(models.init_params, cfg.model),
-                              jax.random.key(0))
-    param_sharding = sharding.param_shardings(abstract, mesh)
+    param_sharding = sharding.param_shardings(models.abstract_params(cfg.model), mesh)
   groups = decode_groups(cfg, devices[0].platform) if len(devices) == 1 else 1
   if g.kv_blocks:
     groups = cpu.engine.num_groups(g.num_slots, min(groups, g.kv_blocks // g.sequence_blocks))
@@ -377,10 +319,8 @@ def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None
   shardings; else the warm start on `task` (its metrics passed to `record`); else None
   (a random init)."""
   if cfg.hf_model_dir is not None:
-    abstract = jax.eval_shape(functools.partial(models.init_params, cfg.model),
-                              jax.random.key(0))
-    return hf.load_hf(cfg.hf_model_dir, cfg.model,
-                      shardings=sharding.param_shardings(abstract, mesh))
+    return hf.load_hf(cfg.hf_model_dir, cfg.model, shardings=sharding.param_shardings(
+        models.abstract_params(cfg.model), mesh))
   if cfg.sft.steps:
     return warm_start(task, cfg.model, cfg.sft, cfg.batching, mesh, seed=cfg.seed, echo=echo,
                       record=record)
@@ -419,12 +359,63 @@ def reward_service(cfg: ExperimentConfig, num_workers: int) -> RewardService:
                        error_window=r.reward_error_window)
 
 
+def make_evaluator(cfg: ExperimentConfig, task, params, *, engines=None, version: int = 0,
+                   reward_workers: int = 1,
+                   wait: Optional[Callable[[Future, str], Any]] = None) -> Evaluator:
+  """The held-out evaluator of `params` (at `version`) on `task`, as `cfg.eval` says: a
+  generator pool over `engines` (None: one new engine), a reward service of
+  `reward_workers` processes as `rollout` configures them (`reward_service`), and
+  `correct_fn` to score with. Its waits end as `wait(future, what)` says (None: never
+  time out)."""
+  rewards = reward_service(cfg, num_workers=reward_workers)
+  try:
+    pool = make_pool(engines or [make_engine(cfg)], params, version=version)
+  except BaseException:
+    rewards.close()
+    raise
+  return Evaluator(pool, rewards, task, cfg.eval, reward_fn=correct_fn(cfg, task),
+                   max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
+                   vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
+                   wait=wait)
+
+
+def random_params(cfg: ExperimentConfig, mesh):
+  """A random init of `cfg.model` (the trainer's, with `cfg.seed`), built straight onto
+  its shardings on `mesh`: no optimizer state."""
+  shardings = sharding.param_shardings(models.abstract_params(cfg.model), mesh)
+  return jax.jit(functools.partial(models.init_params, cfg.model),
+                 out_shardings=shardings)(jax.random.key(cfg.seed))
+
+
 def sampling_params(cfg: ExperimentConfig, task) -> SamplingParams:
   """How the rollouts sample: the generation section, and the task's stop ids."""
   g = cfg.generation
   return SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
                         max_new_tokens=g.max_new_tokens, stop_token_ids=task.tokenizer.stop_ids,
                         truncated_logp=g.truncated_logp)
+
+
+def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=None,
+                     init_params=None, echo: Callable[[str], None] = print,
+                     record: Callable[[int, dict], None] = lambda step, metrics: None
+                     ) -> tuple[Trainer, Checkpointer, Restored]:
+  """The trainer on `mesh`, restored from `workdir`'s newest checkpoint that reads whole
+  (`server` with it; None: a process without one), else starting from `init_params`
+  (None: `initial_params`, which passes the warm start's metrics to `record`); with its
+  checkpointer and what it resumed. Process 0 then writes the run's `config.json`:
+  after the restore, so that a resume that fails leaves the run's own."""
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
+  try:
+    if checkpointer.latest_step() is None and init_params is None:
+      init_params = initial_params(cfg, mesh, task, echo, record=record)
+    trainer = make_trainer(cfg, mesh, init_params)
+    restored = TrainLoop.restore(checkpointer, trainer, server, echo)
+  except BaseException:
+    checkpointer.close()
+    raise
+  if multihost.is_leader():
+    workdir_lib.write_config(workdir, cfg)
+  return trainer, checkpointer, restored
 
 
 def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=None,
@@ -443,50 +434,41 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   loop's lines, the deadlines' and the warm start's go to `echo` clear of the progress
   bar (`progress.Progress`).
   """
-  check_resume(cfg, workdir)
   os.makedirs(workdir, exist_ok=True)
   bar = Progress(echo, enabled=progress)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   mesh = sharding.make_mesh(cfg.mesh, trainer_devices)
   warm_start_log = []  # written once the log exists, after the restore
-  if checkpointer.latest_step() is None and init_params is None:
-    init_params = initial_params(cfg, mesh, task, bar.echo,
-                                 record=lambda *line: warm_start_log.append((*line, time.time())))
-  trainer = make_trainer(cfg, mesh, init_params)
-  restored = TrainLoop.restore(checkpointer, trainer, server, echo)
+  trainer, checkpointer, restored = restored_trainer(
+      cfg, workdir, mesh, task, server=server, init_params=init_params, echo=bar.echo,
+      record=lambda *line: warm_start_log.append((*line, time.time())))
   record = replay_lib.recorder(os.path.join(workdir, replay_lib.SCHEDULE_DIR), restored.step,
                                record_context(cfg, mesh), enabled=cfg.run.record_schedule,
                                echo=bar.echo)
   leader = multihost.Leader() if jax.process_count() > 1 else None
-  # Written once the restore succeeded, so a resume that fails leaves the run's own.
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(cli.to_dict(cfg), f, indent=2)
-  on_host = publish_on_host or leader is not None
-  dtype = cfg.placement.publish_dtype
-  params = trainer.host_params(dtype) if on_host else trainer.device_params()
+  publishing = Publishing(on_host=publish_on_host or leader is not None,
+                          dtype=cfg.placement.publish_dtype, leader=leader)
+  # Unannounced: every follower makes this first host copy of its own (`entry.follow`).
+  params = (trainer.host_params(publishing.dtype) if publishing.on_host
+            else trainer.device_params())
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, bar.echo)
   stop = stop or threading.Event()
-  evaluator = Evaluator(
-      make_pool(engines or [make_engine(cfg)], params, version=trainer.version),
-      reward_service(cfg, num_workers=1), task, cfg.eval, reward_fn=correct_fn(cfg, task),
-      max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
-      vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
-      wait=functools.partial(deadlines.result, stop=stop))
+  evaluator = make_evaluator(cfg, task, params, engines=engines, version=trainer.version,
+                             wait=functools.partial(deadlines.result, stop=stop))
   log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step,
                    wandb_project=cfg.log.wandb_project, hparams=cli.to_dict(cfg))
   for step, metrics, at in warm_start_log:
     log.write_warm_start(step, metrics, at)
-  return TrainLoop(trainer, server, evaluator, checkpointer, log, deadlines,
-                   num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
-                   checkpoint_every=cfg.checkpoint.every_steps,
-                   max_consecutive_skips=cfg.train.max_consecutive_skips,
-                   max_untrainable_groups=cfg.run.max_untrainable_groups, restored=restored,
-                   publish_on_host=publish_on_host, publish_dtype=dtype, leader=leader,
-                   stop=stop, echo=bar.echo, progress=bar,
-                   learning_rate=train_step.learning_rate(cfg.optimizer),
-                   correct_threshold=cfg.eval.correct_threshold, decode=task.tokenizer.decode,
-                   log_cfg=cfg.log, record=record)
+  settings = Settings(
+      num_steps=cfg.num_steps, eval_every=cfg.eval.every_steps,
+      checkpoint_every=cfg.checkpoint.every_steps,
+      max_consecutive_skips=cfg.train.max_consecutive_skips,
+      learning_rate=train_step.learning_rate(cfg.optimizer), decode=task.tokenizer.decode,
+      max_untrainable_groups=cfg.run.max_untrainable_groups,
+      correct_threshold=cfg.eval.correct_threshold, log=cfg.log)
+  return TrainLoop(trainer, server, evaluator, deadlines, settings,
+                   Outputs(checkpointer, log, echo=bar.echo, progress=bar, record=record),
+                   publishing, restored=restored, stop=stop)
 
 
 def record_context(cfg: ExperimentConfig, mesh) -> dict[str, Any]:
@@ -494,152 +476,6 @@ def record_context(cfg: ExperimentConfig, mesh) -> dict[str, Any]:
   order of its sums), its devices and the software (`rl.replay`)."""
   return {"grad_threads": grad_threads(cfg, mesh), "trainer_devices": int(mesh.devices.size),
           "platform": mesh.devices.flat[0].platform, "jax": jax.__version__}
-
-
-def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
-           stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
-           progress: bool = True) -> dict[str, Any]:
-  """Re-executes the run recorded in the workdir `recorded` (its `schedule/`) in
-  `workdir`, or goes on with the replay `workdir` holds: from the run's initial params,
-  the recorded batches in order, each step checked against the record and the train
-  state against every checkpoint the recorded run kept, bit for bit (`rl.replay`).
-  Nothing is generated or evaluated. Returns the replay's summary.
-
-  `cfg` must be the recorded run's config but for `config.RESUMABLE_FIELDS`, and the
-  trainer must get as many devices and gradient threads as the run's did.
-
-  Raises:
-    ConfigError: `cfg` differs from the recorded run's, `recorded` holds no record, or
-      `workdir` is `recorded`.
-    WorkdirInUseError: another run holds `workdir` or `recorded`.
-    ReplayError: the record is unusable, or a step differs from it.
-  """
-  cfg = resolve(cfg)
-  if jax.process_count() > 1:
-    raise ConfigError("a replay runs in one process; start it without jax.distributed")
-  if os.path.realpath(workdir) == os.path.realpath(recorded):
-    raise ConfigError(f"a replay needs a workdir of its own; {workdir} is the recorded run's")
-  check_replay(cfg, recorded)
-  task = _make_task(cfg)
-  if stop is not None and stop.is_set():
-    echo(f"stopped before the replay started; {workdir} is as it was")
-    return {"stopped": True}
-  schedule = os.path.join(recorded, replay_lib.SCHEDULE_DIR)
-  # The recorded run's workdir is held too: a resume of it would rewrite its record.
-  with workdir_lib.hold(workdir, echo) as me, workdir_lib.hold(recorded, echo):
-    echo(f"{me}: replaying {os.path.abspath(recorded)} in workdir {os.path.abspath(workdir)}")
-    check_resume(cfg, workdir)
-    steps = replay_lib.recorded_steps(schedule)
-    if not steps:
-      raise ConfigError(f"{recorded} holds no recorded schedule ({schedule} has no batch): "
-                        f"its run had run.record_schedule=False, or trained no step")
-    if steps != list(range(1, len(steps) + 1)):
-      raise ConfigError(f"--replay needs the batches of steps 1, 2, ... in {schedule}, found "
-                        f"those of steps {steps[:10]}")
-    bar = Progress(echo, enabled=progress)
-    mesh = sharding.make_mesh(cfg.mesh, split_devices(cfg.placement, jax.local_devices(),
-                                                      jax.devices()).trainer)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
-    init_params = None
-    if checkpointer.latest_step() is None:
-      init_params = initial_params(cfg, mesh, task, bar.echo)
-    trainer = make_trainer(cfg, mesh, init_params)
-    restored = TrainLoop.restore(checkpointer, trainer, None, echo)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(cli.to_dict(cfg), f, indent=2)
-    log = MetricsLog(workdir, me.run_id, resume_step=restored.step, hparams=cli.to_dict(cfg))
-    reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
-    float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
-    replayer = replay_lib.Replay(
-        trainer, checkpointer, log, recorded=recorded,
-        read=functools.partial(replay_lib.read_batch, schedule),
-        steps=min(cfg.num_steps, steps[-1]),
-        reference=lambda step: reference.restore(step, abstract)[0],
-        reference_steps=replay_lib.checkpoint_steps(reference.directory),
-        logged=replay_lib.read_log(recorded), context=record_context(cfg, mesh),
-        recompute=functools.partial(replay_lib.recompute_behaviour_logp, trainer,
-                                    batching=cfg.batching, max_length=cfg.generation.max_length,
-                                    compiled=set()),
-        update_mode=cfg.generation.update_mode,
-        logp_atol=replay_lib.LOGP_ATOL if float32 else None,
-        checkpoint_every=cfg.checkpoint.every_steps, restored=restored, stop=stop,
-        echo=bar.echo, progress=bar)
-    try:
-      return replayer.run()
-    finally:
-      replayer.close()
-      reference.close()
-
-
-def check_replay(cfg: ExperimentConfig, recorded: str) -> None:
-  """A replay must run the recorded run's config but for `config.RESUMABLE_FIELDS`.
-
-  Raises:
-    ConfigError: `recorded` holds no run, or naming every field that differs.
-  """
-  path = os.path.join(recorded, "config.json")
-  if not os.path.isfile(path):
-    raise ConfigError(f"--replay needs the workdir of a recorded run; {recorded} holds no "
-                      f"config.json")
-  changed = _fixed_fields_changed(path, cfg)
-  if changed:
-    raise ConfigError(f"a replay runs the recorded run's config; this one differs from "
-                      f"{path} in {len(changed)} field(s): {'; '.join(changed)}")
-
-
-def check_resume(cfg: ExperimentConfig, workdir: str) -> None:
-  """A run resumed from `workdir` must keep the config in `workdir/config.json` but for
-  `config.RESUMABLE_FIELDS` (or `run.allow_config_change`).
-
-  Raises:
-    ConfigError: naming every field that differs from the run's own.
-  """
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path) or cfg.run.allow_config_change:
-    return
-  changed = _fixed_fields_changed(path, cfg)
-  if changed:
-    raise ConfigError(f"{workdir} holds a run whose config differs in {len(changed)} "
-                      f"field(s): {'; '.join(changed)}. Resume with the run's own config "
-                      f"(or --config.run.allow_config_change=true), or use a new workdir")
-
-
-def _fixed_fields_changed(path: str, cfg: ExperimentConfig) -> list[str]:
-  """`key: old -> new` of each field outside `config.RESUMABLE_FIELDS` where `cfg`
-  differs from the config in the JSON file `path`."""
-  with open(path) as f:
-    old = json.load(f)
-  return [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, cli.to_dict(cfg))
-          if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
-
-
-def _differences(old, new, prefix=""):
-  """(dotted key, old value, new value) of every leaf where two config dicts differ."""
-  for key in sorted(set(old) | set(new)):
-    a, b = old.get(key), new.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      yield from _differences(a, b, f"{prefix}{key}.")
-    elif json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
-      yield prefix + key, a, b
-
-
-def follow(cfg: ExperimentConfig, workdir: str, *, task, init_params=None) -> None:
-  """A `jax.distributed` process other than 0: its shard of the trainer, restored as
-  process 0 restores, stepping as process 0 announces (`multihost.follow`) until the
-  run ends there."""
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
-  try:
-    mesh = sharding.make_mesh(cfg.mesh)
-    if checkpointer.latest_step() is None and init_params is None:
-      init_params = initial_params(cfg, mesh, task, echo=lambda _: None)
-    trainer = make_trainer(cfg, mesh, init_params)
-    TrainLoop.restore(checkpointer, trainer, None, echo=lambda _: None)
-    trainer.host_params(cfg.placement.publish_dtype)  # process 0's first publish
-    multihost.follow(trainer, checkpointer)
-  finally:
-    checkpointer.close()
 
 
 def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,

@@ -20,7 +20,6 @@ which the failed write leaves whole. The first save also checks the free space.
 """
 
 import dataclasses
-import functools
 import logging
 import os
 import shutil
@@ -180,9 +179,9 @@ def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,
     if step is None:
       raise FileNotFoundError(f"no checkpoint under {directory}")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.eval_shape(functools.partial(models.init_params, cfg), jax.random.key(0))
     target = {"params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)}
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        models.abstract_params(cfg))}
     out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)))

@@ -71,16 +71,17 @@ class Evaluator:
     max_prompt_len: longer held-out prompts are left out (and counted, "too_long"),
       as the rollouts leave them out of training.
     wait: `wait(future, what)` returns a future's result; the run waits with its
-      deadlines, naming `what`.
+      deadlines, naming `what`. None: `future.result()`, without a deadline.
   """
 
   def __init__(self, pool: GeneratorPool, rewards, task, cfg: EvalConfig, *,
                reward_fn, max_new_tokens: int, seed: int = 0,
                vocab_size: Optional[int] = None, max_prompt_len: Optional[int] = None,
-               wait: Callable[[Future, str], Any] = lambda f, _: f.result()):
+               wait: Optional[Callable[[Future, str], Any]] = None):
     self.pool, self.rewards, self.task, self.cfg = pool, rewards, task, cfg
     self._reward_fn, self._max_new_tokens = reward_fn, max_new_tokens
-    self._seed, self._vocab_size, self._wait = seed, vocab_size, wait
+    self._seed, self._vocab_size = seed, vocab_size
+    self._wait = wait or (lambda future, _: future.result())
     self._max_prompt_len = max_prompt_len
 
   def load(self, params, version: int) -> None:

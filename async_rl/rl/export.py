@@ -10,13 +10,11 @@ from typing import Optional
 
 from async_rl import cli
 from async_rl.config import ExperimentConfig, ModelConfig
-from async_rl.generation import Engine, GeneratorPool, SamplingParams
+from async_rl.generation import Engine, SamplingParams
 from async_rl.models import hf
 from async_rl.models.hf_tokenizer import HFTokenizer
-from async_rl.rewards import RewardService
 from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
-from async_rl.rl.evaluate import Evaluator
 from async_rl.tasks.registry import make_task
 
 
@@ -42,26 +40,21 @@ def latest_step(workdir: str) -> int:
 
 def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
           pass_k: Optional[int] = None) -> dict:
-  """Held-out metrics of `params` on `cfg`'s task (`rl.evaluate.Evaluator`): greedy
-  accuracy, pass@k, mean completion length, and the reward calls that failed."""
+  """Held-out metrics of `params` on `cfg`'s task (`build.make_evaluator`, its reward
+  service of `rollout.reward_workers` processes): greedy accuracy, pass@k, mean
+  completion length, and the reward calls that failed."""
   cfg = build.resolve(cfg)
-  task = build.preflight(cfg, make_task(cfg.task))
-  eval_cfg = dataclasses.replace(cfg.eval, num_prompts=num_prompts or cfg.eval.num_prompts,
-                                 pass_k=pass_k or cfg.eval.pass_k)
-  evaluator = Evaluator(
-      GeneratorPool(build.make_engine(cfg), params),
-      RewardService(num_workers=cfg.rollout.reward_workers,
-                    timeout_s=cfg.rollout.reward_timeout_s,
-                    allow_weak_sandbox=cfg.rollout.allow_weak_sandbox),
-      task, eval_cfg, reward_fn=build.correct_fn(cfg, task),
-      max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
-      vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len)
+  task = build.preflight(cfg)
+  cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
+      cfg.eval, num_prompts=num_prompts or cfg.eval.num_prompts,
+      pass_k=pass_k or cfg.eval.pass_k))
+  evaluator = build.make_evaluator(cfg, task, params, reward_workers=cfg.rollout.reward_workers)
   try:
     metrics = evaluator.evaluate()
     rewards = evaluator.rewards.metrics()
   finally:
     evaluator.close()
-  return {**metrics, "num_prompts": len(task.heldout(eval_cfg.num_prompts)),
+  return {**metrics, "num_prompts": len(task.heldout(cfg.eval.num_prompts)),
           "reward_calls": rewards["calls"],
           "reward_failures": rewards["errors"] + rewards["timeouts"]}
 

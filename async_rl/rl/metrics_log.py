@@ -12,7 +12,7 @@ since the epoch); each run's TensorBoard file ends with its id.
 `metrics.jsonl` keeps the names the trainer loop gives; TensorBoard and W&B group them
 by what they measure (`tag`): `train/` (the objective, rewards, learning rate),
 `perf/` (timings and throughputs), `staleness/`, `rollout/`, and a section of their
-own for the nested ones (`server/`, `pool/`, `rewards/`, `lengths/`, `eval/`). Process
+own for the nested ones (`server/`, `rewards/`, `lengths/`, `workers/`, `eval/`). Process
 ids are not metrics and are not plotted.
 
 The warm start's lines sit before RL (`step` 0, their own step under `sft`), so no

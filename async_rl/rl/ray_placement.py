@@ -203,24 +203,24 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.
                progress: bool = True, run_id: Optional[str] = None) -> dict[str, Any]:
   """Runs (or resumes from `workdir`) the experiment with its components as Ray actors,
   placed as `cfg.placement` says (cluster address, rollout workers, actor resources,
-  runtime_env, core pinning).
+  runtime_env, core pinning). `rl.entry.run` calls it, with `cfg` resolved and checked
+  and `workdir` held.
 
   Args:
-    cfg: the experiment.
-    workdir: as for `rl.build.run`; every actor must see it (a shared file system
-      on a cluster).
+    cfg: the experiment, resolved (`build.resolve`).
+    workdir: as for `rl.entry.run`, an absolute path; every actor must see it (a shared
+      file system on a cluster).
     stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early.
     init_params: params to start from when not resuming.
     echo: receives the one-line summary of every step.
     progress: show a progress bar (on a terminal only).
-    run_id: marks the metrics lines (None: a new id). `rl.build.run` holds the workdir
-      (`rl.workdir.hold`) in this process and passes its run's id.
+    run_id: marks the metrics lines (None: a new id): the id of the run that holds the
+      workdir (`rl.workdir.hold`) in this process.
 
   Returns:
     The trainer loop's summary, its `history` of step metrics and `pids`: the process
     id of the driver, the server, the trainer and each rollout worker.
   """
-  cfg, workdir = build.resolve(cfg), os.path.abspath(workdir)
   p = cfg.placement
   trainer_options = _actor_options(p, p.trainer_cpus, p.trainer_gpus)
   rollout_options = _actor_options(p, p.rollout_cpus, p.rollout_gpus)

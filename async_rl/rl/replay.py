@@ -247,7 +247,7 @@ def first_difference(state, reference) -> Optional[str]:
 class Replay:
   """Trains a recorded run's batches again and checks each step against the record.
 
-  Built by `rl.build.replay` with the trainer (at the recorded run's initial params,
+  Built by `rl.entry.replay` with the trainer (at the recorded run's initial params,
   or restored from the replay's own checkpoint), its checkpointer and log.
 
   Args:

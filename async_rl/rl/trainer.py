@@ -93,6 +93,12 @@ class Trainer:
     self.version = int(state.step)
     self._compiled = {tuple(shape) for shape in packed_shapes}
 
+  def abstract_state(self):
+    """The train state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s): what a
+    checkpoint of it restores into."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        self.state, self.state_shardings)
+
   @property
   def packed_shapes(self) -> list[list[int]]:
     """The [M, R, T] shapes the step has run (`batching.pack_dynamic`'s `compiled`):

@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-import jax
 import numpy as np
 
 from async_rl.config import LogConfig
@@ -54,72 +53,126 @@ class Restored:
   damaged_checkpoints: int = 0
 
 
-class TrainLoop:
-  """Takes B admitted groups, trains, publishes v + 1, logs, evaluates, checkpoints.
-
-  Built by `rl.build.train_loop` with the trainer (restored), the server (which holds
-  the published version), the held-out evaluator, the checkpointer, the metrics log and
-  the run's deadlines.
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What the loop does, and when.
 
   Args:
     num_steps: train until the version reaches it.
     eval_every: evaluate every this many steps (0: only before and after).
     checkpoint_every: checkpoint every this many steps.
     max_consecutive_skips: non-finite steps in a row that stop the run.
+    learning_rate: the optimizer's learning rate by applied update, for the log.
+    decode: token ids to text, for the sample completions the log shows.
     max_untrainable_groups: groups finished in a row with none admitted that stop the
       run (`NoTrainableGroupError`); 0: never.
-    restored: the counts the run resumes with.
-    publish_on_host: publish host (numpy) copies of the params, for a server in
-      another process; by default they stay device arrays (`Trainer.device_params`).
-    publish_dtype: the host copies' dtype (None: the params' own).
-    leader: with a trainer over several `jax.distributed` processes (this one
-      process 0), announces each collective step to the others (`multihost`); the
-      params it publishes and evaluates are then host copies gathered from all.
-    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early; the
-      evaluator's waits must end when it is set (`Deadlines.result`'s `stop`).
+    correct_threshold: a trained sample whose reward is at least this counts as correct
+      (`accuracy`), as in the held-out evaluation.
+    log: what the log shows besides metrics (sample completions).
+  """
+  num_steps: int
+  eval_every: int
+  checkpoint_every: int
+  max_consecutive_skips: int
+  learning_rate: Callable[[int], float]
+  decode: Callable[[Sequence[int]], str]
+  max_untrainable_groups: int = 0
+  correct_threshold: float = 1.0
+  log: LogConfig = LogConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+  """Where the run's results go.
+
+  Args:
+    checkpointer: the train state and the loop's counts, every `checkpoint_every`.
+    log: the metrics of every step and evaluation, and sample completions.
     echo: receives the one-line summary of every step, and warnings; give it
       `progress.echo`, so that no line glues onto the bar.
     progress: the bar of training steps (drawn on a terminal only); None: none.
-    learning_rate: the optimizer's learning rate by applied update, for the log.
-    decode: token ids to text, for the sample completions the log shows.
-    correct_threshold: a trained sample whose reward is at least this counts as correct
-      (`accuracy`), as in the held-out evaluation.
-    log_cfg: what the log shows besides metrics (sample completions).
     record: receives each step and its batch before the step trains (`rl.replay`).
   """
+  checkpointer: Checkpointer
+  log: MetricsLog
+  echo: Callable[[str], None] = print
+  progress: Optional[Progress] = None
+  record: Callable[[int, Sequence[Group]], None] = lambda step, groups: None
 
-  def __init__(self, trainer: Trainer, server, evaluator: Evaluator, checkpointer: Checkpointer,
-               log: MetricsLog, deadlines: Deadlines, *, num_steps: int, eval_every: int,
-               checkpoint_every: int, max_consecutive_skips: int,
-               max_untrainable_groups: int = 0, restored: Restored = Restored(), publish_on_host: bool = False,
-               publish_dtype: Optional[str] = None,
-               leader: Optional[multihost.Leader] = None,
-               stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
-               progress: Optional[Progress] = None,
-               learning_rate: Callable[[int], float], decode: Callable[[Sequence[int]], str],
-               correct_threshold: float = 1.0, log_cfg: LogConfig = LogConfig(),
-               record: Callable[[int, Sequence[Group]], None] = lambda step, groups: None):
+
+@dataclasses.dataclass(frozen=True)
+class Publishing:
+  """How the trainer's params reach the server and the evaluator.
+
+  Args:
+    on_host: publish host (numpy) copies of the params: for a server in another
+      process, or gathered from every process under a `leader`; else they stay device
+      arrays (`Trainer.device_params`).
+    dtype: the host copies' dtype (None: the params' own).
+    leader: with a trainer over several `jax.distributed` processes (this one process
+      0), announces each collective step to the others (`multihost`), and the params
+      it evaluates are host copies too.
+  """
+  on_host: bool = False
+  dtype: Optional[str] = None
+  leader: Optional[multihost.Leader] = None
+
+  def announce(self, step: str, payload=None) -> None:
+    if self.leader is not None:
+      self.leader.announce(step, payload)
+
+  def params(self, trainer: Trainer):
+    """The trainer's params to publish."""
+    if self.on_host:
+      self.announce("params", self.dtype)
+      return trainer.host_params(self.dtype)
+    return trainer.device_params()
+
+
+@dataclasses.dataclass(frozen=True)
+class Since:
+  """The counters as the previous step left them: a step's rates and increments are
+  taken from them."""
+  time: float
+  staleness_hist: np.ndarray
+  gen_tokens: int = 0
+  reward_calls: int = 0
+  reward_failures: int = 0
+  restarts: int = 0
+
+
+class TrainLoop:
+  """Takes B admitted groups, trains, publishes v + 1, logs, evaluates, checkpoints.
+
+  Built by `rl.build.train_loop` with the trainer (restored), the server (which holds
+  the published version), the held-out evaluator and the run's deadlines, from parts.
+
+  Args:
+    settings: what the loop does, and when.
+    outputs: where its checkpoints, metrics and lines go.
+    publishing: how it publishes params.
+    restored: the counts the run resumes with.
+    stop: set it (e.g. from a SIGTERM handler) to checkpoint and return early; the
+      evaluator's waits must end when it is set (`Deadlines.result`'s `stop`).
+  """
+
+  def __init__(self, trainer: Trainer, server, evaluator: Evaluator, deadlines: Deadlines,
+               settings: Settings, outputs: Outputs, publishing: Publishing = Publishing(), *,
+               restored: Restored = Restored(), stop: Optional[threading.Event] = None):
     self.trainer, self.server, self.evaluator = trainer, server, evaluator
-    self.checkpointer, self.log, self.deadlines = checkpointer, log, deadlines
-    self.num_steps = num_steps
-    self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
-    self.max_consecutive_skips = max_consecutive_skips
-    self.max_untrainable_groups = max_untrainable_groups
+    self.deadlines, self.settings, self.publishing = deadlines, settings, publishing
+    self.checkpointer, self.log = outputs.checkpointer, outputs.log
+    self.echo, self.record = outputs.echo, outputs.record
+    self.progress = outputs.progress or Progress(outputs.echo, enabled=False)
     self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
     self.damaged_checkpoints = restored.damaged_checkpoints
-    self.publish_on_host = publish_on_host or leader is not None
-    self.publish_dtype = publish_dtype
-    self.leader = leader
     self.stop = stop or threading.Event()
-    self.echo, self.progress = echo, progress or Progress(echo, enabled=False)
-    self.learning_rate, self.correct_threshold = learning_rate, correct_threshold
-    self.decode, self.log_cfg, self.record = decode, log_cfg, record
     self._checkpoint_stalled = False
     self.consecutive_skips = 0
     self.history: list[dict[str, Any]] = []
     self.timeline = Timeline()
     # An evaluation the log already holds (of the version resumed from) is not redone.
-    self._last_eval: tuple[Optional[int], Optional[dict]] = max(log.evals.items(),
+    self._last_eval: tuple[Optional[int], Optional[dict]] = max(self.log.evals.items(),
                                                                 default=(None, None))
 
   @staticmethod
@@ -127,10 +180,9 @@ class TrainLoop:
               echo: Callable[[str], None] = print) -> Restored:
     """Restores the newest checkpoint that reads whole into `trainer` and `server` (None:
     a process without one, a `jax.distributed` follower)."""
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(lambda: trainer.state), trainer.state_shardings)
-    restored = checkpointer.restore_latest(abstract, accept=None if server is None else (
-        lambda state, meta: server.load_state_dict(meta["server"])))
+    accept = None if server is None else (
+        lambda state, meta: server.load_state_dict(meta["server"]))
+    restored = checkpointer.restore_latest(trainer.abstract_state(), accept=accept)
     if restored is None:
       return Restored()
     for step, why, moved in restored.damaged:
@@ -140,20 +192,10 @@ class TrainLoop:
     return Restored(restored.step, int(restored.meta["skipped_steps"]),
                     int(restored.meta["applied_updates"]), len(restored.damaged))
 
-  def _announce(self, step: str, payload=None) -> None:
-    if self.leader is not None:
-      self.leader.announce(step, payload)
-
-  def _published_params(self):
-    if self.publish_on_host:
-      self._announce("params", self.publish_dtype)
-      return self.trainer.host_params(self.publish_dtype)
-    return self.trainer.device_params()
-
   def evaluate(self) -> dict[str, float]:
     """Held-out metrics of the trainer's current params (greedy, pass@k)."""
     if self.trainer.version > self.evaluator.pool.version:
-      params = (self._published_params() if self.leader is not None
+      params = (self.publishing.params(self.trainer) if self.publishing.leader is not None
                 else self.trainer.device_params())
       self.evaluator.load(params, self.trainer.version)
     return self.evaluator.evaluate()
@@ -184,17 +226,16 @@ class TrainLoop:
         r.start()
     if start_version == 0:
       summary["eval_before"] = self._eval_and_log()
-    self.progress.start(self.num_steps, start_version)
-    last = {"t": time.perf_counter(), "gen_tokens": 0, "restarts": 0, "reward_calls": 0,
-            "reward_failures": 0,
-            "staleness_hist": np.asarray(self.server.metrics()["staleness_hist"], np.int64)}
+    self.progress.start(self.settings.num_steps, start_version)
+    since = Since(time.perf_counter(),
+                  np.asarray(self.server.metrics()["staleness_hist"], np.int64))
 
     def waits():
       return {what: s for r in rollouts for what, s in r.waits().items()}
 
     try:
       with self.deadlines.watching(waits):
-        self._steps(rollouts, last)
+        self._steps(rollouts, since)
     except (StallError, RolloutWorkerError, NoTrainableGroupError) as e:
       raise type(e)(f"{e}\n{self._checkpoint_before_stopping()}") from e
     finally:
@@ -208,30 +249,35 @@ class TrainLoop:
       self.echo(f"stopped at version {version}: checkpoint {summary['checkpoint']} in "
                 f"{self.checkpointer.directory} holds it; rerun the same command to resume")
     summary["timeline"] = self.timeline.spans() + [s for r in rollouts for s in r.timeline()]
-    if version >= self.num_steps and not self.stop.is_set():
+    if version >= self.settings.num_steps and not self.stop.is_set():
       summary["eval_after"] = self._eval_and_log()
     summary["server"] = {**self.server.metrics(),
                          "length_hist": self.server.length_histograms()}
     summary["longest_unreported_wait_s"] = self.deadlines.longest_unreported_s
     return summary
 
-  def _steps(self, rollouts, last):
-    while self.trainer.version < self.num_steps and not self.stop.is_set():
+  def _steps(self, rollouts, since: Since):
+    settings = self.settings
+    while self.trainer.version < settings.num_steps and not self.stop.is_set():
       groups, waited = self._next_batch(rollouts)
       if groups is None:
         break
-      metrics = self._train(groups, waited, rollouts, last)
+      metrics, record_s = self._train(groups)
+      publish_s = self._publish()
+      metrics, since = self._write_metrics(metrics, groups, rollouts, since,
+                                           time_wait_s=waited, time_publish_s=publish_s,
+                                           time_record_s=record_s)
       version = self.trainer.version
       self.echo(stamped(_line(version, metrics)))
       self._count_skip(version, metrics, groups)
       self.progress.update_to(version)
-      every = self.log_cfg.samples_every
+      every = settings.log.samples_every
       if every and version % every == 0:
-        self.log.write_samples(version, _samples(groups, self.decode, self.log_cfg,
-                                                 self.correct_threshold))
-      if self.eval_every and version % self.eval_every == 0:
+        self.log.write_samples(version, _samples(groups, settings.decode, settings.log,
+                                                 settings.correct_threshold))
+      if settings.eval_every and version % settings.eval_every == 0:
         self._eval_and_log()
-      if version % self.checkpoint_every == 0:
+      if version % settings.checkpoint_every == 0:
         self._checkpoint()
       self.checkpointer.check()  # a failed background write stops the run now
 
@@ -282,64 +328,53 @@ class TrainLoop:
         untrainable = m["rejected"] + m["dropped"]
         if m["admitted"] != admitted:
           admitted, untrainable_before = m["admitted"], untrainable
-        elif 0 < self.max_untrainable_groups <= untrainable - untrainable_before:
+        elif 0 < self.settings.max_untrainable_groups <= untrainable - untrainable_before:
           raise NoTrainableGroupError(_untrainable_cause(
-              untrainable - untrainable_before, self.max_untrainable_groups, m,
+              untrainable - untrainable_before, self.settings.max_untrainable_groups, m,
               [r.metrics() for r in rollouts]))
     return None, time.perf_counter() - t0
 
-  def _train(self, groups, waited, rollouts, last):
+  def _train(self, groups) -> tuple[dict, float]:
+    """One training step on `groups` (recorded first); its metrics and the seconds the
+    record took."""
     version = self.trainer.version
     with self.timeline.span("trainer", "train"), self.deadlines.waiting(
         f"training step {version + 1}", may_stall=False):
-      self._announce("train", groups)
+      self.publishing.announce("train", groups)
       t0 = time.perf_counter()
       self.record(version + 1, groups)
       record_s = time.perf_counter() - t0
-      metrics = self.trainer.train(groups)
+      return self.trainer.train(groups), record_s
+
+  def _publish(self) -> float:
+    """Publishes the trainer's version to the server; returns the seconds it took."""
     t0 = time.perf_counter()
     with self.timeline.span("trainer", "publish"), self.deadlines.waiting(
-        f"publishing version {version + 1}", may_stall=False):
-      self.server.publish(self.trainer.version, self._published_params())
+        f"publishing version {self.trainer.version}", may_stall=False):
+      self.server.publish(self.trainer.version, self.publishing.params(self.trainer))
+    return time.perf_counter() - t0
+
+  def _write_metrics(self, train, groups, rollouts, since: Since, **times
+                     ) -> tuple[dict, Since]:
+    """The step's metrics (`step_metrics`) from what the parts count now, logged."""
     now, logging_since = time.perf_counter(), time.time()
+    self.skipped_steps += train["skipped"]
+    self.applied_updates += train["applied_updates"]
     server = self.server.metrics()
-    # The server counted the batch's tokens by staleness when it handed the batch out.
-    hist = np.asarray(server["staleness_hist"], np.int64)
-    counts = hist - np.pad(last["staleness_hist"], (0, hist.size - last["staleness_hist"].size))
-    last["staleness_hist"] = hist
-    metrics.update(_staleness(counts))
-    self.skipped_steps += metrics["skipped"]
-    self.applied_updates += metrics["applied_updates"]
-    rewards = np.array([t.reward for g in groups for t in g.trajectories])
-    workers = [r.metrics() for r in rollouts]
-    gen_tokens = sum(w["rollout"]["generated_tokens"] for w in workers)
-    reward_calls = sum(w["rewards"]["calls"] for w in workers)
-    reward_failures = sum(w["rewards"]["errors"] + w["rewards"]["timeouts"] for w in workers)
-    metrics.update(
-        lr=float(self.learning_rate(max(self.applied_updates - 1, 0))),
-        reward_mean=float(rewards.mean()),
-        accuracy=float((rewards >= self.correct_threshold).mean()),
-        time_wait_s=waited, time_publish_s=now - t0, time_record_s=record_s,
-        skipped_steps=self.skipped_steps, updates=self.applied_updates,
-        train_tokens_per_s=metrics["trained_tokens"] / max(metrics["time_train_s"], 1e-9),
-        gen_tokens_per_s=(gen_tokens - last["gen_tokens"]) / (now - last["t"]),
-        reward_error_rate=((reward_failures - last["reward_failures"])
-                           / max(reward_calls - last["reward_calls"], 1)),
-        prompts=[str(g.prompt_id) for g in groups],
-        longest_unreported_wait_s=self.deadlines.longest_unreported_s,
-        worker_restarts=sum(w.get("restarts", 0) for w in workers),
-        lengths={k: length_summary(hist) for k, hist in self.server.length_histograms().items()},
-        server={k: v for k, v in server.items() if k != "staleness_hist"},
-        **(workers[0] if len(workers) == 1 else {"workers": workers}))
-    if metrics["worker_restarts"] > last["restarts"]:
+    metrics, counted = step_metrics(
+        train, groups, server=server, lengths=self.server.length_histograms(),
+        workers=[r.metrics() for r in rollouts], since=since, now=now,
+        skipped_steps=self.skipped_steps, applied_updates=self.applied_updates,
+        learning_rate=self.settings.learning_rate,
+        correct_threshold=self.settings.correct_threshold,
+        longest_unreported_wait_s=self.deadlines.longest_unreported_s, **times)
+    if counted.restarts > since.restarts:
       self.echo(f"WARNING: a rollout worker died and was restarted (worker_restarts="
-                f"{metrics['worker_restarts']}, lost_groups={server['lost_groups']})")
-    last.update(t=now, gen_tokens=gen_tokens, restarts=metrics["worker_restarts"],
-                reward_calls=reward_calls, reward_failures=reward_failures)
+                f"{counted.restarts}, lost_groups={server['lost_groups']})")
     self.log.write(self.trainer.version, metrics)
     self.history.append(metrics)
     self.timeline.record("trainer", "log", logging_since, time.time())
-    return metrics
+    return metrics, counted
 
   def _count_skip(self, version, metrics, groups):
     """Warns about a skipped step; stops the run after too many in a row."""
@@ -351,7 +386,7 @@ class TrainLoop:
     self.echo(f"WARNING: step {version} skipped ({cause}); params unchanged, "
               f"{self.consecutive_skips} in a row")
     logging.warning("step %d skipped: %s", version, cause)
-    limit = self.max_consecutive_skips
+    limit = self.settings.max_consecutive_skips
     if self.consecutive_skips >= limit:
       raise NonFiniteError(
           f"{limit} consecutive training steps were skipped as non-finite, the last at "
@@ -392,11 +427,11 @@ class TrainLoop:
       raise
 
   def _save(self, version, meta, wait):
-    self._announce("checkpoint", (version, meta, wait))
+    self.publishing.announce("checkpoint", (version, meta, wait))
     self.checkpointer.save(version, self.trainer.state, meta, wait=wait)
 
   def close(self):
-    closers = (("followers", lambda: self._announce("stop")),
+    closers = (("followers", lambda: self.publishing.announce("stop")),
                ("held-out evaluator", self.evaluator.close),
                ("checkpointer", self.checkpointer.close), ("metrics log", self.log.close))
     for name, closer in closers:
@@ -404,6 +439,75 @@ class TrainLoop:
         self.deadlines.call(closer, f"closing the {name}")
       except Exception:  # keep closing the rest; an earlier error is already raised
         logging.exception("error while closing the %s", name)
+
+
+def step_metrics(train: dict, groups: Sequence[Group], *, server: dict, lengths: dict,
+                 workers: Sequence[dict], since: Since, now: float, time_wait_s: float,
+                 time_publish_s: float, time_record_s: float, skipped_steps: int,
+                 applied_updates: int, learning_rate: Callable[[int], float],
+                 correct_threshold: float, longest_unreported_wait_s: float
+                 ) -> tuple[dict[str, Any], Since]:
+  """A training step's metrics, and the counters the next step's are taken from.
+
+  Args:
+    train: the step's own metrics (`Trainer.train`).
+    groups: the batch it trained.
+    server: the parameter server's counters now (`ParameterServer.metrics`), which
+      counted the batch's tokens by staleness when it handed the batch out.
+    lengths: the server's completion-length histograms.
+    workers: each rollout worker's metrics now (`RolloutWorker.metrics`).
+    since: the counters as the previous step left them.
+    now: the time (`time.perf_counter`) the counters were read.
+    time_wait_s, time_publish_s, time_record_s: what the step waited for its batch, its
+      publish and its record took.
+    skipped_steps, applied_updates: the run's counts, this step included.
+    learning_rate: the learning rate by applied update.
+    correct_threshold: a reward of at least this counts as correct (`accuracy`).
+    longest_unreported_wait_s: the deadlines' longest wait not yet reported.
+
+  Returns:
+    The metrics: the same names whatever the number of rollout workers; `rollout` and
+    `rewards` add up every worker's counters, and `workers` holds each worker's own by
+    its index ("0", "1", ...).
+  """
+  hist = np.asarray(server["staleness_hist"], np.int64)
+  counts = hist - np.pad(since.staleness_hist, (0, hist.size - since.staleness_hist.size))
+  rewards = np.array([t.reward for g in groups for t in g.trajectories])
+  rollout = {k: sum(w["rollout"][k] for w in workers) for k in workers[0]["rollout"]}
+  reward_calls = _reward_totals([w["rewards"] for w in workers])
+  failures = int(reward_calls["errors"] + reward_calls["timeouts"])
+  counted = Since(now, hist, gen_tokens=rollout["generated_tokens"],
+                  reward_calls=int(reward_calls["calls"]), reward_failures=failures,
+                  restarts=sum(w.get("restarts", 0) for w in workers))
+  metrics = {
+      **train, **_staleness(counts),
+      "lr": float(learning_rate(max(applied_updates - 1, 0))),
+      "reward_mean": float(rewards.mean()),
+      "accuracy": float((rewards >= correct_threshold).mean()),
+      "time_wait_s": time_wait_s, "time_publish_s": time_publish_s,
+      "time_record_s": time_record_s,
+      "skipped_steps": skipped_steps, "updates": applied_updates,
+      "train_tokens_per_s": train["trained_tokens"] / max(train["time_train_s"], 1e-9),
+      "gen_tokens_per_s": (counted.gen_tokens - since.gen_tokens) / (now - since.time),
+      "reward_error_rate": ((counted.reward_failures - since.reward_failures)
+                            / max(counted.reward_calls - since.reward_calls, 1)),
+      "prompts": [str(g.prompt_id) for g in groups],
+      "longest_unreported_wait_s": longest_unreported_wait_s,
+      "worker_restarts": counted.restarts,
+      "lengths": {k: length_summary(h) for k, h in lengths.items()},
+      "server": {k: v for k, v in server.items() if k != "staleness_hist"},
+      "rollout": rollout, "rewards": reward_calls,
+      "workers": {str(i): w for i, w in enumerate(workers)}}
+  return metrics, counted
+
+
+def _reward_totals(services: Sequence[dict]) -> dict[str, float]:
+  """Reward services' counters added up; their mean latency weighted by calls."""
+  calls = sum(s["calls"] for s in services)
+  totals = {k: sum(s[k] for s in services) for k in services[0] if k != "mean_latency_s"}
+  totals["mean_latency_s"] = (sum(s["mean_latency_s"] * s["calls"] for s in services)
+                              / calls if calls else 0.0)
+  return totals
 
 
 def _staleness(counts) -> dict:

@@ -8,6 +8,10 @@ while the file still names a holder (one that ended without releasing it) says t
 it takes over from it. On a file system without `flock` (some network file systems)
 the contents decide: a holder on this host whose process is gone is taken over; a
 live one, or one on another host, keeps the workdir.
+
+The run's resolved config is `config.json` in the workdir (`write_config`): a run resumed
+there must keep it, and a replay of the run must run it, but for
+`config.RESUMABLE_FIELDS` (`check_resume`, `check_replay`).
 """
 
 import contextlib
@@ -21,9 +25,12 @@ import socket
 import time
 from typing import Callable, Iterator, Optional
 
-from async_rl.rl.errors import WorkdirInUseError
+from async_rl import cli, config
+from async_rl.config import ExperimentConfig
+from async_rl.rl.errors import ConfigError, WorkdirInUseError
 
 LOCK_FILE = "run.lock"
+CONFIG_FILE = "config.json"
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -122,3 +129,61 @@ def _gone(holder: Holder) -> bool:
   except PermissionError:  # someone else's process
     return False
   return False
+
+
+def write_config(workdir: str, cfg: ExperimentConfig) -> None:
+  """Writes `cfg` (resolved) as the run's `config.json` in `workdir`."""
+  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+    json.dump(cli.to_dict(cfg), f, indent=2)
+
+
+def check_resume(cfg: ExperimentConfig, workdir: str) -> None:
+  """A run resumed from `workdir` must keep the config in its `config.json` but for
+  `config.RESUMABLE_FIELDS` (or `run.allow_config_change`).
+
+  Raises:
+    ConfigError: naming every field that differs from the run's own.
+  """
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path) or cfg.run.allow_config_change:
+    return
+  changed = _fixed_fields_changed(path, cfg)
+  if changed:
+    raise ConfigError(f"{workdir} holds a run whose config differs in {len(changed)} "
+                      f"field(s): {'; '.join(changed)}. Resume with the run's own config "
+                      f"(or --config.run.allow_config_change=true), or use a new workdir")
+
+
+def check_replay(cfg: ExperimentConfig, recorded: str) -> None:
+  """A replay must run the recorded run's config but for `config.RESUMABLE_FIELDS`.
+
+  Raises:
+    ConfigError: `recorded` holds no run, or naming every field that differs.
+  """
+  path = os.path.join(recorded, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise ConfigError(f"--replay needs the workdir of a recorded run; {recorded} holds no "
+                      f"{CONFIG_FILE}")
+  changed = _fixed_fields_changed(path, cfg)
+  if changed:
+    raise ConfigError(f"a replay runs the recorded run's config; this one differs from "
+                      f"{path} in {len(changed)} field(s): {'; '.join(changed)}")
+
+
+def _fixed_fields_changed(path: str, cfg: ExperimentConfig) -> list[str]:
+  """`key: old -> new` of each field outside `config.RESUMABLE_FIELDS` where `cfg`
+  differs from the config in the JSON file `path`."""
+  with open(path) as f:
+    old = json.load(f)
+  return [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(old, cli.to_dict(cfg))
+          if not any(key == r or key.startswith(r + ".") for r in config.RESUMABLE_FIELDS)]
+
+
+def _differences(old, new, prefix=""):
+  """(dotted key, old value, new value) of every leaf where two config dicts differ."""
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      yield from _differences(a, b, f"{prefix}{key}.")
+    elif json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
+      yield prefix + key, a, b

@@ -15,9 +15,7 @@ from flax import serialization
 
 from async_rl import sharding, timeline
 from async_rl.config import ExperimentConfig
-from async_rl.generation import GeneratorPool
 from async_rl.rl import build
-from async_rl.rl.evaluate import Evaluator
 from async_rl.sft import warm_start
 from async_rl.tasks.registry import make_task
 
@@ -106,11 +104,7 @@ class HeldoutEval:
   def __init__(self, cfg: ExperimentConfig, task, params):
     cfg = build.resolve(cfg)
     self._version = 0
-    self._evaluator = Evaluator(
-        GeneratorPool(build.make_engine(cfg), params),
-        build.reward_service(cfg, num_workers=1),
-        task, cfg.eval, reward_fn=build.correct_fn(cfg, task),
-        max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed)
+    self._evaluator = build.make_evaluator(cfg, task, params)
 
   def __enter__(self):
     return self

@@ -55,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from async_rl import models, sharding
 from async_rl.generation import decode_state as ds, paged, sampling as sampling_lib
+from async_rl.generation.blocks import table_row
 from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
 from async_rl.generation.sampling import SlotSampling
 from async_rl.models.attention import kernels_for
@@ -301,9 +302,7 @@ class Engine:
     return refs
 
   def _row(self, blocks) -> np.ndarray:
-    row = np.full(self.max_blocks, self.num_blocks, np.int32)
-    row[:len(blocks)] = blocks
-    return row
+    return table_row(blocks, self.num_blocks, self.max_blocks)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
              blocks: Sequence[int]) -> DecodeState:

@@ -48,11 +48,11 @@ _HANDLE_KEYS = itertools.count()
 
 @dataclasses.dataclass(eq=False)
 class Job:
-  """A request in flight: its future, its finished samples and its shared prefix.
+  """A request in flight: its future, its finished samples and what its samples share.
 
-  `prompt_blocks` records, per block pool, the prompt's full blocks that its started
-  samples share (`blocks.SlotBlocks.assign`), for the prefill of params
-  `prompt_blocks_version`.
+  What they share holds for the params of `cache_version` (`at_version`): the prompt's
+  prefill (`prefix`) and, per block pool, the prompt's full blocks that its started
+  samples hold (`prompt_blocks`, `blocks.SlotBlocks.assign`).
   """
   request: Request
   prompt_P: np.ndarray
@@ -61,12 +61,16 @@ class Job:
   samples: list
   unstarted: int
   prefix: tuple[Prefix, int] | None = None  # A Prefix and the row of this prompt.
-  prefix_version: int = -1
   prompt_blocks: dict = dataclasses.field(default_factory=dict)
-  prompt_blocks_version: int = -1
+  cache_version: int = -1
   aborted: bool = False
   done: bool = False
   handle: SlotHandle | None = None  # The held slot this job continues (`extend`).
+
+  def at_version(self, version: int) -> None:
+    """Drops what its samples share if other params than those of `version` made it."""
+    if self.cache_version != version:
+      self.prefix, self.prompt_blocks, self.cache_version = None, {}, version
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,6 +110,16 @@ class Held:
   handle: SlotHandle
   tokens_T: np.ndarray
   cache_version: int
+
+  def continued_by(self, job: Job) -> bool:
+    """Whether `job`'s prompt is the held sequence followed by at least one token."""
+    length = self.tokens_T.size
+    return job.prompt_P.size > length and np.array_equal(job.prompt_P[:length], self.tokens_T)
+
+  def computed_by(self, version: int) -> bool:
+    """Whether the params of `version` computed the slot's cache throughout, so that a
+    continuation extends it rather than prefilling again."""
+    return self.cache_version == version
 
 
 class HostBatch:
@@ -149,6 +163,10 @@ class HostBatch:
     """The running samples and their slots, oldest admission first."""
     return sorted(((i, s) for i, s in enumerate(self.slots) if s is not None),
                   key=lambda x: x[1].admitted)
+
+  def blocks_of(self, slot: int) -> list[int]:
+    """The KV blocks `slot` holds."""
+    return self.blocks.blocks[slot]
 
   def end_of(self, job: Job) -> int:
     return min(len(job.prompt_P) + job.request.sampling.max_new_tokens, self._max_len)

@@ -26,8 +26,9 @@ from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import Future
 
-from async_rl.generation import slots
-from async_rl.generation.host_batch import HostBatch, Job
+import numpy as np
+
+from async_rl.generation.host_batch import Held, HostBatch, Job, Sample
 from async_rl.generation.blocks import SlotBlocks
 from async_rl.generation.request import SlotHandle, empty_sample
 from async_rl.generation.sampling import SlotSampling
@@ -219,20 +220,17 @@ class Scheduler:
     resumed, started = [], []
     while True:
       with box.cv:
-        if batch.preempted:
-          waiting = batch.preempted[0]
-        elif new and box.queue:
-          waiting = box.queue[0]
-        else:
-          break
-      if isinstance(waiting, tuple):
-        job, index = waiting
-        if job.prompt_blocks_version != self.version:
-          job.prompt_blocks, job.prompt_blocks_version = {}, self.version
+        preempted = batch.preempted[0] if batch.preempted else None
+        queued = box.queue[0] if preempted is None and new and box.queue else None
+      if preempted is not None:
+        placed = batch.place(min(preempted.length + steps, preempted.end - 1), steps=steps)
+      elif queued is not None:
+        job, index = queued
+        job.at_version(self.version)
         tokens = min(len(job.prompt_P) + steps, batch.end_of(job) - 1)
         placed = batch.place(tokens, (job.prompt_blocks, len(job.prompt_P)), steps)
       else:
-        placed = batch.place(min(waiting.length + steps, waiting.end - 1), steps=steps)
+        break
       if placed is None:
         if batch.held and (not batch.free_slots() or not batch.num_active()):
           batch.evict_oldest()
@@ -240,22 +238,65 @@ class Scheduler:
           continue
         break
       slot, shared = placed
-      if isinstance(waiting, tuple):
+      if preempted is not None:
+        batch.resume(slot, preempted, self.version)
+        self.stats.resumed += preempted.preempted
+        preempted.preempted = False
+        resumed.append((slot, preempted))
+      else:
         with box.cv:
           box.queue.popleft()
         sampling = SlotSampling.create(job.request.sampling, job.seed, index)
         started.append((slot, batch.start(slot, job, index, sampling, self.version), shared))
-      else:
-        batch.resume(slot, waiting, self.version)
-        self.stats.resumed += waiting.preempted
-        waiting.preempted = False
-        resumed.append((slot, waiting))
     if resumed:
-      self._state = slots.resume_samples(self.engine, self.params, self.version, self._state,
-                                         batch, resumed)
+      self._resume_samples(resumed)
     if started:
-      self._state = slots.start_samples(self.engine, self.params, self.version, self._state,
-                                        batch, started)
+      self._start_samples(started)
+
+  def _start_samples(self, started: list[tuple[int, Sample, int]]) -> None:
+    """Inserts the new samples of `started`, each (slot, sample, blocks shared): the
+    sample's slot holds its blocks, the first `shared` of them its prompt's full blocks
+    that an earlier sample wrote. A job's prompt is prefilled once for all its samples
+    under the live params (`Job.at_version`)."""
+    batch = self.batch
+    jobs = list(dict.fromkeys(s.job for _, s, _ in started))
+    stale = [job for job in jobs if job.prefix is None]
+    if stale:
+      # The prefill's own first-token draw goes unused: insert_samples draws each.
+      refs = self.engine.prefill_many(
+          params=self.params, prompts=[job.prompt_P for job in stale],
+          samplings=[SlotSampling.create(job.request.sampling, job.seed, 0) for job in stale])
+      for job, ref in zip(stale, refs):
+        job.prefix = ref
+    # One insert_samples call per Prefix: prompts prefilled together start together.
+    starts = {}
+    for slot, sample, shared in started:
+      prefix, row = sample.job.prefix
+      starts.setdefault(id(prefix), (prefix, []))[1].append((slot, sample, shared, row))
+      sample.job.unstarted -= 1
+    for job in jobs:
+      if not job.unstarted:
+        job.prefix = None
+    for prefix, entries in starts.values():
+      self._state, first = self.engine.insert_samples(
+          prefix, self._state, [row for *_, row in entries], [slot for slot, *_ in entries],
+          [s.sampling for _, s, _, _ in entries], [batch.blocks_of(slot) for slot, *_ in entries],
+          [shared for _, _, shared, _ in entries])
+      batch.add_first(first, [(slot, s) for slot, s, _, _ in entries], self.version)
+
+  def _resume_samples(self, resumed: list[tuple[int, Sample]]) -> None:
+    """Resumes each preempted (slot, sample) of `resumed` in the slot it was placed in and
+    moved to (`HostBatch.resume`): its prompt and the tokens it generated so far are
+    prefilled under the live params and it draws its next token, as it would have
+    without the preemption (a draw's key depends only on the sample and the position)."""
+    for slot, sample in resumed:
+      padded, length = self.engine.pad_tokens(np.concatenate(
+          [sample.job.prompt_P, np.asarray(sample.tokens, np.int32)]))
+      prefix, first = self.engine.prefill(params=self.params, padded_tokens=padded,
+                                          true_length=length, sampling=sample.sampling,
+                                          generated=len(sample.tokens))
+      self._state = self.engine.insert(prefix, self._state, slot, self.batch.blocks_of(slot))
+      self.batch.add_first(first, [(slot, sample)], self.version)
 
   def _start_extensions(self):
     box, batch = self.inbox, self.batch
@@ -267,14 +308,14 @@ class Scheduler:
         self._resolve(job, None)
         continue
       slot = held.handle.slot
-      if not slots.continues(job, held):
+      if not held.continued_by(job):
         batch.blocks.release(slot)
         self._resolve(job, error=ValueError(
             f"request {job.request.request_id!r}: the prompt does not continue the "
             f"{held.tokens_T.size} tokens its slot holds"))
         continue
       tokens = min(len(job.prompt_P) + self.engine.steps_per_call, batch.end_of(job) - 1)
-      if slots.continues_in_slot(held, self.version):
+      if held.computed_by(self.version):
         fits = batch.blocks.grow(slot, tokens)
       else:
         batch.blocks.release(slot)
@@ -287,12 +328,34 @@ class Scheduler:
           box.queue.appendleft((job, 0))
         self.stats.extended_reprefilled += 1
         continue
-      self._state, in_slot = slots.continue_held(self.engine, self.params, self.version,
-                                                 self._state, batch, job, held)
-      if in_slot:
+      if self._continue_held(job, held):
         self.stats.extended_in_slot += 1
       else:
         self.stats.extended_reprefilled += 1
+
+  def _continue_held(self, job: Job, held: Held) -> bool:
+    """Starts `job` (one sample, whose prompt continues `held`'s sequence) in the held
+    slot, which holds the blocks it needs. Returns whether the cache was continued: it
+    is when the live params computed all of it (`Held.computed_by`), else the whole
+    prompt is prefilled again in the slot."""
+    slot, length = held.handle.slot, held.tokens_T.size
+    sampling = SlotSampling.create(job.request.sampling, job.seed, 0)
+    blocks = self.batch.blocks_of(slot)
+    in_slot = held.computed_by(self.version)
+    if in_slot:
+      # The held sample's last token was drawn but never fed, so its K/V goes first.
+      self._state, first = self.engine.extend(self.params, self._state, slot,
+                                              job.prompt_P[length - 1:], length - 1,
+                                              sampling, blocks)
+    else:
+      padded, true_length = self.engine.pad_tokens(job.prompt_P)
+      prefix, first = self.engine.prefill(params=self.params, padded_tokens=padded,
+                                          true_length=true_length, sampling=sampling)
+      self._state = self.engine.insert(prefix, self._state, slot, blocks)
+    job.unstarted = 0
+    sample = self.batch.start(slot, job, 0, sampling, self.version)
+    self.batch.add_first(first, [(slot, sample)], self.version)
+    return in_slot
 
   def _resolve(self, job: Job, result=None, error: Exception | None = None):
     job.done, job.prefix = True, None

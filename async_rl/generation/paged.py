@@ -108,7 +108,8 @@ def insert(cache: PagedCache, prompt, row, slot, table_M, shared) -> PagedCache:
 
 class Reads(NamedTuple):
   """What a decode step's attention reads (static): `blocks` table columns of every slot
-  (layout "columns") or `blocks` blocks of all slots laid end to end ("ragged")."""
+  (layout "columns") or, on a CPU (`cpu.PagedDecoding`), `blocks` blocks of all slots
+  laid end to end ("ragged")."""
   layout: str
   blocks: int
 

@@ -171,24 +171,6 @@ class HostBatch:
   def end_of(self, job: Job) -> int:
     return min(len(job.prompt_P) + job.request.sampling.max_new_tokens, self._max_len)
 
-  def place(self, tokens: int, prompt: tuple[dict, int] | None = None, steps: int = 0
-            ) -> tuple[int, int] | None:
-    """A free slot given the blocks of `tokens` positions (`SlotBlocks.assign`, sharing
-    `prompt`'s full blocks where its pool holds them), as (slot, blocks shared); None
-    when no free slot's pool has the blocks and, left over, those its running samples
-    need for `steps` steps past the next chunk (so that a sample just started is not
-    preempted at once for their growth)."""
-    growth = [0] * len(self.blocks.allocators)
-    for i, s in enumerate(self.slots):
-      if s is not None:
-        growth[self.blocks.pools_S[i]] += max(
-            self.blocks.blocks_for(s.cache_need(2 * steps)) - len(self.blocks.blocks[i]), 0)
-    for slot in self.free_slots():
-      shared = self.blocks.assign(slot, tokens, prompt, growth[self.blocks.pools_S[slot]])
-      if shared is not None:
-        return slot, shared
-    return None
-
   def start(self, slot: int, job: Job, index: int, sampling: SlotSampling,
             version: int) -> Sample:
     """Records that `slot` (placed) now holds sample `index` of `job`, inserted under
@@ -219,20 +201,6 @@ class HostBatch:
     keys = [s.admitted for s in self.preempted]
     self.preempted.insert(bisect.bisect(keys, sample.admitted), sample)
     return sample
-
-  def newest(self, pool: int) -> int:
-    """The slot of the most recently admitted running sample of block pool `pool`."""
-    return max((i for i, s in enumerate(self.slots)
-                if s is not None and self.blocks.pools_S[i] == pool),
-               key=lambda i: self.slots[i].admitted)
-
-  def grow(self, steps: int) -> int | None:
-    """Gives each running sample, oldest first, the blocks it needs for `steps` more
-    steps; at the first that its pool cannot serve, stops and returns that pool."""
-    for slot, s in self.occupied():
-      if not self.blocks.grow(slot, s.cache_need(steps)):
-        return self.blocks.pools_S[slot]
-    return None
 
   def tables(self) -> np.ndarray:
     """The block tables of the running samples' slots (`Engine.generate_chunk`)."""

@@ -6,17 +6,8 @@ aborts, pauses, weight updates) to an `Inbox` under its condition variable; the
 decode state and the host's view of the slots and their KV blocks, applies that work
 between two decode chunks and runs the chunks.
 
-KV blocks, as vLLM schedules them. Before each chunk every running sample gets the
-blocks the chunk writes, oldest admission first. When a pool runs out, a held slot of
-it is evicted, or else its most recently admitted sample is preempted: its blocks are
-freed, its tokens, log-probs and versions kept, and it waits at the head of the line.
-Then waiting samples start while a free slot's pool has their blocks, and those its
-running samples need for one more chunk besides (so that a sample just started is not
-preempted at once), preempted ones first (re-prefilled: prompt and tokens so far), then
-queued ones in order; none is passed over, and running samples are never preempted for
-them. Since a pool holds one sequence of the longest length, the oldest sample always
-runs and a waiting one always starts once the samples ahead of it are done: nothing
-deadlocks and nothing is lost.
+Which samples hold KV blocks (what to grow, preempt, evict and admit) is a
+`kv_policy.KVPolicy`'s decision; the host's books are the `HostBatch`'s.
 """
 
 import dataclasses
@@ -29,6 +20,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from async_rl.generation.host_batch import Held, HostBatch, Job, Sample
+from async_rl.generation.kv_policy import KVPolicy
 from async_rl.generation.blocks import SlotBlocks
 from async_rl.generation.request import SlotHandle, empty_sample
 from async_rl.generation.sampling import SlotSampling
@@ -103,6 +95,7 @@ class Scheduler:
     blocks = SlotBlocks([engine.pool_of(s) for s in range(S)], num_blocks=engine.num_blocks,
                         block_size=engine.block_size, max_blocks=engine.max_blocks)
     self.batch = HostBatch(S, engine.max_target_length, self._complete, blocks)
+    self.kv = KVPolicy(self.batch, engine.steps_per_call)
     self.stats = Stats()
 
   def _update_ready(self) -> bool:
@@ -197,43 +190,37 @@ class Scheduler:
   def _grow(self):
     """Gives every running sample the blocks of the next chunk, oldest first; where a
     pool runs short, evicts its oldest held slot or preempts its newest sample."""
-    batch, steps = self.batch, self.engine.steps_per_call
-    if batch.grow(steps) is None:
+    if self.kv.grow() is None:
       return
     # Exact positions first: finished samples free their blocks, and a preempted
     # sample keeps every token the device drew.
-    batch.flush()
-    while (pool := batch.grow(steps)) is not None:
-      held = [h.handle for slot, h in batch.held.items() if batch.blocks.pools_S[slot] == pool]
-      if held:
-        batch.drop_held(held[0])
+    self.batch.flush()
+    while (pool := self.kv.grow()) is not None:
+      if self.kv.make_room(pool) == "evicted":
         self.stats.evictions += 1
       else:
-        batch.preempt(batch.newest(pool)).preempted = True
         self.stats.preemptions += 1
 
   def _admit(self, new: bool):
     """Starts waiting samples, in order, while a free slot's pool has their blocks:
     preempted samples, then (if `new`) queued ones. Held slots are evicted, oldest
     first, when no slot is free, or when no sample runs to free blocks."""
-    box, batch, steps = self.inbox, self.batch, self.engine.steps_per_call
+    box, batch = self.inbox, self.batch
     resumed, started = [], []
     while True:
       with box.cv:
         preempted = batch.preempted[0] if batch.preempted else None
         queued = box.queue[0] if preempted is None and new and box.queue else None
       if preempted is not None:
-        placed = batch.place(min(preempted.length + steps, preempted.end - 1), steps=steps)
+        placed = self.kv.place_preempted(preempted)
       elif queued is not None:
         job, index = queued
         job.at_version(self.version)
-        tokens = min(len(job.prompt_P) + steps, batch.end_of(job) - 1)
-        placed = batch.place(tokens, (job.prompt_blocks, len(job.prompt_P)), steps)
+        placed = self.kv.place_queued(job)
       else:
         break
       if placed is None:
-        if batch.held and (not batch.free_slots() or not batch.num_active()):
-          batch.evict_oldest()
+        if self.kv.evict_to_admit():
           self.stats.evictions += 1
           continue
         break

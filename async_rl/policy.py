@@ -115,19 +115,21 @@ def _next_logp_and_entropy(params, cfg, x_BTD, next_BT, temperature, max_logits,
 
 def logp_and_entropy(params, cfg: ModelConfig, tokens_BT, positions_BT, segment_ids_BT, *,
                      temperature: float = 1.0, top_k_BT=None, top_p_BT=None,
-                     max_chunk_logits: int = MAX_CHUNK_LOGITS, rows=None):
+                     max_chunk_logits: int = MAX_CHUNK_LOGITS, rows=None,
+                     kernels: str = "xla"):
   """Returns (logp_BT, entropy_BT), aligned so position t scores token t.
 
   entropy_BT[t] is the entropy of the distribution that predicted token t. With
   `top_k_BT` and `top_p_BT` (both or neither: the truncation each token was sampled
   with, 0 and 1 for none), both are of that distribution truncated to
   `scoring_support`; without, of the full softmax, at no cost for truncation. At most
-  `max_chunk_logits` float32 logits exist at a time (see `chunk_len`). `rows`: as
-  `models.hidden`'s.
+  `max_chunk_logits` float32 logits exist at a time (see `chunk_len`). `rows` and
+  `kernels`: as `models.hidden`'s.
   """
   if (top_k_BT is None) != (top_p_BT is None):
     raise ValueError("logp_and_entropy takes top_k_BT and top_p_BT together, or neither")
-  x_BTD = hidden(params, cfg, tokens_BT, positions_BT, segment_ids_BT, rows=rows)
+  x_BTD = hidden(params, cfg, tokens_BT, positions_BT, segment_ids_BT, rows=rows,
+                 kernels=kernels)
   # The prediction at the last position has no next token: it scores token 0 and
   # is dropped by the shift below.
   next_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))

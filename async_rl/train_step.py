@@ -1,7 +1,8 @@
 """The train step: micro-batched decoupled-PPO update over a device mesh.
 
 `train_step` and `recompute_logp` are pure functions of (state or params, batch);
-`jit_train_step` / `jit_recompute_logp` compile them with explicit shardings.
+`jit_train_step` / `jit_recompute_logp` compile them with explicit shardings, and the
+attention kernels of the mesh's devices (`models.attention.kernels_for`).
 A batch is a `PackedBatch` of M micro-batches of R rows: gradients are accumulated
 over M with `lax.scan`, each micro-batch's loss divided by the valid-token count of
 the whole batch, so the update equals the full-batch one. Micro-batches with no valid
@@ -28,6 +29,7 @@ from async_rl import off_policy, policy, sharding
 from async_rl.batching import PackedBatch
 from async_rl.config import ModelConfig, OptimizerConfig
 from async_rl.models import init_params
+from async_rl.models.attention import kernels_for
 
 
 # apply_if_finite gives up and applies a non-finite update after this many in a row;
@@ -103,12 +105,12 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
       ref_params=None if abstract_state.ref_params is None else params_sh)
 
 
-def _logp_and_entropy(params, mb: PackedBatch, *, model_cfg, temperature, rows):
+def _logp_and_entropy(params, mb: PackedBatch, *, model_cfg, temperature, rows, kernels):
   """`policy.logp_and_entropy` of a micro-batch, on the truncated support its tokens
   were sampled from where the batch carries one."""
   return policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions, mb.segment_ids,
                                  temperature=temperature, top_k_BT=mb.top_k,
-                                 top_p_BT=mb.top_p, rows=rows)
+                                 top_p_BT=mb.top_p, rows=rows, kernels=kernels)
 
 
 def mismatch(logp, behav_logp, on, num_tokens):
@@ -125,9 +127,9 @@ def mismatch(logp, behav_logp, on, num_tokens):
 
 
 def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta_version, *,
-             model_cfg, loss_fn, temperature, rows):
+             model_cfg, loss_fn, temperature, rows, kernels):
   logp, ent = _logp_and_entropy(params, mb, model_cfg=model_cfg, temperature=temperature,
-                                rows=rows)
+                                rows=rows, kernels=kernels)
   if prox_logp is None:
     prox_logp = off_policy.loglinear_prox_logp(logp, mb.behav_logp, mb.versions,
                                                prox_version=prox_version,
@@ -160,18 +162,20 @@ def _minibatches(x, n):
   return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
 
 
-def _grad_fn(model_cfg, loss_fn, temperature, rows):
+def _grad_fn(model_cfg, loss_fn, temperature, rows, kernels):
   return jax.value_and_grad(functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
-                                              temperature=temperature, rows=rows), has_aux=True)
+                                              temperature=temperature, rows=rows,
+                                              kernels=kernels), has_aux=True)
 
 
 def accumulate_grads(params, micro_batches: PackedBatch, prox_logp, num_tokens, version,
                      theta_version, *, model_cfg: ModelConfig, loss_fn: Callable,
-                     temperature: float = 1.0, rows=None):
+                     temperature: float = 1.0, rows=None, kernels: str = "xla"):
   """Loss, metrics and float32 gradients summed over [m, R, T] micro-batches, each loss
   divided by `num_tokens` (its update's valid tokens); empty micro-batches add zeros.
-  `rows`: the sharding of a micro-batch's rows, as `models.hidden` takes it."""
-  grad_fn = _grad_fn(model_cfg, loss_fn, temperature, rows)
+  `rows`: the sharding of a micro-batch's rows, as `models.hidden` takes it; `kernels`:
+  the attention's, as `models.hidden` takes them."""
+  grad_fn = _grad_fn(model_cfg, loss_fn, temperature, rows, kernels)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   first = jax.tree.map(lambda x: x[0], (micro_batches, prox_logp))
   _, metrics_shape = jax.eval_shape(grad_fn, params, *first, 1.0, version, version)[0]
@@ -242,7 +246,7 @@ def _check_splits(batch, n):
 
 def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: ModelConfig,
                loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1,
-               rows=None):
+               rows=None, kernels: str = "xla"):
   """One training step on a [M, R, T] batch: `num_minibatches` updates; (state, metrics).
 
   Args:
@@ -259,6 +263,7 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
       is the mean over its own valid tokens; an empty one is no update.
     rows: the sharding of a micro-batch's rows' activations (`rows_sharding`), or
       None on one device.
+    kernels: the attention kernels (`models.attention.KERNELS`), static.
 
   A non-finite loss or gradient leaves params and optimizer moments as they were
   (that update is skipped). Metrics are the whole batch's: token means weighted by
@@ -274,7 +279,7 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
     num_tokens = minibatch.loss_mask.sum()
     sums = accumulate_grads(state.params, minibatch, prox, num_tokens, version,
                             version + k / n, model_cfg=model_cfg, loss_fn=loss_fn,
-                            temperature=temperature, rows=rows)
+                            temperature=temperature, rows=rows, kernels=kernels)
     return apply_grads(state, *sums, num_tokens)
 
   _check_splits(batch, n)
@@ -285,12 +290,12 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
 
 
 def recompute_logp(params, batch: PackedBatch, *, model_cfg: ModelConfig,
-                   temperature: float = 1.0, rows=None):
+                   temperature: float = 1.0, rows=None, kernels: str = "xla"):
   """Log-probs [M, R, T] of the batch's tokens under `params` (the proximal policy);
-  `rows` as `train_step`'s."""
+  `rows` and `kernels` as `train_step`'s."""
   def one(mb):
     logp, _ = _logp_and_entropy(params, mb, model_cfg=model_cfg, temperature=temperature,
-                                rows=rows)
+                                rows=rows, kernels=kernels)
     return logp * mb.loss_mask
 
   def body(_, mb):
@@ -311,11 +316,14 @@ def rows_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelConfig,
-                   loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1):
-  """`train_step` compiled over `mesh`; the input state is donated."""
+                   loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1,
+                   kernels: str | None = None):
+  """`train_step` compiled over `mesh`; the input state is donated. `kernels`: the
+  attention's, by default those of the mesh's devices (`models.attention.kernels_for`)."""
   fn = functools.partial(train_step, model_cfg=model_cfg, loss_fn=loss_fn,
                          temperature=temperature, num_minibatches=num_minibatches,
-                         rows=rows_sharding(mesh))
+                         rows=rows_sharding(mesh),
+                         kernels=kernels or kernels_for(mesh.devices.flat))
   return jax.jit(fn, in_shardings=(state_shardings, batch_shardings(mesh),
                                    sharding.batch_sharding(mesh, leading_axes=1)),
                  out_shardings=(state_shardings, NamedSharding(mesh, P())),
@@ -323,9 +331,11 @@ def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelC
 
 
 def jit_recompute_logp(mesh: Mesh, params_shardings, *, model_cfg: ModelConfig,
-                       temperature: float = 1.0):
+                       temperature: float = 1.0, kernels: str | None = None):
+  """`recompute_logp` compiled over `mesh`; `kernels` as `jit_train_step`'s."""
   fn = functools.partial(recompute_logp, model_cfg=model_cfg, temperature=temperature,
-                         rows=rows_sharding(mesh))
+                         rows=rows_sharding(mesh),
+                         kernels=kernels or kernels_for(mesh.devices.flat))
   return jax.jit(fn, in_shardings=(params_shardings, batch_shardings(mesh)),
                  out_shardings=sharding.batch_sharding(mesh, leading_axes=1))
 
@@ -347,11 +357,14 @@ class StepFns:
 
 
 def jit_steps(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelConfig,
-              loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1) -> StepFns:
-  """`train_step` and `recompute_logp` compiled over `mesh`."""
+              loss_fn: Callable, temperature: float = 1.0, num_minibatches: int = 1,
+              kernels: str | None = None) -> StepFns:
+  """`train_step` and `recompute_logp` compiled over `mesh`; `kernels` as
+  `jit_train_step`'s."""
   return StepFns(
       jit_train_step(mesh, state_shardings, model_cfg=model_cfg, loss_fn=loss_fn,
-                     temperature=temperature, num_minibatches=num_minibatches),
+                     temperature=temperature, num_minibatches=num_minibatches,
+                     kernels=kernels),
       jit_recompute_logp(mesh, state_shardings.params, model_cfg=model_cfg,
-                         temperature=temperature),
+                         temperature=temperature, kernels=kernels),
       num_minibatches)

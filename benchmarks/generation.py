@@ -203,12 +203,18 @@ def _swept():  # The swept steps_per_call values but the default (variant "pool"
   return [k for k in map(int, _STEPS.value) if k != _DEFAULT_STEPS]
 
 
+def _decoding():
+  """How the builder's engine reads the paged cache on this device: the CPU's own
+  `cpu.PagedDecoding`, else the core's (the engine's default)."""
+  return cpu.PagedDecoding() if jax.devices()[0].platform == "cpu" else None
+
+
 def _engines(cfg, params, S, max_prefill, T, sweep):
   """A warmed-up engine for the default steps_per_call, and one per swept value."""
   engines = {}
   for k in [_DEFAULT_STEPS, *(_swept() if sweep else [])]:
     engines[k] = Engine(cfg, max_concurrent_decodes=S, max_prefill_length=max_prefill,
-                        max_target_length=T, steps_per_call=k)
+                        max_target_length=T, steps_per_call=k, decoding=_decoding())
     engines[k].warmup(params)
   return engines
 
@@ -340,7 +346,7 @@ def _bench_workload(seed, repeats):
   if groups > 1:  # Its slots in groups, one per core.
     engines["groups"] = cpu.SlotGroupEngine(
         Engine(_W_CFG, max_concurrent_decodes=N // groups, max_prefill_length=_W_PROMPT_LEN,
-               max_target_length=_W_PROMPT_LEN + _W_NEW), groups)
+               max_target_length=_W_PROMPT_LEN + _W_NEW, decoding=cpu.PagedDecoding()), groups)
     engines["groups"].warmup(params)
     variants[f"pool_w{groups}"] = lambda: run_pool("groups")
   rows = _medians(variants, repeats, fastest=True)

@@ -9,9 +9,9 @@ side in one run:
     cache of T = 128, 1024, 4096 and 16384 positions per slot (`models.decode`: every
     step attends over all T, masked) and on a paged cache (`generation.paged.decode`)
     whose tables have T / --block_size columns and whose pool holds what the live
-    tokens need plus one block per slot to grow into, read as `paged.step_reads`
-    chooses for those tables. ms per step (one token for each
-    slot), KV bytes allocated.
+    tokens need plus one block per slot to grow into, read as the builder's
+    `paged.Decoding` chooses for those tables. ms per step (one token for each slot),
+    KV bytes allocated.
   * pool: the same short requests (--pool_samples samples in groups of 8, 16-token
     prompts, 32 new tokens each, no stop id) through the public `GeneratorPool` on an
     engine of as many slots at each `max_target_length` T, with one KV budget for all:
@@ -39,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from async_rl import models
+from async_rl import cpu, models
 from async_rl.config import model_preset
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, blocks, paged
+from async_rl.models.attention import kernels_for
 from benchmarks.common.peak import matmul_peak
 from benchmarks.common.timer import timed
 
@@ -83,6 +84,15 @@ def _time_steps(step, cache, steps, repeats):
   return best
 
 
+def _decoding():
+  """How the builder's engine reads the paged cache on this device: the CPU's own
+  `cpu.PagedDecoding`, else the core's for its kernels."""
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return cpu.PagedDecoding()
+  return paged.for_kernels(kernels_for([device]))
+
+
 def _dense_step(params, cfg, T, tokens_S, positions_S):
   cache = models.init_cache(cfg, tokens_S.shape[0], T)
   step = jax.jit(lambda cache: models.decode(params, cfg, cache, tokens_S, positions_S),
@@ -99,9 +109,10 @@ def _paged_step(params, cfg, T, tokens_S, positions_S):
                         for _ in range(S)])
   cache = paged.init_cache(cfg, num_slots=S, num_blocks=allocator.num_blocks, block_size=Z,
                            max_blocks=M).replace(tables_SM=jnp.asarray(tables_SM))
-  reads = paged.step_reads(tables_SM, allocator.num_blocks, Z)
+  decoding = _decoding()
+  reads = decoding.reads(tables_SM, allocator.num_blocks, Z)
   step = jax.jit(lambda cache: paged.decode(params, cfg, cache, tokens_S, positions_S,
-                                            reads=reads), donate_argnums=0)
+                                            reads=reads, decoding=decoding), donate_argnums=0)
   return _nbytes(cache), _time_steps(step, cache, _STEPS.value, _REPEATS.value)
 
 
@@ -135,7 +146,8 @@ def _pool_scaling(params, cfg, lengths, out):
   reference = None
   for T in lengths:
     engine = Engine(cfg, max_concurrent_decodes=S, max_prefill_length=_PROMPT,
-                    max_target_length=T, kv_blocks=budget, kv_block_size=Z)
+                    max_target_length=T, kv_blocks=budget, kv_block_size=Z,
+                    decoding=_decoding())
     seconds, metrics, samples = _run_pool(engine, params, requests, _REPEATS.value)
     tokens = [s.completion_C.tolist() for s in samples]
     reference = reference or tokens
@@ -165,9 +177,10 @@ def _long_tail(params, cfg, out):
   M, slots, sequences = -(-cap // Z), _TAIL_SLOTS.value, _TAIL_SEQUENCES.value
   variants = {
       "paged": Engine(cfg, max_concurrent_decodes=slots, max_prefill_length=_PROMPT,
-                      max_target_length=cap, kv_blocks=sequences * M, kv_block_size=Z),
+                      max_target_length=cap, kv_blocks=sequences * M, kv_block_size=Z,
+                      decoding=_decoding()),
       "reserved": Engine(cfg, max_concurrent_decodes=sequences, max_prefill_length=_PROMPT,
-                         max_target_length=cap, kv_block_size=Z),
+                         max_target_length=cap, kv_block_size=Z, decoding=_decoding()),
   }
   assert variants["paged"].kv_cache_bytes == variants["reserved"].kv_cache_bytes
   print(f"\nlong tail: {len(budgets)} samples, new tokens median {np.median(budgets):.0f}, "

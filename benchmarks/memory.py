@@ -46,8 +46,8 @@ weights of the layer its dots read (float32 would double every saved activation)
 The train state is that compile's arguments (params, AdamW moments and the
 micro-batch). Each transient is thus an upper bound.
 On CPU the programs run the CPU kernels, `attention.chunked` (long rows) and
-`paged.ragged_attention`, where a GPU runs the Pallas flash and paged kernels; the
-attention temporaries of both grow linearly in the row.
+`cpu.paged_decode.ragged_attention`, where a GPU runs the Pallas flash and paged
+kernels; the attention temporaries of both grow linearly in the row.
 
 Tensor parallelism (`--tp`): the `--tp_config` engine at 8k on k devices, params split
 over heads and MLP width (`sharding.param_shardings` on a `tensor` = k mesh), KV pools
@@ -112,7 +112,7 @@ from absl import app, flags  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from async_rl import loss, models, sharding, train_step  # noqa: E402
+from async_rl import cpu, loss, models, sharding, train_step  # noqa: E402
 from async_rl.batching import PackedBatch  # noqa: E402
 from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import MeshConfig  # noqa: E402
@@ -176,7 +176,8 @@ def engine_on(cfg, devices, model_cfg):
                   max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
                   steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks,
                   kv_block_size=g.kv_block_size, mesh=mesh,
-                  param_sharding=sharding.param_shardings(stacked, mesh) if k > 1 else None)
+                  param_sharding=sharding.param_shardings(stacked, mesh) if k > 1 else None,
+                  decoding=cpu.PagedDecoding())
   return engine, engine.abstract_params(stacked)
 
 

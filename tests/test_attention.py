@@ -8,6 +8,7 @@ valid positions only.
 
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,19 @@ def test_blockwise_band_leaves_out_keys_beyond_the_window():
   ref = _reference(q, k, v, seg, pos)
   np.testing.assert_allclose(banded[:, :128], ref[:, :128], atol=2e-5, rtol=2e-5)
   assert np.abs(banded[:, 128:] - ref[:, 128:]).max() > 1e-2
+
+
+def test_kernels_follow_the_devices_not_the_default_backend():
+  gpu, cpu = (types.SimpleNamespace(platform=p) for p in ("gpu", "cpu"))
+  assert jax.default_backend() == "cpu"
+  assert attention.kernels_for([gpu, gpu]) == "gpu"
+  assert attention.kernels_for([cpu]) == attention.kernels_for([gpu, cpu]) == "xla"
+  q, k, v, seg, pos = _rows(64, [[64]], E=16)
+  traced = lambda kernels: str(jax.make_jaxpr(functools.partial(
+      attention.attention, kernels=kernels))(q, k, v, seg, pos))
+  assert "pallas_call" in traced("gpu") and "pallas_call" not in traced("xla")
+  with pytest.raises(ValueError, match="kernels must be one of"):
+    traced("cuda")
 
 
 def test_attention_on_cpu_is_blockwise():

@@ -1,7 +1,8 @@
 """The generator at a KV budget: preempted samples resume to the tokens, log-probs and
 versions of an unpreempted run; a long-tailed mix at a small budget finishes every
 sample; blocks all come back; held slots and weight updates work under preemption;
-decoding reads (and compiles for) the live table bucket only."""
+decoding reads (and compiles for) the live table bucket only; the policy's choices
+on the host."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -16,7 +18,10 @@ import numpy as np
 import pytest
 
 from async_rl import cpu, models, policy
-from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, paged
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams, SlotSampling, paged
+from async_rl.generation.blocks import SlotBlocks
+from async_rl.generation.host_batch import HostBatch, Job
+from async_rl.generation.kv_policy import KVPolicy
 from conftest import compiles, two_layer_model, wait_until
 
 CFG = two_layer_model(61)
@@ -250,3 +255,32 @@ def test_a_tensor_parallel_engine_splits_its_pools_over_kv_heads_and_samples_the
   # Each device sums its own heads' attention, and the output projection adds the two
   # halves: float32 rounding.
   assert result["logp_max_diff"] < 1e-4
+
+
+def test_the_kv_policy_reserves_growth_grows_the_oldest_and_preempts_the_newest():
+  # One pool of 6 blocks of 4 tokens; a 3-token prompt, up to 12 new tokens, chunks of
+  # 4 steps.
+  batch = HostBatch(3, 16, lambda job: None,
+                    SlotBlocks([0, 0, 0], num_blocks=6, block_size=4, max_blocks=4))
+  kv = KVPolicy(batch, steps=4)
+  request = Request(0, [1, 2, 3], n=3, sampling=SamplingParams(max_new_tokens=12))
+  job = Job(request, np.array(request.prompt, np.int32), 0, Future(), [None] * 3, 3)
+  started = []
+  # A sample takes the blocks of its prompt and one chunk (2), and leaves those the
+  # running ones grow into in the chunk after (1 each): the third does not fit.
+  while (placed := kv.place_queued(job)) is not None:
+    slot, _ = placed
+    started.append(batch.start(slot, job, len(started), SlotSampling.create(
+        request.sampling, 0, len(started)), version=0))
+  assert len(started) == 2 and batch.blocks.num_free == 2
+  for s in started:
+    s.position += 4
+  assert kv.grow() is None and batch.blocks.num_free == 0
+  for s in started:
+    s.position += 4
+  # The pool is short for the oldest: the newest is preempted for it, and waits.
+  pool = kv.grow()
+  assert pool == 0 and [len(batch.blocks_of(i)) for i in (0, 1)] == [3, 3]
+  assert kv.make_room(pool) == "preempted"
+  assert batch.preempted == [started[1]] and started[1].preempted
+  assert kv.grow() is None and len(batch.blocks_of(0)) == 4 and batch.blocks.num_free == 2

@@ -15,7 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from async_rl import models
 from async_rl.config import model_preset
-from async_rl.generation import paged
+from async_rl.cpu import paged_decode
+from async_rl.generation import decode_state as ds, paged, sampling
+from async_rl.generation.engine import Engine
 from async_rl.generation.blocks import BlockAllocator, OutOfBlocks, SlotBlocks
 from conftest import compiles, two_layer_model
 
@@ -27,7 +29,8 @@ _TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 _dense_decode = jax.jit(models.decode, static_argnums=1)
-_paged_decode = jax.jit(paged.decode, static_argnames=("cfg", "reads", "attend"))
+_paged_decode = jax.jit(paged.decode, static_argnames=("cfg", "reads", "decoding"))
+CPU = paged_decode.PagedDecoding()
 
 
 def _cfg(**kw):
@@ -45,7 +48,7 @@ class _Both:
   """One workload on a dense cache and on a paged one: prompts of random lengths in
   groups of 3, 1 and 2 samples (a group shares its prompt's full blocks), then decode
   steps of random tokens; slot S - 1 stays idle. Attention reads as `layout` says, or
-  as `paged.step_reads` chooses when it is None."""
+  as the CPU's `PagedDecoding` chooses when it is None."""
 
   T = 64
   GROUPS = (3, 1, 2)
@@ -89,10 +92,10 @@ class _Both:
     return self.reads(self.layout)
 
   def reads(self, layout):
-    """The smallest reads of `layout` that hold the tables (None: `step_reads`' choice)."""
+    """The smallest reads of `layout` that hold the tables (None: the CPU's choice)."""
     tables_SM = np.asarray(self.cache.tables_SM)
     if layout is None:
-      return paged.step_reads(tables_SM, 48, self.Z)
+      return CPU.reads(tables_SM, 48, self.Z)
     if layout == "columns":  # also the Pallas kernel's static size
       return paged.Reads(layout, paged.bucket(max(len(b) for b in self.blocks), self.M))
     return paged.Reads(layout, paged.bucket(sum(len(b) for b in self.blocks), self.S * self.M))
@@ -106,7 +109,7 @@ class _Both:
     dense_SV, self.dense = _dense_decode(self.params, self.cfg, self.dense, tokens_S,
                                          positions_S)
     paged_SV, self.cache = _paged_decode(self.params, self.cfg, self.cache, tokens_S,
-                                         positions_S, reads=reads)
+                                         positions_S, reads=reads, decoding=CPU)
     self.positions_S[:self.live] += 1
     return dense_SV[:self.live], paged_SV[:self.live]
 
@@ -149,7 +152,8 @@ def test_only_live_blocks_matter(layout):
   assert reads.blocks < largest.blocks
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
   step = lambda cache, reads: _paged_decode(both.params, both.cfg, cache, tokens_S,
-                                            both.positions_S, reads=reads)[0][:both.live]
+                                            both.positions_S, reads=reads,
+                                            decoding=CPU)[0][:both.live]
   reference = step(both.cache, reads)
   held = [b for b in range(48) if both.allocator.refcount(b)]
   garbage = lambda pages: pages.at[:, np.setdiff1d(np.arange(48), held)].set(1e3)
@@ -229,7 +233,7 @@ def _dense_reference(q_SHE, k_KNZE, v_KNZE, tables_SM, lengths_S):
 
 
 @pytest.mark.parametrize("Z, M, columns", [(4, 8, 8), (16, 2, 2)])
-def test_ragged_and_interpreted_pallas_attention_equal_the_reference(Z, M, columns):
+def test_ragged_xla_and_interpreted_pallas_attention_equal_the_reference(Z, M, columns):
   q, k, v, tables_SM, lengths_S = _random_pages(5, S=3, H=4, K=2, E=8, N=32, Z=Z, M=M)
   reference = _dense_reference(q, k, v, tables_SM, lengths_S)
   # float32 dot products of 8 terms and softmax over at most 32 positions against a
@@ -238,8 +242,10 @@ def test_ragged_and_interpreted_pallas_attention_equal_the_reference(Z, M, colum
   # The blocks of all slots together, padded up to a larger static size.
   held = int(np.sum(np.asarray(tables_SM) < 32))
   for blocks in (held, held + 5):
-    ragged = paged.ragged_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
+    ragged = paged_decode.ragged_attention(q, k, v, tables_SM, lengths_S, blocks=blocks)
     np.testing.assert_allclose(ragged, reference, **tol)
+  xla = paged.xla_attention(q, k, v, tables_SM, lengths_S, blocks=columns)
+  np.testing.assert_allclose(xla, reference, **tol)
   pallas = paged.pallas_attention(q, k, v, tables_SM, lengths_S, blocks=columns,
                                   interpret=True)
   # The kernel's online softmax rescales once per step of blocks.
@@ -255,7 +261,7 @@ def test_ragged_attention_reads_only_each_slots_blocks_up_to_its_length():
   lengths_S = np.asarray(lengths_S).copy()
   lengths_S[1] = 5
   garbage_k = k.at[:, tables_SM[1, 2:]].set(1e3)
-  out = paged.ragged_attention(q, garbage_k, v, tables_SM, lengths_S, blocks=32)
+  out = paged_decode.ragged_attention(q, garbage_k, v, tables_SM, lengths_S, blocks=32)
   reference = _dense_reference(q[:3], k, v, tables_SM[:3], lengths_S[:3])
   np.testing.assert_allclose(out[:3], reference, atol=2e-6, rtol=2e-6)
   np.testing.assert_array_equal(out[3], 0)
@@ -267,11 +273,12 @@ def test_interpreted_pallas_decode_step_equals_the_xla_step():
     both.step()
   both.grow()
   tokens_S = jnp.arange(both.S, dtype=jnp.int32)
-  run = lambda attend, reads: paged.decode(both.params, both.cfg, both.cache, tokens_S,
-                                           both.positions_S, reads=reads, attend=attend)
-  xla_SV, xla_cache = run(paged.ragged_attention, both.reads("ragged"))
-  pallas_SV, pallas_cache = run(functools.partial(paged.pallas_attention, interpret=True),
-                                both.reads("columns"))
+  run = lambda decoding, reads: paged.decode(both.params, both.cfg, both.cache, tokens_S,
+                                             both.positions_S, reads=reads, decoding=decoding)
+  xla_SV, xla_cache = run(CPU, both.reads("ragged"))
+  pallas_SV, pallas_cache = run(
+      paged.ColumnDecoding(functools.partial(paged.pallas_attention, interpret=True)),
+      both.reads("columns"))
   np.testing.assert_allclose(pallas_SV[:both.live], xla_SV[:both.live], **_TOL)
   jax.tree.map(functools.partial(np.testing.assert_allclose, **_TOL), pallas_cache, xla_cache)
 
@@ -286,7 +293,7 @@ def test_pallas_decode_step_lowers_for_cuda():
                                                   block_size=16, max_blocks=32))
   ints = jax.ShapeDtypeStruct((8,), jnp.int32)
   step = jax.jit(functools.partial(paged.decode, cfg=cfg, reads=paged.Reads("columns", 4),
-                                   attend=paged.pallas_attention))
+                                   decoding=paged.for_kernels("gpu")))
   lowered = step.trace(params, cache=cache, tokens_S=ints,
                        positions_S=ints).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
@@ -296,11 +303,34 @@ def test_pallas_decode_step_lowers_for_cuda():
   assert len(re.findall(r"call @paged_attention\(", text)) == cfg.n_layers
 
 
+@pytest.mark.parametrize("kernels", [None, "gpu"])
+def test_the_engine_traces_the_kernels_it_is_built_with(kernels):
+  """By default those of its mesh's devices, here CPUs: plain XLA; built with "gpu", the
+  Pallas kernels in prefill and decode, on this CPU-only host all the same."""
+  cfg = model_preset("tiny")
+  engine = Engine(cfg, max_concurrent_decodes=2, max_prefill_length=16, max_target_length=64,
+                  kernels=kernels)
+  gpu = kernels == "gpu"
+  assert engine.decoding == paged.for_kernels("gpu" if gpu else "xla")
+  params = jax.eval_shape(lambda: models.split_layers(models.init_params(cfg, jax.random.key(0))))
+  sampling_1 = jax.tree.map(lambda x: np.asarray(x)[None], sampling.SlotSampling.create(
+      sampling.SamplingParams(), seed=0, index=0))
+  one = np.ones(1, np.int32)
+  prefill = jax.make_jaxpr(functools.partial(ds.prefill, cfg=cfg, kernels=engine.kernels))(
+      params, np.zeros((1, 16), np.int32), one, one, sampling_1)
+  tables_SM = np.zeros((2, engine.max_blocks), np.int32)
+  chunk = jax.make_jaxpr(functools.partial(
+      ds.generate_chunk, cfg=cfg, steps=2, reads=engine.decode_buckets[0],
+      decoding=engine.decoding))(params, engine.abstract_decode_state(), tables_SM)
+  for jaxpr in (prefill, chunk):
+    assert ("pallas_call" in str(jaxpr)) == gpu
+
+
 def test_decode_compiles_once_per_bucket():
   both = _Both(4, seed=7)
   # A function of its own: jit wrappers of one function share their compile cache.
   step = jax.jit(lambda cache, tokens_S, positions_S, reads: paged.decode(
-      both.params, both.cfg, cache, tokens_S, positions_S, reads=reads),
+      both.params, both.cfg, cache, tokens_S, positions_S, reads=reads, decoding=CPU),
                  static_argnames="reads", donate_argnums=0)
   sizes = []
   four, eight = paged.Reads("ragged", 4), paged.Reads("ragged", 8)
@@ -318,9 +348,8 @@ def test_bucket_is_the_next_power_of_two_up_to_the_table():
   assert paged.bucket(40, 48) == 48
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
 def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
-  buckets = paged.step_buckets(6, 16, 16)
+  buckets = CPU.buckets(6, 16, 16)
   # A list of 64 blocks or more costs more than 6 rows of 16 columns: never taken.
   assert [r.blocks for r in buckets if r.layout == "ragged"] == [1, 2, 4, 8, 16, 32]
   assert [r.blocks for r in buckets if r.layout == "columns"] == [1, 2, 4, 8, 16]
@@ -329,24 +358,23 @@ def test_step_reads_hold_the_tables_and_take_one_of_the_step_buckets():
   for _ in range(50):
     held_S = rng.integers(0, 17, 6)
     tables_SM = np.where(np.arange(16)[None] < held_S[:, None], 3, 20)
-    reads = paged.step_reads(tables_SM, 20, 16)
+    reads = CPU.reads(tables_SM, 20, 16)
     # Listed: the blocks of all rows together, a shared block once per row (more than
     # the pool's 20 when the rows share).
     need = held_S.max() if reads.layout == "columns" else held_S.sum()
     assert reads in buckets and reads.blocks >= need
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
 def test_step_reads_take_columns_for_even_slots_and_the_list_for_a_long_tail():
   S, M, N, Z = 64, 256, 64 * 256, 16
   # 64 slots of 5 blocks each: 64 x 8 columns cost less than a list of 512 blocks with
   # its per-slot softmax over the list.
   even = np.where(np.arange(M)[None] < 5, 0, N).repeat(S, axis=0)
-  assert paged.step_reads(even, N, Z) == paged.Reads("columns", 8)
+  assert CPU.reads(even, N, Z) == paged.Reads("columns", 8)
   # One slot at 120 blocks, the rest at 5: 64 x 128 columns against a list of 512.
   tail = even.copy()
   tail[0, :120] = 0
-  assert paged.step_reads(tail, N, Z) == paged.Reads("ragged", 512)
+  assert CPU.reads(tail, N, Z) == paged.Reads("ragged", 512)
 
 
 def test_allocator_errors_leave_it_unchanged():

@@ -164,6 +164,20 @@ def test_no_recompilation_for_a_second_batch_in_the_same_bucket():
   assert int(state.step) == 2
 
 
+@pytest.mark.parametrize("kernels", [None, "gpu"])
+def test_the_step_traces_the_kernels_it_is_built_with(kernels):
+  """By default those of the mesh's CPU devices (plain XLA); built with "gpu", the
+  Pallas kernel, on this CPU-only host all the same."""
+  mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+  state = _state(mesh, optax.sgd(0.1))
+  shardings = train_step.train_state_shardings(jax.eval_shape(lambda: state), mesh)
+  fns = train_step.jit_steps(mesh, shardings, model_cfg=CFG, loss_fn=LOSS, kernels=kernels)
+  batch = _pack_dynamic(3, max_tokens_per_mb=32, num_shards=1, row_buckets=(32,))
+  for traced in (fns.step.trace(state, batch, batch.behav_logp),
+                 fns.recompute.trace(state.params, batch)):
+    assert ("pallas_call" in str(traced.jaxpr)) == (kernels == "gpu")
+
+
 def _versioned_batch(n_seqs, num_shards, budget, seed=3):
   """A batch whose tokens have versions 0..2 (the step runs at version 2)."""
   trajs, adv = _seqs(n_seqs, seed)

@@ -11,6 +11,16 @@ class OutOfBlocks(RuntimeError):
   """More blocks were asked for than are free."""
 
 
+def table_row(blocks, num_blocks: int, max_blocks: int) -> np.ndarray:
+  """A slot's block-table row [M] (int32) in a pool of `num_blocks` blocks: `blocks`,
+  then N = `num_blocks` (no block) up to `max_blocks` columns."""
+  if len(blocks) > max_blocks:
+    raise ValueError(f"{len(blocks)} blocks do not fit a table of {max_blocks} columns")
+  row = np.full(max_blocks, num_blocks, np.int32)
+  row[:len(blocks)] = blocks
+  return row
+
+
 class BlockAllocator:
   """The free list and reference counts of a paged cache's N blocks, on the host.
 
@@ -90,12 +100,8 @@ class BlockAllocator:
                for b, n in zip(map(self._check, blocks), serials, strict=True))
 
   def table(self, blocks, max_blocks: int) -> np.ndarray:
-    """A slot's table row: `blocks`, then N (no block) up to `max_blocks` columns."""
-    if len(blocks) > max_blocks:
-      raise ValueError(f"{len(blocks)} blocks do not fit a table of {max_blocks} columns")
-    row = np.full(max_blocks, self.num_blocks, np.int32)
-    row[:len(blocks)] = blocks
-    return row
+    """A slot's table row of this pool: `table_row`."""
+    return table_row(blocks, self.num_blocks, max_blocks)
 
   def _check(self, block) -> int:
     if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
@@ -193,9 +199,7 @@ class SlotBlocks:
 
   def table(self, slots) -> np.ndarray:
     """The block tables [S, M] (int32) of `slots`; every other slot's row is empty."""
+    slots = set(slots)
     # Every pool has N blocks, so N means "no block" in every row.
-    tables_SM = np.full((len(self.blocks), self.max_blocks), self.allocators[0].num_blocks,
-                        np.int32)
-    for s in slots:
-      tables_SM[s, :len(self.blocks[s])] = self.blocks[s]
-    return tables_SM
+    return np.stack([table_row(b if s in slots else [], self.allocators[0].num_blocks,
+                               self.max_blocks) for s, b in enumerate(self.blocks)])

@@ -78,13 +78,14 @@ class ChunkTokens:
   steps: jax.Array
 
 
-def prefill(params, tokens_BP, lengths_B, generated_B, sampling_B, *, cfg):
-  """Prefills B prompts in one forward; returns their Prefix and first tokens.
+def prefill(params, tokens_BP, lengths_B, generated_B, sampling_B, *, cfg, kernels):
+  """Prefills B prompts in one forward, its attention by `kernels`
+  (`models.attention.KERNELS`); returns their Prefix and first tokens.
 
   Its temporaries grow linearly in P (`models.prefill`), so a sequence of the longest
   length can be prefilled again (a preempted or retracted sample).
   """
-  logits_BV, cache = models.prefill(params, cfg, tokens_BP, lengths_B)
+  logits_BV, cache = models.prefill(params, cfg, tokens_BP, lengths_B, kernels=kernels)
   tokens_B, logp_B = sampling_lib.sample(logits_BV, sampling_B, lengths_B)
   prefix = Prefix(cache=cache, logits_BV=logits_BV, lengths_B=lengths_B,
                   starts_B=lengths_B - generated_B, tokens_B=tokens_B, logp_B=logp_B,
@@ -139,7 +140,8 @@ def insert_samples(prefix, state, rows_S, slots_S, tokens_S, sampling_S, tables_
   return jax.lax.fori_loop(0, count, insert_one, state)
 
 
-def extend(params, state, tokens_P, count, slot, start, sampling, table_M, *, cfg, max_len):
+def extend(params, state, tokens_P, count, slot, start, sampling, table_M, *, cfg, max_len,
+           decoding):
   """Continues a held sample in `slot`, whose blocks `table_M` now lists: feeds the first
   `count` tokens of `tokens_P` through the decode step at positions `start ..`
   (attending to the slot's cached keys and values, writing their own), then draws the
@@ -147,7 +149,8 @@ def extend(params, state, tokens_P, count, slot, start, sampling, table_M, *, cf
   the whole sequence.
 
   Only the slot's blocks are computed on; the tokens are fed one by one because the
-  decode step is the path that wrote the rest of the cache.
+  decode step (read as `decoding`, a `paged.Decoding`) is the path that wrote the rest
+  of the cache.
   """
   tables_SM = state.cache.tables_SM.at[slot].set(table_M)
   one = state.cache.replace(tables_SM=table_M[None])
@@ -155,7 +158,8 @@ def extend(params, state, tokens_P, count, slot, start, sampling, table_M, *, cf
   def feed(i, carry):
     one, _ = carry
     logits_1V, one = paged.decode(params, cfg, one, tokens_P[i][None], (start + i)[None],
-                                  reads=paged.Reads("columns", table_M.shape[0]))
+                                  reads=paged.Reads("columns", table_M.shape[0]),
+                                  decoding=decoding)
     return one, logits_1V
 
   one, logits_1V = jax.lax.fori_loop(
@@ -181,12 +185,12 @@ def live(state: DecodeState, num_blocks: int) -> jax.Array:
   return (state.positions_S + 1 < state.end_S) & ~stopped_S & has_blocks_S
 
 
-def generate(params, state, *, cfg):
+def generate(params, state, *, cfg, decoding):
   """One decode step of every slot, as JetStream's `generate`: no slot stops; attention
-  reads every column of every table."""
+  reads every column of every table, as `decoding` (a `paged.Decoding`) reads them."""
   reads = paged.Reads("columns", state.cache.tables_SM.shape[1])
   logits_SV, cache = paged.decode(params, cfg, state.cache, state.tokens_S, state.positions_S,
-                                  reads=reads)
+                                  reads=reads, decoding=decoding)
   # Idle slots stay parked past the tables instead of counting up.
   positions_S = jnp.minimum(state.positions_S + 1, _past_tables(state.cache))
   tokens_S, logp_S = sampling_lib.sample(logits_SV, state.sampling_S, positions_S)
@@ -194,17 +198,17 @@ def generate(params, state, *, cfg):
   return new_state, ResultTokens(tokens_S, logp_S, positions_S)
 
 
-def generate_chunk(params, state, tables_SM, *, cfg, steps, reads):
+def generate_chunk(params, state, tables_SM, *, cfg, steps, reads, decoding):
   """Up to `steps` decode steps of the live slots in one `while_loop`, with the block
   tables `tables_SM`.
 
-  `reads`, what `paged.attention` reads (static), must hold the tables
-  (`paged.step_reads`). A slot stops for good at a stop id or at its token budget,
-  and the loop exits early once no slot is live. Keys depend only on (seed, sample
-  index, position), so the tokens do not depend on `steps` or `reads`.
+  `reads`, what attention reads (static), must hold the tables (`decoding.reads`,
+  `decoding` the engine's `paged.Decoding`). A slot stops for good at a stop id or at
+  its token budget, and the loop exits early once no slot is live. Keys depend only on
+  (seed, sample index, position), so the tokens do not depend on `steps` or `reads`.
   """
   cache = state.cache.replace(tables_SM=tables_SM)
-  kv, decode, finish = paged.decoder(params, cfg, cache, reads=reads)
+  kv, decode, finish = decoding.decoder(params, cfg, cache, reads)
   # The loop carries the cache as `kv` only, so that its buffers have one holder and
   # are updated in place.
   state = state.replace(cache=cache.replace(k=None, v=None))

@@ -25,9 +25,9 @@ cache splits the same way (`sharding.prefix_cache_sharding`).
 `generate` is JetStream's one decode step (its orchestrator ends requests on the
 host); the generator pool's `generate_chunk` runs `steps_per_call` steps in one jitted
 loop, and a slot stops inside it at a stop id or its token budget. Its attention reads
-only the blocks that hold the live slots' positions (`paged.attention`), within a
-static size that is a power of two (`paged.step_reads`), so a step's cost follows the
-tokens in flight, not the longest allowed sequence. The keys of a draw depend only on
+only the blocks that hold the live slots' positions, within a static size that is a
+power of two (`decoding`, a `paged.Decoding`), so a step's cost follows the tokens in
+flight, not the longest allowed sequence. The keys of a draw depend only on
 (seed, sample index, position), so a chunk draws the tokens that as many single steps
 would.
 
@@ -38,8 +38,11 @@ insert_samples once per bucket a prompt can take and prefix size (1 or
 per attention read (`decode_buckets`), generate once. Slot indices, blocks, sample
 counts and extension lengths are traced, so filling different slots never recompiles.
 
-A CPU-only variant (`cpu.SlotGroupEngine`) splits the slots among several of these
-engines, one per core; nothing here depends on it.
+The attention kernels are those of the devices of the engine's mesh
+(`models.attention.kernels_for`), chosen once here, and so is the `paged.Decoding`
+unless the builder passes one (the CPU's, `cpu.PagedDecoding`). A CPU-only variant
+(`cpu.SlotGroupEngine`) splits the slots among several of these engines, one per core;
+nothing here depends on either.
 """
 
 import functools
@@ -52,8 +55,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from async_rl import models, sharding
 from async_rl.generation import decode_state as ds, paged, sampling as sampling_lib
+from async_rl.generation.blocks import table_row
 from async_rl.generation.decode_state import ChunkTokens, DecodeState, Prefix, ResultTokens
 from async_rl.generation.sampling import SlotSampling
+from async_rl.models.attention import kernels_for
 
 _MIN_BUCKET = 16
 PREFILL_ROWS = 8  # Prompts per batched prefill call (`Engine.prefill_many`).
@@ -89,11 +94,16 @@ class Engine:
     mesh: devices of this engine; defaults to the first local device.
     param_sharding: a sharding (or pytree prefix of shardings) for the params on
       `mesh`; defaults to fully replicated.
+    kernels: the attention kernels (`models.attention.KERNELS`); defaults to those of
+      the mesh's devices.
+    decoding: how decode steps read the paged cache (`paged.Decoding`); defaults to the
+      core's for `kernels` (`paged.for_kernels`).
   """
 
   def __init__(self, cfg, *, max_concurrent_decodes: int, max_prefill_length: int,
                max_target_length: int, steps_per_call: int = 8, kv_blocks: int = 0,
-               kv_block_size: int = 16, mesh: Mesh | None = None, param_sharding=None):
+               kv_block_size: int = 16, mesh: Mesh | None = None, param_sharding=None,
+               kernels: str | None = None, decoding: paged.Decoding | None = None):
     if max_concurrent_decodes < 1:
       raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
     if steps_per_call < 1:
@@ -119,10 +129,13 @@ class Engine:
     # The buckets a prompt of at most max_prefill_length tokens can take.
     self.prompt_buckets = tuple(b for b in self.prefill_buckets if b < max_prefill_length) + (
         next(b for b in self.prefill_buckets if b >= max_prefill_length),)
-    self.decode_buckets = paged.step_buckets(max_concurrent_decodes, max_blocks, kv_block_size)
     if mesh is None:
       mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self._mesh = mesh
+    self.kernels = kernels or kernels_for(mesh.devices.flat)
+    self.decoding = decoding or paged.for_kernels(self.kernels)
+    self.decode_buckets = self.decoding.buckets(max_concurrent_decodes, max_blocks,
+                                                kv_block_size)
     replicated = NamedSharding(mesh, PartitionSpec())
     self._param_sharding = replicated if param_sharding is None else param_sharding
     init = functools.partial(ds.init_decode_state, cfg=cfg, num_slots=max_concurrent_decodes,
@@ -141,7 +154,7 @@ class Engine:
                              logp_B=replicated, sampling_B=replicated)
     T = max_target_length
     self._split_fn = jax.jit(models.split_layers)
-    self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg),
+    self._prefill_fn = jax.jit(functools.partial(ds.prefill, cfg=cfg, kernels=self.kernels),
                                out_shardings=(prefix_sharding, replicated))
     # Donating the decode state lets XLA update the KV pools in place.
     self._insert_fn = jax.jit(functools.partial(ds.insert, max_len=T), donate_argnums=(1,),
@@ -149,12 +162,14 @@ class Engine:
     self._insert_samples_fn = jax.jit(functools.partial(ds.insert_samples, max_len=T),
                                       donate_argnums=(1,), out_shardings=state_sharding)
     self._draw_fn = jax.jit(ds.draw, out_shardings=replicated)
-    self._extend_fn = jax.jit(functools.partial(ds.extend, cfg=cfg, max_len=T),
+    self._extend_fn = jax.jit(functools.partial(ds.extend, cfg=cfg, max_len=T,
+                                                decoding=self.decoding),
                               donate_argnums=(1,), out_shardings=(state_sharding, replicated))
-    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg),
+    self._generate_fn = jax.jit(functools.partial(ds.generate, cfg=cfg, decoding=self.decoding),
                                 donate_argnums=(1,), out_shardings=(state_sharding, replicated))
     self._generate_chunk_fn = jax.jit(
-        functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call),
+        functools.partial(ds.generate_chunk, cfg=cfg, steps=steps_per_call,
+                          decoding=self.decoding),
         static_argnames="reads", donate_argnums=(1,), out_shardings=(state_sharding, replicated))
     self._init_fn = jax.jit(init, out_shardings=state_sharding)
     self._state_sharding = state_sharding
@@ -287,9 +302,7 @@ class Engine:
     return refs
 
   def _row(self, blocks) -> np.ndarray:
-    row = np.full(self.max_blocks, self.num_blocks, np.int32)
-    row[:len(blocks)] = blocks
-    return row
+    return table_row(blocks, self.num_blocks, self.max_blocks)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
              blocks: Sequence[int]) -> DecodeState:
@@ -353,12 +366,12 @@ class Engine:
 
     `tables_SM` [S, M] lists the blocks of the slots to decode (N: no block), each
     enough for the positions the chunk writes; other slots' rows are empty, and they do
-    not decode. What attention reads is the cheaper of `decode_buckets` that hold the
-    tables (`paged.step_reads`).
+    not decode. What attention reads is one of `decode_buckets` that holds the tables
+    (`decoding.reads`).
     """
     return self._generate_chunk_fn(
         params, decode_state, tables_SM,
-        reads=paged.step_reads(tables_SM, self.num_blocks, self.block_size))
+        reads=self.decoding.reads(tables_SM, self.num_blocks, self.block_size))
 
   def warmup(self, params) -> None:
     """Compiles every call the pool makes: prefill and insert for every bucket,

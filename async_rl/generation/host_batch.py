@@ -48,11 +48,11 @@ _HANDLE_KEYS = itertools.count()
 
 @dataclasses.dataclass(eq=False)
 class Job:
-  """A request in flight: its future, its finished samples and its shared prefix.
+  """A request in flight: its future, its finished samples and what its samples share.
 
-  `prompt_blocks` records, per block pool, the prompt's full blocks that its started
-  samples share (`blocks.SlotBlocks.assign`), for the prefill of params
-  `prompt_blocks_version`.
+  What they share holds for the params of `cache_version` (`at_version`): the prompt's
+  prefill (`prefix`) and, per block pool, the prompt's full blocks that its started
+  samples hold (`prompt_blocks`, `blocks.SlotBlocks.assign`).
   """
   request: Request
   prompt_P: np.ndarray
@@ -61,12 +61,16 @@ class Job:
   samples: list
   unstarted: int
   prefix: tuple[Prefix, int] | None = None  # A Prefix and the row of this prompt.
-  prefix_version: int = -1
   prompt_blocks: dict = dataclasses.field(default_factory=dict)
-  prompt_blocks_version: int = -1
+  cache_version: int = -1
   aborted: bool = False
   done: bool = False
   handle: SlotHandle | None = None  # The held slot this job continues (`extend`).
+
+  def at_version(self, version: int) -> None:
+    """Drops what its samples share if other params than those of `version` made it."""
+    if self.cache_version != version:
+      self.prefix, self.prompt_blocks, self.cache_version = None, {}, version
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,6 +110,16 @@ class Held:
   handle: SlotHandle
   tokens_T: np.ndarray
   cache_version: int
+
+  def continued_by(self, job: Job) -> bool:
+    """Whether `job`'s prompt is the held sequence followed by at least one token."""
+    length = self.tokens_T.size
+    return job.prompt_P.size > length and np.array_equal(job.prompt_P[:length], self.tokens_T)
+
+  def computed_by(self, version: int) -> bool:
+    """Whether the params of `version` computed the slot's cache throughout, so that a
+    continuation extends it rather than prefilling again."""
+    return self.cache_version == version
 
 
 class HostBatch:
@@ -150,26 +164,12 @@ class HostBatch:
     return sorted(((i, s) for i, s in enumerate(self.slots) if s is not None),
                   key=lambda x: x[1].admitted)
 
+  def blocks_of(self, slot: int) -> list[int]:
+    """The KV blocks `slot` holds."""
+    return self.blocks.blocks[slot]
+
   def end_of(self, job: Job) -> int:
     return min(len(job.prompt_P) + job.request.sampling.max_new_tokens, self._max_len)
-
-  def place(self, tokens: int, prompt: tuple[dict, int] | None = None, steps: int = 0
-            ) -> tuple[int, int] | None:
-    """A free slot given the blocks of `tokens` positions (`SlotBlocks.assign`, sharing
-    `prompt`'s full blocks where its pool holds them), as (slot, blocks shared); None
-    when no free slot's pool has the blocks and, left over, those its running samples
-    need for `steps` steps past the next chunk (so that a sample just started is not
-    preempted at once for their growth)."""
-    growth = [0] * len(self.blocks.allocators)
-    for i, s in enumerate(self.slots):
-      if s is not None:
-        growth[self.blocks.pools_S[i]] += max(
-            self.blocks.blocks_for(s.cache_need(2 * steps)) - len(self.blocks.blocks[i]), 0)
-    for slot in self.free_slots():
-      shared = self.blocks.assign(slot, tokens, prompt, growth[self.blocks.pools_S[slot]])
-      if shared is not None:
-        return slot, shared
-    return None
 
   def start(self, slot: int, job: Job, index: int, sampling: SlotSampling,
             version: int) -> Sample:
@@ -201,20 +201,6 @@ class HostBatch:
     keys = [s.admitted for s in self.preempted]
     self.preempted.insert(bisect.bisect(keys, sample.admitted), sample)
     return sample
-
-  def newest(self, pool: int) -> int:
-    """The slot of the most recently admitted running sample of block pool `pool`."""
-    return max((i for i, s in enumerate(self.slots)
-                if s is not None and self.blocks.pools_S[i] == pool),
-               key=lambda i: self.slots[i].admitted)
-
-  def grow(self, steps: int) -> int | None:
-    """Gives each running sample, oldest first, the blocks it needs for `steps` more
-    steps; at the first that its pool cannot serve, stops and returns that pool."""
-    for slot, s in self.occupied():
-      if not self.blocks.grow(slot, s.cache_need(steps)):
-        return self.blocks.pools_S[slot]
-    return None
 
   def tables(self) -> np.ndarray:
     """The block tables of the running samples' slots (`Engine.generate_chunk`)."""

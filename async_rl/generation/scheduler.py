@@ -6,17 +6,8 @@ aborts, pauses, weight updates) to an `Inbox` under its condition variable; the
 decode state and the host's view of the slots and their KV blocks, applies that work
 between two decode chunks and runs the chunks.
 
-KV blocks, as vLLM schedules them. Before each chunk every running sample gets the
-blocks the chunk writes, oldest admission first. When a pool runs out, a held slot of
-it is evicted, or else its most recently admitted sample is preempted: its blocks are
-freed, its tokens, log-probs and versions kept, and it waits at the head of the line.
-Then waiting samples start while a free slot's pool has their blocks, and those its
-running samples need for one more chunk besides (so that a sample just started is not
-preempted at once), preempted ones first (re-prefilled: prompt and tokens so far), then
-queued ones in order; none is passed over, and running samples are never preempted for
-them. Since a pool holds one sequence of the longest length, the oldest sample always
-runs and a waiting one always starts once the samples ahead of it are done: nothing
-deadlocks and nothing is lost.
+Which samples hold KV blocks (what to grow, preempt, evict and admit) is a
+`kv_policy.KVPolicy`'s decision; the host's books are the `HostBatch`'s.
 """
 
 import dataclasses
@@ -26,8 +17,10 @@ from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import Future
 
-from async_rl.generation import slots
-from async_rl.generation.host_batch import HostBatch, Job
+import numpy as np
+
+from async_rl.generation.host_batch import Held, HostBatch, Job, Sample
+from async_rl.generation.kv_policy import KVPolicy
 from async_rl.generation.blocks import SlotBlocks
 from async_rl.generation.request import SlotHandle, empty_sample
 from async_rl.generation.sampling import SlotSampling
@@ -102,6 +95,7 @@ class Scheduler:
     blocks = SlotBlocks([engine.pool_of(s) for s in range(S)], num_blocks=engine.num_blocks,
                         block_size=engine.block_size, max_blocks=engine.max_blocks)
     self.batch = HostBatch(S, engine.max_target_length, self._complete, blocks)
+    self.kv = KVPolicy(self.batch, engine.steps_per_call)
     self.stats = Stats()
 
   def _update_ready(self) -> bool:
@@ -196,66 +190,100 @@ class Scheduler:
   def _grow(self):
     """Gives every running sample the blocks of the next chunk, oldest first; where a
     pool runs short, evicts its oldest held slot or preempts its newest sample."""
-    batch, steps = self.batch, self.engine.steps_per_call
-    if batch.grow(steps) is None:
+    if self.kv.grow() is None:
       return
     # Exact positions first: finished samples free their blocks, and a preempted
     # sample keeps every token the device drew.
-    batch.flush()
-    while (pool := batch.grow(steps)) is not None:
-      held = [h.handle for slot, h in batch.held.items() if batch.blocks.pools_S[slot] == pool]
-      if held:
-        batch.drop_held(held[0])
+    self.batch.flush()
+    while (pool := self.kv.grow()) is not None:
+      if self.kv.make_room(pool) == "evicted":
         self.stats.evictions += 1
       else:
-        batch.preempt(batch.newest(pool)).preempted = True
         self.stats.preemptions += 1
 
   def _admit(self, new: bool):
     """Starts waiting samples, in order, while a free slot's pool has their blocks:
     preempted samples, then (if `new`) queued ones. Held slots are evicted, oldest
     first, when no slot is free, or when no sample runs to free blocks."""
-    box, batch, steps = self.inbox, self.batch, self.engine.steps_per_call
+    box, batch = self.inbox, self.batch
     resumed, started = [], []
     while True:
       with box.cv:
-        if batch.preempted:
-          waiting = batch.preempted[0]
-        elif new and box.queue:
-          waiting = box.queue[0]
-        else:
-          break
-      if isinstance(waiting, tuple):
-        job, index = waiting
-        if job.prompt_blocks_version != self.version:
-          job.prompt_blocks, job.prompt_blocks_version = {}, self.version
-        tokens = min(len(job.prompt_P) + steps, batch.end_of(job) - 1)
-        placed = batch.place(tokens, (job.prompt_blocks, len(job.prompt_P)), steps)
+        preempted = batch.preempted[0] if batch.preempted else None
+        queued = box.queue[0] if preempted is None and new and box.queue else None
+      if preempted is not None:
+        placed = self.kv.place_preempted(preempted)
+      elif queued is not None:
+        job, index = queued
+        job.at_version(self.version)
+        placed = self.kv.place_queued(job)
       else:
-        placed = batch.place(min(waiting.length + steps, waiting.end - 1), steps=steps)
+        break
       if placed is None:
-        if batch.held and (not batch.free_slots() or not batch.num_active()):
-          batch.evict_oldest()
+        if self.kv.evict_to_admit():
           self.stats.evictions += 1
           continue
         break
       slot, shared = placed
-      if isinstance(waiting, tuple):
+      if preempted is not None:
+        batch.resume(slot, preempted, self.version)
+        self.stats.resumed += preempted.preempted
+        preempted.preempted = False
+        resumed.append((slot, preempted))
+      else:
         with box.cv:
           box.queue.popleft()
         sampling = SlotSampling.create(job.request.sampling, job.seed, index)
         started.append((slot, batch.start(slot, job, index, sampling, self.version), shared))
-      else:
-        batch.resume(slot, waiting, self.version)
-        self.stats.resumed += waiting.preempted
-        waiting.preempted = False
-        resumed.append((slot, waiting))
     if resumed:
-      self._state = slots.resume_samples(self.engine, self.params, self.version, self._state,
-                                         batch, resumed)
+      self._resume_samples(resumed)
     if started:
-      self._state = slots.start_samples(self.engine, self.params, self.version, self._state,
-                                        batch, started)
+      self._start_samples(started)
+
+  def _start_samples(self, started: list[tuple[int, Sample, int]]) -> None:
+    """Inserts the new samples of `started`, each (slot, sample, blocks shared): the
+    sample's slot holds its blocks, the first `shared` of them its prompt's full blocks
+    that an earlier sample wrote. A job's prompt is prefilled once for all its samples
+    under the live params (`Job.at_version`)."""
+    batch = self.batch
+    jobs = list(dict.fromkeys(s.job for _, s, _ in started))
+    stale = [job for job in jobs if job.prefix is None]
+    if stale:
+      # The prefill's own first-token draw goes unused: insert_samples draws each.
+      refs = self.engine.prefill_many(
+          params=self.params, prompts=[job.prompt_P for job in stale],
+          samplings=[SlotSampling.create(job.request.sampling, job.seed, 0) for job in stale])
+      for job, ref in zip(stale, refs):
+        job.prefix = ref
+    # One insert_samples call per Prefix: prompts prefilled together start together.
+    starts = {}
+    for slot, sample, shared in started:
+      prefix, row = sample.job.prefix
+      starts.setdefault(id(prefix), (prefix, []))[1].append((slot, sample, shared, row))
+      sample.job.unstarted -= 1
+    for job in jobs:
+      if not job.unstarted:
+        job.prefix = None
+    for prefix, entries in starts.values():
+      self._state, first = self.engine.insert_samples(
+          prefix, self._state, [row for *_, row in entries], [slot for slot, *_ in entries],
+          [s.sampling for _, s, _, _ in entries], [batch.blocks_of(slot) for slot, *_ in entries],
+          [shared for _, _, shared, _ in entries])
+      batch.add_first(first, [(slot, s) for slot, s, _, _ in entries], self.version)
+
+  def _resume_samples(self, resumed: list[tuple[int, Sample]]) -> None:
+    """Resumes each preempted (slot, sample) of `resumed` in the slot it was placed in and
+    moved to (`HostBatch.resume`): its prompt and the tokens it generated so far are
+    prefilled under the live params and it draws its next token, as it would have
+    without the preemption (a draw's key depends only on the sample and the position)."""
+    for slot, sample in resumed:
+      padded, length = self.engine.pad_tokens(np.concatenate(
+          [sample.job.prompt_P, np.asarray(sample.tokens, np.int32)]))
+      prefix, first = self.engine.prefill(params=self.params, padded_tokens=padded,
+                                          true_length=length, sampling=sample.sampling,
+                                          generated=len(sample.tokens))
+      self._state = self.engine.insert(prefix, self._state, slot, self.batch.blocks_of(slot))
+      self.batch.add_first(first, [(slot, sample)], self.version)
 
   def _start_extensions(self):
     box, batch = self.inbox, self.batch
@@ -267,14 +295,14 @@ class Scheduler:
         self._resolve(job, None)
         continue
       slot = held.handle.slot
-      if not slots.continues(job, held):
+      if not held.continued_by(job):
         batch.blocks.release(slot)
         self._resolve(job, error=ValueError(
             f"request {job.request.request_id!r}: the prompt does not continue the "
             f"{held.tokens_T.size} tokens its slot holds"))
         continue
       tokens = min(len(job.prompt_P) + self.engine.steps_per_call, batch.end_of(job) - 1)
-      if slots.continues_in_slot(held, self.version):
+      if held.computed_by(self.version):
         fits = batch.blocks.grow(slot, tokens)
       else:
         batch.blocks.release(slot)
@@ -287,12 +315,34 @@ class Scheduler:
           box.queue.appendleft((job, 0))
         self.stats.extended_reprefilled += 1
         continue
-      self._state, in_slot = slots.continue_held(self.engine, self.params, self.version,
-                                                 self._state, batch, job, held)
-      if in_slot:
+      if self._continue_held(job, held):
         self.stats.extended_in_slot += 1
       else:
         self.stats.extended_reprefilled += 1
+
+  def _continue_held(self, job: Job, held: Held) -> bool:
+    """Starts `job` (one sample, whose prompt continues `held`'s sequence) in the held
+    slot, which holds the blocks it needs. Returns whether the cache was continued: it
+    is when the live params computed all of it (`Held.computed_by`), else the whole
+    prompt is prefilled again in the slot."""
+    slot, length = held.handle.slot, held.tokens_T.size
+    sampling = SlotSampling.create(job.request.sampling, job.seed, 0)
+    blocks = self.batch.blocks_of(slot)
+    in_slot = held.computed_by(self.version)
+    if in_slot:
+      # The held sample's last token was drawn but never fed, so its K/V goes first.
+      self._state, first = self.engine.extend(self.params, self._state, slot,
+                                              job.prompt_P[length - 1:], length - 1,
+                                              sampling, blocks)
+    else:
+      padded, true_length = self.engine.pad_tokens(job.prompt_P)
+      prefix, first = self.engine.prefill(params=self.params, padded_tokens=padded,
+                                          true_length=true_length, sampling=sampling)
+      self._state = self.engine.insert(prefix, self._state, slot, blocks)
+    job.unstarted = 0
+    sample = self.batch.start(slot, job, 0, sampling, self.version)
+    self.batch.add_first(first, [(slot, sample)], self.version)
+    return in_slot
 
   def _resolve(self, job: Job, result=None, error: Exception | None = None):
     job.done, job.prefix = True, None

@@ -4,8 +4,9 @@ A packed row holds whole sequences back to back (segment ids 1, 2, ... in row or
 then 0 on padding), so query t sees key s iff both carry the same nonzero segment id
 and s <= t: causal order within a segment is row order, and positions are not needed.
 
-`attention` picks the implementation by backend:
-  * GPU: `flash_gpu`, the Pallas (Triton) flash-attention kernel of
+`attention` runs the implementation its `kernels` argument names, which the builder of a
+program decides from the devices it runs on (`kernels_for`), not from the default backend:
+  * "gpu": `flash_gpu`, the Pallas (Triton) flash-attention kernel of
     `jax.experimental.pallas.ops.gpu.attention.mha`, which masks by segment ids and
     skips the key blocks above the diagonal. cuDNN is not used: the public
     `jax.nn.dot_product_attention(implementation="cudnn")` takes a causal flag and
@@ -13,12 +14,12 @@ and s <= t: causal order within a segment is row order, and positions are not ne
     a dense [R, T, T] mask that it adds as a bias without skipping blocks. (cuDNN's
     packed layout, `q_offsets` / `kv_offsets`, is reachable only through the private
     `jax._src.cudnn` module, on Hopper and later.)
-  * elsewhere (CPU), rows of up to `LONG_ROW` tokens: `blockwise`, plain XLA: the row
+  * "xla", on any backend, rows of up to `LONG_ROW` tokens: `blockwise`, plain XLA: the row
     is cut into at most `_MAX_BLOCKS` query blocks and block i scores only the keys of
     blocks 0..i, so about (n + 1) / 2n of the dense T x T work runs (Z = T / n tokens
     per block); and when the micro-batch's longest sequence is short, only a band of
     key blocks that holds it (`windows`). Its temporaries grow as T^2 / n.
-  * elsewhere, longer rows (reasoning-length sequences, in training or in the
+  * "xla", longer rows (reasoning-length sequences, in training or in the
     generator's prefill): `chunked`, flash attention in plain XLA, whose temporaries
     grow linearly in T.
 
@@ -36,15 +37,24 @@ _MAX_BLOCKS = 16
 _MIN_BLOCK = 64
 # `chunked`'s tokens per block: one block's [Z, Z] scores per kv head's query group.
 _CHUNK = 512
-# The longest rows `blockwise` takes off GPU; longer ones go to `chunked`.
+# The longest rows `blockwise` takes; longer ones go to `chunked`.
 LONG_ROW = 2048
 # Triton tiles: a power of two up to 128 along the sequence for the forward kernel,
 # up to 32 for the backward kernels (the kernel's defaults).
 _GPU_BLOCK, _GPU_BWD_BLOCK = 128, 32
 
 
-def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
-  """Grouped-query attention of packed rows, the implementation chosen by backend.
+KERNELS = ("xla", "gpu")
+
+
+def kernels_for(devices) -> str:
+  """The attention kernels of a program on `devices`: "gpu" (Pallas Triton) when they
+  are all GPUs, else "xla" (plain XLA, which runs on every backend)."""
+  return "gpu" if all(d.platform == "gpu" for d in devices) else "xla"
+
+
+def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, *, kernels: str = "xla"):
+  """Grouped-query attention of packed rows, by the implementation `kernels` names.
 
   Args:
     q_BTHE: queries; H must be a multiple of K.
@@ -52,12 +62,16 @@ def attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT):
     v_BTKE: values.
     segment_ids_BT: int32, 1, 2, ... per sequence of a row, 0 on padding.
     positions_BT: int32 position of each token in its sequence (0 on padding).
+    kernels: one of `KERNELS` (static): "gpu" for `flash_gpu`, "xla" for `blockwise` or
+      `chunked` by row length.
 
   Returns:
     [B, T, H, E] in the dtype of `v_BTKE`. Rows at padding positions hold values
     that depend on the implementation; nothing valid reads them.
   """
-  if jax.default_backend() == "gpu":
+  if kernels not in KERNELS:
+    raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+  if kernels == "gpu":
     return flash_gpu(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
   if q_BTHE.shape[1] > LONG_ROW:
     return chunked(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)

@@ -200,11 +200,12 @@ def unembed(params: Params, cfg, x_BTD):
 _logits = unembed
 
 
-def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT, *, rows=None):
+def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT, *, rows=None,
+           kernels: str = "xla"):
   """Hidden states [B, T, D] of packed rows after the last layer, before `unembed`.
 
   Query t sees key s iff both are in the same non-padding segment and s <= t
-  (`attention.attention`, which picks the kernel by backend). `rows`, a sharding of
+  (`attention.attention`, by the `kernels` it names). `rows`, a sharding of
   the residual stream (a trainer's rows over its data-parallel axes), holds every
   layer to it: left to itself, XLA keeps weights that are sharded over those axes
   in place and computes every row on every device.
@@ -214,7 +215,8 @@ def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT, *, rows
 
   def layer(x, lp):
     x, _ = _block(lp, cfg, constrain(x), positions_BT,
-                  lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), None))
+                  lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT,
+                                             kernels=kernels), None))
     return constrain(x), None
 
   # Without remat a scan would stack every intermediate of every layer into [L, ...]
@@ -226,9 +228,11 @@ def hidden(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT, *, rows
   return x
 
 
-def forward(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT):
+def forward(params: Params, cfg, tokens_BT, positions_BT, segment_ids_BT, *,
+            kernels: str = "xla"):
   """Logits [B, T, V] (float32) for packed rows: `unembed` of `hidden`."""
-  return unembed(params, cfg, hidden(params, cfg, tokens_BT, positions_BT, segment_ids_BT))
+  return unembed(params, cfg, hidden(params, cfg, tokens_BT, positions_BT, segment_ids_BT,
+                                     kernels=kernels))
 
 
 def _remat(fn, cfg):
@@ -277,12 +281,12 @@ def cache_len(cache) -> int:
   return cache["k"][0].shape[2]
 
 
-def prefill(params: Params, cfg, tokens_BT, lengths_B):
+def prefill(params: Params, cfg, tokens_BT, lengths_B, *, kernels: str = "xla"):
   """Runs right-padded prompts; returns (logits [B, V] float32 after each prompt's last
   token, cache for those rows).
 
   Row b holds `lengths_B[b]` real tokens at positions 0..len-1, segment 1 to
-  `attention.attention` (padding is segment 0, which no real token sees).
+  `attention.attention` with `kernels` (padding is segment 0, which no real token sees).
   The cache (laid out as `init_cache`'s, with B rows) has the prompt's own length T;
   `insert` copies it into a slot of a longer cache. Only the last real token's
   logits are computed, and attention's temporaries grow linearly in long rows, so
@@ -296,7 +300,8 @@ def prefill(params: Params, cfg, tokens_BT, lengths_B):
   x, ks, vs = _embed(params, cfg, tokens_BT), [], []
   for lp in _layer_list(params):
     x, (k, v) = _block(lp, cfg, x, positions_BT,
-                       lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT), (k, v)))
+                       lambda q, k, v: (attention(q, k, v, segment_ids_BT, positions_BT,
+                                                  kernels=kernels), (k, v)))
     ks.append(heads_first(k))
     vs.append(heads_first(v))
   last_B1D = x[jnp.arange(B), lengths_B - 1][:, None]

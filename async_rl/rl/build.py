@@ -245,7 +245,8 @@ def make_engine(cfg: ExperimentConfig, devices=None):
   turn holds everything before it. On one CPU device its slots split into groups
   decoded at once (`cpu.SlotGroupEngine`), each with its share of the KV cache's
   `generation.kv_blocks`, so no more groups than shares that hold a sequence of
-  `generation.max_length`."""
+  `generation.max_length`; on CPU devices its decode steps read the cache as the CPU's
+  `cpu.PagedDecoding`."""
   g = cfg.generation
   devices = list(devices or jax.local_devices()[:1])
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
@@ -258,7 +259,8 @@ def make_engine(cfg: ExperimentConfig, devices=None):
   engine = Engine(cfg.model, max_concurrent_decodes=g.num_slots // groups,
                   max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
                   steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks // groups,
-                  kv_block_size=g.kv_block_size, mesh=mesh, param_sharding=param_sharding)
+                  kv_block_size=g.kv_block_size, mesh=mesh, param_sharding=param_sharding,
+                  decoding=cpu.PagedDecoding() if devices[0].platform == "cpu" else None)
   return engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
 
 

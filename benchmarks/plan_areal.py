@@ -143,32 +143,32 @@ def _plot(nodes_curve, eta_curve, fig_dir):
   for row, color in zip(published.AREAL_TABLE1, ("tab:blue", "tab:orange")):
     ax.plot([8 * row.nodes], [row.speedup], "*", color=color, markersize=14,
             label=f"{row.preset}: AReaL Table 1")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("H800 GPUs (3/4 generate in async)")
-  ax.set_ylabel("async / sync throughput")
-  ax.set_title("Predicted speedup of asynchronous RL, η = 4")
-  ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  paths["nodes"] = os.path.join(fig_dir, "plan_speedup_vs_nodes.png")
-  fig.savefig(paths["nodes"], dpi=110)
-  plt.close(fig)
+  paths["nodes"] = _save(fig, ax, "H800 GPUs (3/4 generate in async)",
+                         "Predicted speedup of asynchronous RL, η = 4",
+                         os.path.join(fig_dir, "plan_speedup_vs_nodes.png"))
   if eta_curve:
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for (name, points), row in zip(eta_curve.items(), published.AREAL_TABLE1):
       ax.plot([p["eta"] for p in points], [p["speedup"] for p in points], "o-",
               label=f"{name} on {8 * row.nodes} H800")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("η (max staleness)")
-    ax.set_ylabel("async / sync throughput")
-    ax.set_title("Predicted speedup against the staleness bound")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths["eta"] = os.path.join(fig_dir, "plan_speedup_vs_eta.png")
-    fig.savefig(paths["eta"], dpi=110)
-    plt.close(fig)
+    paths["eta"] = _save(fig, ax, "η (max staleness)",
+                         "Predicted speedup against the staleness bound",
+                         os.path.join(fig_dir, "plan_speedup_vs_eta.png"))
   return paths
+
+
+def _save(fig, ax, xlabel: str, title: str, path: str) -> str:
+  """Labels a speedup plot (log2 x axis), writes it to `path` and returns the path."""
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel("async / sync throughput")
+  ax.set_title(title)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 def main(argv):

@@ -297,32 +297,21 @@ class Scheduler:
     with box.cv:
       jobs, box.extends = list(box.extends), deque()
     for job in jobs:
-      held = batch.take_held(job.handle)
+      held = batch.held_for(job.handle)
       if held is None:
         self._resolve(job, None)
-        continue
-      slot = held.handle.slot
-      if not held.continued_by(job):
-        batch.blocks.release(slot)
+      elif not held.continued_by(job):
+        batch.drop_held(job.handle)
         self._resolve(job, error=ValueError(
             f"request {job.request.request_id!r}: the prompt does not continue the "
             f"{held.tokens_T.size} tokens its slot holds"))
-        continue
-      tokens = min(len(job.prompt_P) + self.engine.steps_per_call, batch.end_of(job) - 1)
-      if held.computed_by(self.version):
-        fits = batch.blocks.grow(slot, tokens)
-      else:
-        batch.blocks.release(slot)
-        fits = batch.blocks.assign(slot, tokens) is not None
-      if not fits:
+      elif not self.kv.place_extension(job, self.version):
         # Too few free blocks to continue here: the whole episode waits its turn as a
         # new request, to be prefilled again.
-        batch.blocks.release(slot)
         with box.cv:
           box.queue.appendleft(Queued(job, 0))
         self.stats.extended_reprefilled += 1
-        continue
-      if self._continue_held(job, held):
+      elif self._continue_held(job, held):
         self.stats.extended_in_slot += 1
       else:
         self.stats.extended_reprefilled += 1

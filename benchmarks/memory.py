@@ -112,9 +112,10 @@ from ml_collections import config_flags  # noqa: E402
 from async_rl import sharding  # noqa: E402
 from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import MeshConfig  # noqa: E402
+from async_rl.compiled_memory import (compile_train_step, generator, trainer,  # noqa: E402
+                                      with_dtype)
 from async_rl.models import attention, flops  # noqa: E402
-from async_rl.models.memory import (GIB, compile_train_step, generator, trainer,  # noqa: E402
-                                    with_dtype)
+from async_rl.models.memory import GIB  # noqa: E402
 from async_rl.policy import chunk_len  # noqa: E402
 
 _CONFIGS = flags.DEFINE_list("configs", ["qwen2_5:1.5b", "qwen2_5:7b"],

@@ -1,5 +1,5 @@
 """Memory: `estimate_memory` by hand for Qwen2.5-1.5B and the configs quote it; the
-compiled memory per device (`models.memory.generator`, `trainer`) of a tensor-parallel
+compiled memory per device (`compiled_memory.generator`, `trainer`) of a tensor-parallel
 engine and of the train step on 8 devices."""
 
 import functools

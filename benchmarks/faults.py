@@ -12,7 +12,7 @@ which the deadlines count, and the stalled generator (fault 4) is reported after
   1. non_finite_step       the batch of step 2 carries NaN behaviour log-probs;
                            survived: step 2 is skipped, counted, and training goes on.
   2. raising_reward        the reward function raises on about 1 completion in 4
-                           (`async_rl.rewards.injected.flaky`); survived: those
+                           (`common.fault_rewards.flaky`); survived: those
                            score 0, are counted, and training goes on.
   3. hanging_reward        it never returns on about 1 in 11; survived: each is killed
                            after rollout.reward_timeout_s, scores 0, is counted.
@@ -61,6 +61,7 @@ from async_rl.rl.audit import prompt_accounting, step_lines
 from async_rl.rl.errors import StallError
 from async_rl.tasks.registry import make_task
 from async_rl.trajectory import Group
+from benchmarks.common import fault_rewards
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/micro.py", "The experiment.")
 _QUICK = flags.DEFINE_bool("quick", False, "Only the faults that run in this process (1-5).")
@@ -70,8 +71,9 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/async_rl_faults", "Workdirs go h
 _STALL_TIMEOUT_S = flags.DEFINE_float("stall_timeout_s", 45.0, "run.stall_timeout_s of every run.")
 
 ROOT = Path(__file__).parents[1]
-FLAKY = "async_rl.rewards.injected:flaky"
-KILLER = "async_rl.rewards.injected:kills_its_rollout_worker"
+# Named for the reward workers, which import them.
+FLAKY = f"{fault_rewards.__name__}:{fault_rewards.flaky.__name__}"
+KILLER = f"{fault_rewards.__name__}:{fault_rewards.kills_its_rollout_worker.__name__}"
 POISONED_STEP, STALL_AT = 2, 3
 
 

@@ -85,6 +85,7 @@ from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import MODEL_PRESETS, MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine, SamplingParams, SlotSampling, paged  # noqa: E402
 from async_rl.models import attention, flops  # noqa: E402
+from async_rl.models.memory import GIB  # noqa: E402
 from async_rl.rl import entry  # noqa: E402
 from async_rl.rl.audit import step_lines  # noqa: E402
 from benchmarks.common import run_stats  # noqa: E402
@@ -457,19 +458,19 @@ def decode_section(shapes: Shapes, ctx: dict) -> dict:
 # --- memory ---------------------------------------------------------------------------
 
 def predict_memory(shapes: Shapes) -> dict:
-  """`benchmarks.memory`'s prediction for training's and each decode width's shapes,
-  compiled for the host's CPU as that benchmark compiles them: per phase, its total in
-  bytes and its parts in GiB."""
-  from benchmarks import memory  # its absl flags are defined, never read, here
+  """`async_rl.compiled_memory`'s prediction for training's and each decode width's
+  shapes, compiled for the host's CPU as `benchmarks/memory.py` compiles them: per phase,
+  its total in bytes and its parts in GiB."""
+  from async_rl import compiled_memory as memory
   cpu = jax.devices("cpu")[:1]
   train = memory.trainer(experiment(shapes), cpu)
-  out = {"training": ((train["state"] + train["temp"]) * memory.GIB, train)}
+  out = {"training": ((train["state"] + train["temp"]) * GIB, train)}
   model_cfg = decode_model(shapes)
   for slots in shapes.decode_slots:
     engine = decode_engine(model_cfg, slots, shapes.decode_context,
                            (shapes.decode_chunks + 1) * 8)
     gen = memory.generator(decode_experiment(model_cfg, engine, shapes), cpu)
-    out[f"decode_{slots}"] = ((gen["params"] + gen["kv"] + gen["decode"]) * memory.GIB, gen)
+    out[f"decode_{slots}"] = ((gen["params"] + gen["kv"] + gen["decode"]) * GIB, gen)
   return out
 
 

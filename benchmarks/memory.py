@@ -103,20 +103,17 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from async_rl import cpu, loss, models, sharding, train_step  # noqa: E402
-from async_rl.batching import PackedBatch  # noqa: E402
+from async_rl import sharding  # noqa: E402
 from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import MeshConfig  # noqa: E402
-from async_rl.generation import Engine, paged  # noqa: E402
+from async_rl.compiled_memory import (compile_train_step, generator, trainer,  # noqa: E402
+                                      with_dtype)
 from async_rl.models import attention, flops  # noqa: E402
 from async_rl.models.memory import GIB  # noqa: E402
 from async_rl.policy import chunk_len  # noqa: E402
@@ -156,77 +153,12 @@ def experiment(name: str, length: str):
   return from_dict(c)
 
 
-def with_dtype(model_cfg, dtype: str):
-  return dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype)
-
-
-def gib_per_device(tree, dtype) -> float:
-  """GiB on one device of the sharded abstract arrays of `tree`, each element `dtype`."""
-  elements = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
-  return elements * jnp.dtype(dtype).itemsize / GIB
-
-
-def engine_on(cfg, devices, model_cfg):
-  """`cfg`'s generator engine on `devices` (tensor parallel over several), with
-  `model_cfg`, and its params' abstract serving layout."""
-  g, k = cfg.generation, len(devices)
-  mesh = Mesh(np.array(devices).reshape(1, 1, k), sharding.AXES)
-  stacked = models.abstract_params(model_cfg)
-  engine = Engine(model_cfg, max_concurrent_decodes=g.num_slots,
-                  max_prefill_length=g.max_length - 1, max_target_length=g.max_length,
-                  steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks,
-                  kv_block_size=g.kv_block_size, mesh=mesh,
-                  param_sharding=sharding.param_shardings(stacked, mesh) if k > 1 else None,
-                  decoding=cpu.PagedDecoding())
-  return engine, engine.abstract_params(stacked)
-
-
-def generator(cfg, devices) -> dict:
-  """One engine on `devices`, per device in GiB: params and KV pools in the config's
-  dtypes, and the float32 compile's transients (module docstring)."""
-  engine, params = engine_on(cfg, devices, with_dtype(cfg.model, "float32"))
-  pools = engine.abstract_decode_state().cache
-  g = cfg.generation
-  blocks = paged.bucket(g.kv_cache_blocks, g.num_slots * g.sequence_blocks)
-  prefill = engine.lower_prefill(params, g.max_length).compile().memory_analysis()
-  decode = engine.lower_generate_chunk(params, paged.Reads("ragged", blocks)).compile(
-  ).memory_analysis()
-  return dict(params=gib_per_device(params, cfg.model.param_dtype),
-              kv=gib_per_device((pools.k, pools.v), cfg.model.dtype),
-              prefill=(prefill.temp_size_in_bytes + prefill.output_size_in_bytes) / GIB,
-              decode=decode.temp_size_in_bytes / GIB,
-              decode_args_f32=decode.argument_size_in_bytes / GIB)
-
-
 @functools.cache
 def generator_of(name: str, length: str, k: int) -> dict:
   """`generator` of config `name` at `length` on the first `k` devices, once each."""
   gen = generator(experiment(name, length), jax.devices()[:k])
   return dict(gen, transient=max(gen["prefill"], gen["decode"]),
               total=gen["params"] + gen["kv"] + max(gen["prefill"], gen["decode"]))
-
-
-def trainer(cfg, devices) -> dict:
-  """The train state and the train step's temporaries per device, in GiB, from the
-  float16 compile (module docstring)."""
-  mesh = sharding.make_mesh(cfg.mesh, devices)
-  row_len = -(-cfg.batching.max_tokens_per_mb // 8) * 8
-  rows = mesh.shape["data"] * mesh.shape["fsdp"]
-  f16 = dataclasses.replace(cfg, model=with_dtype(cfg.model, "float16"))
-  mem = compile_train_step(f16, mesh, rows, row_len).memory_analysis()
-  return dict(state=mem.argument_size_in_bytes / GIB, temp=mem.temp_size_in_bytes / GIB,
-              row_len=row_len)
-
-
-def compile_train_step(cfg, mesh, rows, row_len):
-  """The train step of `cfg` on `mesh`, compiled for one micro-batch of `rows` rows of
-  `row_len` tokens."""
-  tx = train_step.make_optimizer(cfg.optimizer)
-  state = abstract_state(cfg.model, tx, mesh)
-  step = train_step.jit_train_step(mesh, train_step.train_state_shardings(state, mesh),
-                                   model_cfg=cfg.model, loss_fn=loss.from_config(cfg.ppo),
-                                   temperature=cfg.generation.logp_temperature)
-  return step.lower(state, *abstract_batch(rows, row_len, cfg.ppo.prox_logp)).compile()
 
 
 def per_device(name: str, length: str) -> dict:
@@ -274,23 +206,6 @@ def print_tensor_parallel(name, tp):
   for k, r in tp.items():
     print(f"{k:>3}{r['params']:>9.2f}{r['kv']:>8.2f}{r['prefill']:>9.2f}{r['decode']:>8.2f}"
           f"{r['total']:>9.2f}{r['ratio']['total']:>8.3f}{1 / k:>7.3f}")
-
-
-def abstract_state(model_cfg, tx, mesh):
-  """The train state's shapes, as `train_step.create_train_state` builds it (nothing allocated)."""
-  return jax.eval_shape(lambda key: train_step.create_train_state(model_cfg, tx, mesh, key)[0],
-                        jax.random.key(0))
-
-
-def abstract_batch(rows, row_len, prox_mode):
-  """One micro-batch and its proximal log-probs, as the trainer passes them in `prox_mode`."""
-  shape = (1, rows, row_len)
-  i32, f32 = (lambda: jax.ShapeDtypeStruct(shape, jnp.int32),
-              lambda: jax.ShapeDtypeStruct(shape, jnp.float32))
-  loglinear = prox_mode == "loglinear"  # estimated inside the step from the versions
-  batch = PackedBatch(tokens=i32(), positions=i32(), segment_ids=i32(), loss_mask=f32(),
-                      behav_logp=f32(), advantages=f32(), versions=i32() if loglinear else None)
-  return batch, None if loglinear else f32()
 
 
 def implementation_flops(model_cfg, rows, row_len) -> dict:

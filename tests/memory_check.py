@@ -1,7 +1,7 @@
 """Run in a subprocess with 8 fake CPU devices: a tensor-parallel engine's compiled
-memory per device (`benchmarks.memory.generator`) on k = 1 and 4 devices, and the
-train step's (`benchmarks.memory.trainer`: one row of 4,096 tokens per device) on 1
-and on 8 devices (fsdp).
+memory per device (`compiled_memory.generator`) on k = 1 and 4 devices, and the train
+step's (`compiled_memory.trainer`: one row of 4,096 tokens per device) on 1 and on 8
+devices (fsdp).
 
 The model is small, bfloat16, with 8 heads, 8 kv heads and an MLP width that every k
 divides, and a KV budget of 4 sequences of 4,096 tokens, which outweighs its params.
@@ -15,9 +15,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import json  # noqa: E402
 
 import jax  # noqa: E402
+from async_rl import compiled_memory as memory  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
-
-from benchmarks import memory  # noqa: E402
 
 OVERRIDES = {
     "model.d_model": 256, "model.n_layers": 2, "model.n_heads": 8, "model.n_kv_heads": 8,

@@ -1,7 +1,9 @@
-"""Reward functions for tests/test_rewards.py, importable by the reward workers."""
+"""Reward functions for the tests, importable by name by the reward workers (and by Ray's
+actors, which share the driver's sys.path)."""
 
 import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -77,4 +79,26 @@ def sleeps(completion, reference):
   time.sleep(0.02)
   if mark:
     os.remove(mark)
+  return float(len(completion))
+
+
+KILL_COUNT_ENV, KILL_AT_ENV = "TEST_REWARD_KILL_COUNT", "TEST_REWARD_KILL_AT"
+
+
+def kills_its_rollout_worker(completion, reference):
+  """Scores the completion's length, except that call number $TEST_REWARD_KILL_AT made
+  for a Ray rollout worker (counted in the file $TEST_REWARD_KILL_COUNT) SIGKILLs that
+  worker's process while it is scoring a group."""
+  del reference
+  parent = os.getppid()
+  with open(f"/proc/{parent}/cmdline", "rb") as f:
+    if not f.read().startswith(b"ray::RolloutWorker"):
+      return float(len(completion))
+  path = os.environ[KILL_COUNT_ENV]
+  calls = (int(open(path).read() or 0) if os.path.exists(path) else 0) + 1
+  with open(path, "w") as f:
+    f.write(str(calls))
+  if calls == int(os.environ[KILL_AT_ENV]):
+    os.kill(parent, signal.SIGKILL)
+    time.sleep(60)  # this process ends with its parent
   return float(len(completion))

@@ -17,7 +17,8 @@ from async_rl.cli import from_dict
 from async_rl.config import DataConfig, TaskConfig
 from async_rl.rl import build
 from async_rl.rl.errors import ConfigError
-from async_rl.tasks import ByteTokenizer, ListTask, Row
+from async_rl.rewards import Row
+from async_rl.tasks import ByteTokenizer, ListTask
 from async_rl.tasks.data_task import from_rows, load_rows, records
 from async_rl.tasks.registry import make_task
 

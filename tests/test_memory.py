@@ -1,6 +1,6 @@
 """Memory: `estimate_memory` by hand for Qwen2.5-1.5B and the configs quote it; the
-compiled memory per device (`benchmarks/memory.py`) of a tensor-parallel engine and of
-the accelerator configs."""
+compiled memory per device (`compiled_memory.generator`, `trainer`) of a tensor-parallel
+engine and of the train step on 8 devices."""
 
 import functools
 import importlib.util

@@ -15,6 +15,7 @@ pytest.importorskip("ray", reason="the ray placement needs ray (pip install -e .
 import ray  # noqa: E402
 from async_rl import config  # noqa: E402
 from async_rl.rl import entry, ray_placement  # noqa: E402
+import reward_fns_for_tests  # noqa: E402
 from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
 
 
@@ -96,10 +97,10 @@ def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_p
   # Its own Ray instance: the actors take the environment of the one that starts them.
   if ray.is_initialized():
     ray.shutdown()
-  monkeypatch.setenv("FAULTS_KILL_COUNT", str(tmp_path / "calls"))
-  monkeypatch.setenv("FAULTS_KILL_AT", "13")
+  monkeypatch.setenv(reward_fns_for_tests.KILL_COUNT_ENV, str(tmp_path / "calls"))
+  monkeypatch.setenv(reward_fns_for_tests.KILL_AT_ENV, "13")
   summary = _run(tmp_path, num_steps=5,
-                 **{"rollout.reward_fn": "async_rl.rewards.injected:kills_its_rollout_worker"})
+                 **{"rollout.reward_fn": "reward_fns_for_tests:kills_its_rollout_worker"})
   assert summary["end_version"] == 5
   steps = _steps(tmp_path)
   assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]

@@ -14,12 +14,11 @@ from async_rl import models
 from async_rl.cli import from_dict
 from async_rl.config import EvalConfig
 from async_rl.generation import Engine, GeneratorPool
-from async_rl.rewards import Reward, RewardService, RewardTask, style_of
+from async_rl.rewards import Reward, RewardService, RewardTask, Row, style_of
 from async_rl.rl import build
 from async_rl.rl.errors import ConfigError
 from async_rl.rl.evaluate import Evaluator
 from async_rl.tasks import CharTokenizer, Example, ListTask
-from async_rl.tasks.protocol import Row
 from conftest import one_layer_model
 import reward_styles_for_tests as fns
 

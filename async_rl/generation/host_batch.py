@@ -261,14 +261,16 @@ class HostBatch:
       self.preempted.remove(s)
       self._record(s, "aborted", {})
 
+  def held_for(self, handle: SlotHandle) -> Held | None:
+    """What `handle`'s slot holds; None if the slot is no longer held for it (evicted,
+    released)."""
+    held = self.held.get(handle.slot)
+    return held if held is not None and held.handle == handle else None
+
   def take_held(self, handle: SlotHandle) -> Held | None:
     """Stops holding `handle`'s slot and returns what it held (the slot keeps its
-    blocks, for the caller to continue in or release); None if the slot is no longer
-    held for it (evicted, released)."""
-    held = self.held.get(handle.slot)
-    if held is None or held.handle != handle:
-      return None
-    return self.held.pop(handle.slot)
+    blocks, for the caller to continue in or release); None as `held_for`."""
+    return self.held.pop(handle.slot) if self.held_for(handle) is not None else None
 
   def drop_held(self, handle: SlotHandle) -> None:
     """Frees `handle`'s slot and its blocks if it is still held for it."""

@@ -10,9 +10,11 @@ need for one more chunk besides (so that a sample just started is not preempted 
 once), preempted ones first (re-prefilled: prompt and tokens so far, `place_preempted`),
 then queued ones in order (`place_queued`); none is passed over, and running samples
 are never preempted for them, but held slots are evicted, oldest first, when no slot is
-free or no sample runs to free blocks (`evict_to_admit`). Since a pool holds one
-sequence of the longest length, the oldest sample always runs and a waiting one always
-starts once the samples ahead of it are done: nothing deadlocks and nothing is lost.
+free or no sample runs to free blocks (`evict_to_admit`). A continuation of a held slot
+takes it with the blocks of its prompt and the next chunk, or else frees them and waits
+as a new request (`place_extension`). Since a pool holds one sequence of the longest
+length, the oldest sample always runs and a waiting one always starts once the samples
+ahead of it are done: nothing deadlocks and nothing is lost.
 """
 
 from async_rl.generation.host_batch import HostBatch, Job, Sample
@@ -56,6 +58,25 @@ class KVPolicy:
     holds them (`Job.prompt_blocks`)."""
     tokens = min(len(job.prompt_P) + self.steps, self.batch.end_of(job) - 1)
     return self._place(tokens, (job.prompt_blocks, len(job.prompt_P)))
+
+  def place_extension(self, job: Job, version: int) -> bool:
+    """Takes the slot `job` continues (`Job.handle`, held for it, its prompt continuing
+    the held sequence: `Held.continued_by`) and gives it the blocks of the prompt and the
+    next chunk: those it lacks if the params of `version` computed its cache
+    (`Held.computed_by`), else new ones. False, freeing the slot's blocks, when its pool
+    has too few free: the job then waits as a new request."""
+    batch, blocks = self.batch, self.batch.blocks
+    held = batch.take_held(job.handle)
+    slot = held.handle.slot
+    tokens = min(len(job.prompt_P) + self.steps, batch.end_of(job) - 1)
+    if held.computed_by(version):
+      fits = blocks.grow(slot, tokens)
+    else:
+      blocks.release(slot)
+      fits = blocks.assign(slot, tokens) is not None
+    if not fits:
+      blocks.release(slot)
+    return fits
 
   def _place(self, tokens: int, prompt: tuple[dict, int] | None = None
              ) -> tuple[int, int] | None:

@@ -45,7 +45,7 @@ from async_rl.config import UPDATE_MODES
 from async_rl.generation.host_batch import Job
 from async_rl.generation.engine import Engine
 from async_rl.generation.request import Request, SlotHandle, validate
-from async_rl.generation.scheduler import Inbox, Scheduler, Update
+from async_rl.generation.scheduler import Inbox, Queued, Scheduler, Update
 from async_rl.timeline import Timeline
 
 
@@ -109,7 +109,7 @@ class GeneratorPool:
     """
     with self._cv:
       job = self._new_job(request)
-      self._inbox.queue.extend((job, i) for i in range(request.n))
+      self._inbox.queue.extend(Queued(job, i) for i in range(request.n))
       self._inbox.last_submit = time.perf_counter()
       self._cv.notify_all()
     return job.future

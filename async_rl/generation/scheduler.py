@@ -31,6 +31,13 @@ from async_rl.timeline import Timeline
 SETTLE_S, SETTLE_MAX_S = 0.005, 0.05
 
 
+@dataclasses.dataclass(frozen=True)
+class Queued:
+  """A sample waiting in the pool's queue for a slot: sample `index` of `job`."""
+  job: Job
+  index: int
+
+
 @dataclasses.dataclass(eq=False)
 class Update:
   params: object
@@ -62,7 +69,7 @@ class Inbox:
   """What the pool's callers post for the decode thread, and the pool's state flags;
   read and written only under `cv`."""
   cv: threading.Condition = dataclasses.field(default_factory=threading.Condition)
-  queue: deque = dataclasses.field(default_factory=deque)  # (Job, sample index)
+  queue: deque[Queued] = dataclasses.field(default_factory=deque)
   extends: deque = dataclasses.field(default_factory=deque)  # Jobs continuing a held slot
   releases: list[SlotHandle] = dataclasses.field(default_factory=list)
   aborts: list[Job] = dataclasses.field(default_factory=list)
@@ -127,7 +134,7 @@ class Scheduler:
         return False
       aborts, box.aborts = box.aborts, []
       releases, box.releases = box.releases, []
-      box.queue = deque(item for item in box.queue if item[0] not in aborts)
+      box.queue = deque(q for q in box.queue if q.job not in aborts)
       box.extends = deque(job for job in box.extends if job not in aborts)
       halt = box.paused and not box.halted
       paused = box.paused
@@ -214,9 +221,8 @@ class Scheduler:
       if preempted is not None:
         placed = self.kv.place_preempted(preempted)
       elif queued is not None:
-        job, index = queued
-        job.at_version(self.version)
-        placed = self.kv.place_queued(job)
+        queued.job.at_version(self.version)
+        placed = self.kv.place_queued(queued.job)
       else:
         break
       if placed is None:
@@ -233,6 +239,7 @@ class Scheduler:
       else:
         with box.cv:
           box.queue.popleft()
+        job, index = queued.job, queued.index
         sampling = SlotSampling.create(job.request.sampling, job.seed, index)
         started.append((slot, batch.start(slot, job, index, sampling, self.version), shared))
     if resumed:
@@ -290,32 +297,21 @@ class Scheduler:
     with box.cv:
       jobs, box.extends = list(box.extends), deque()
     for job in jobs:
-      held = batch.take_held(job.handle)
+      held = batch.held_for(job.handle)
       if held is None:
         self._resolve(job, None)
-        continue
-      slot = held.handle.slot
-      if not held.continued_by(job):
-        batch.blocks.release(slot)
+      elif not held.continued_by(job):
+        batch.drop_held(job.handle)
         self._resolve(job, error=ValueError(
             f"request {job.request.request_id!r}: the prompt does not continue the "
             f"{held.tokens_T.size} tokens its slot holds"))
-        continue
-      tokens = min(len(job.prompt_P) + self.engine.steps_per_call, batch.end_of(job) - 1)
-      if held.computed_by(self.version):
-        fits = batch.blocks.grow(slot, tokens)
-      else:
-        batch.blocks.release(slot)
-        fits = batch.blocks.assign(slot, tokens) is not None
-      if not fits:
+      elif not self.kv.place_extension(job, self.version):
         # Too few free blocks to continue here: the whole episode waits its turn as a
         # new request, to be prefilled again.
-        batch.blocks.release(slot)
         with box.cv:
-          box.queue.appendleft((job, 0))
+          box.queue.appendleft(Queued(job, 0))
         self.stats.extended_reprefilled += 1
-        continue
-      if self._continue_held(job, held):
+      elif self._continue_held(job, held):
         self.stats.extended_in_slot += 1
       else:
         self.stats.extended_reprefilled += 1

@@ -1,6 +1,9 @@
-"""Memory use of a run, computed from its shapes: the numbers the accelerator configs quote.
+"""Memory use of a run estimated from its shapes (`estimate_memory`, the numbers the
+accelerator configs quote); `async_rl.compiled_memory` reads it per device from the
+compiler.
 
-Counts what lives for a whole run, in bytes, for the model as a whole (not per device):
+`estimate_memory` counts what lives for a whole run, in bytes, for the model as a whole
+(not per device):
 
   params        N params in `model.param_dtype`.
   optimizer     AdamW's two moments; optax keeps them in the params' dtype.
@@ -11,8 +14,8 @@ Counts what lives for a whole run, in bytes, for the model as a whole (not per d
                 `generation.kv_block_size` tokens (with kv_blocks 0, every one of the
                 `generation.num_slots` slots at `generation.max_length`).
 
-`trainer` = params + optimizer + gradients, sharded over the mesh by
-`sharding.PARAM_RULES`; `generator` = params + kv_cache, one full copy per engine
+Its "trainer" = params + optimizer + gradients, sharded over the mesh by
+`sharding.PARAM_RULES`; its "generator" = params + kv_cache, one full copy per engine
 (the in-process placement runs two: rollout and evaluation).
 
 This is what lives between steps. During a step the compiled train step holds more:
@@ -20,7 +23,6 @@ besides the float32 accumulator counted here, one micro-batch's gradients and th
 cast to the params' dtype, and the activations of a micro-batch (they scale with
 `batching.max_tokens_per_mb`; under `model.remat` the layer inputs and what
 `model.remat_saves` keeps).
-`benchmarks/memory.py` reads those figures from XLA for a config's real shapes.
 """
 
 import jax.numpy as jnp

@@ -5,7 +5,7 @@ a worker process under its timeout, and counts what fails. `Reward` is such a
 function over one or several reward functions, each called in its own style:
 
   single  `fn(completion, reference) -> float`, the library's own. The reference of a
-          data set row (`tasks.protocol.Row`) is its `answer`.
+          data set row (`Row`) is its `answer`.
   trl     TRL's batched form `fn(completions, **columns) -> list[float]`, called with
           one completion: `prompts=[prompt]`, `completions=[completion]` and every
           other column of the row as a one-element list (`solution=[...]`). The
@@ -33,14 +33,31 @@ import dataclasses
 import inspect
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from async_rl.config import REWARD_STYLES
 from async_rl.rewards.registry import resolve_reward_fn
-from async_rl.tasks.protocol import Row
 
 _VERL_PARAMS = ("solution_str", "ground_truth")
 _TRL_PARAMS = ("completions", "prompts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """A data set row as the reference of its prompt (the data task's, `tasks.data_task`),
+  so that each style of reward function receives what it expects of it.
+
+  Attributes:
+    prompt: the prompt as the file holds it: a string, or a list of {"role",
+      "content"} messages (TRL's conversational format).
+    answer: what `fn(completion, reference)` receives as `reference`: the answer
+      column's value, or the columns below when there is no answer column.
+    columns: every column of the row but the prompt, as TRL passes them to a reward
+      function and verl reads `data_source`, `reward_model` and `extra_info`.
+  """
+  prompt: Union[str, list]
+  answer: Any
+  columns: Mapping[str, Any]
 
 
 def style_of(fn: Callable) -> str:

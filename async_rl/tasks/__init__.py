@@ -9,6 +9,6 @@ from async_rl.tasks.arithmetic import (MAX_PROMPT_TOKENS, MAX_SOLUTION_TOKENS, P
                                        TrainStream, extract_answer, heldout_set, length_stats,
                                        make_problem, verify)
 from async_rl.tasks.list_task import Example, ListTask
-from async_rl.tasks.protocol import Row, Task, TextTokenizer, Tokenizer, is_heldout, supervised
+from async_rl.tasks.protocol import Task, TextTokenizer, Tokenizer, is_heldout, supervised
 from async_rl.tasks.tokenizer import ByteTokenizer, CharTokenizer
 from async_rl.tasks.workflow import MultiTurn, SingleTurn, Workflow

@@ -15,7 +15,7 @@ any other mappings, make a task through `from_rows`.
 A text prompt is encoded as it is written, a conversation as its rendering in the
 tokenizer's chat template up to where the assistant begins (as TRL encodes prompts:
 no special tokens added). The reference a completion is checked against is the row
-(`tasks.protocol.Row`), so that a reward function of each style of `rewards.adapters`
+(`rewards.Row`), so that a reward function of each style of `rewards.adapters`
 receives what it expects. The warm start trains on the completion column's text (or
 the answer column's) followed by the tokenizer's EOS.
 
@@ -35,8 +35,9 @@ from absl import logging
 
 from async_rl.config import DataConfig, ExperimentConfig, TaskConfig
 from async_rl.models.hf_tokenizer import HFTokenizer
+from async_rl.rewards.adapters import Row
 from async_rl.tasks.list_task import Example, ListTask
-from async_rl.tasks.protocol import Row, TextTokenizer, is_heldout
+from async_rl.tasks.protocol import TextTokenizer, is_heldout
 from async_rl.tasks.tokenizer import ByteTokenizer
 
 JSONL_SUFFIXES, PARQUET_SUFFIXES = (".jsonl", ".json"), (".parquet",)

@@ -1,15 +1,14 @@
 """What a run needs from a task, as structural types: any object with these members is a task.
 
 A task provides a resumable prompt stream per rollout worker, a held-out set, the
-reward function and the reference each prompt is checked against (a `Row` for one
-read from a data set), a tokenizer (`Tokenizer`; `TextTokenizer` for prompts written
-as text), and optionally a workflow (`tasks.workflow`; None is single-turn) and
+reward function and the reference each prompt is checked against (a `rewards.Row` for
+one read from a data set), a tokenizer (`Tokenizer`; `TextTokenizer` for prompts
+written as text), and optionally a workflow (`tasks.workflow`; None is single-turn) and
 supervised examples for the warm start. Built-in tasks are named in
 `tasks.registry.TASKS`; a user's own is named "module:attr" (a factory called with the
 `config.TaskConfig`), so it needs no edit of the library. `ListTask` builds one from
 lists of examples, and the data task (`tasks.data_task`) from JSONL or Parquet files."""
 
-import dataclasses
 import hashlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Protocol, Union
@@ -65,24 +64,6 @@ class TextTokenizer(Tokenizer, Protocol):
 
   def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
                   add_generation_prompt: bool = True, **kwargs) -> str: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-  """A data set row as the reference of its prompt, so that each style of reward
-  function (`rewards.adapters`) receives what it expects of it.
-
-  Attributes:
-    prompt: the prompt as the file holds it: a string, or a list of {"role",
-      "content"} messages (TRL's conversational format).
-    answer: what `fn(completion, reference)` receives as `reference`: the answer
-      column's value, or the columns below when there is no answer column.
-    columns: every column of the row but the prompt, as TRL passes them to a reward
-      function and verl reads `data_source`, `reward_model` and `extra_info`.
-  """
-  prompt: Union[str, list]
-  answer: Any
-  columns: Mapping[str, Any]
 
 
 class Prompt(Protocol):

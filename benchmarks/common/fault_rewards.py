@@ -1,7 +1,7 @@
-"""Reward functions that fail on purpose: fault injection (`benchmarks/faults.py`, tests).
+"""Reward functions that fail on purpose, for the fault injection of `benchmarks/faults.py`.
 
-Name them as "async_rl.rewards.injected:flaky"; the reward workers import this module
-by that name, so it imports nothing heavy.
+The reward workers import this module by its name ("benchmarks.common.fault_rewards:flaky",
+with the repository root on their sys.path), so it imports nothing heavy.
 """
 
 import hashlib

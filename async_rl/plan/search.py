@@ -238,9 +238,11 @@ def estimate_samples_per_s(workload: Workload, cluster: Cluster, p: Placement) -
   """A closed-form steady state, to rank placements before simulating them.
 
   Generation: every engine keeps its slots full (as many as the KV budget holds), each
-  holding `Workload.mean_live_tokens` on average. Training: its per-token
-  cost. Async runs at the slower of the two; sync pays both in turn, and its generation
-  lasts as long as the longest sample of the batch (taken at the length cap).
+  holding `Workload.mean_live_tokens` on average, and prefills its share of the batch's
+  prompts; in async mode each new version also costs it the weights' transfer and,
+  under "retract", a prefill of every sample it holds. Training: its per-token cost.
+  Async runs at the slower of the two; sync pays both in turn, and its generation lasts
+  as long as the longest sample of the batch (taken at the length cap).
   """
   cfg = sim_config(workload, cluster, p)
   mean = workload.mean_length()
@@ -252,12 +254,17 @@ def estimate_samples_per_s(workload: Workload, cluster: Cluster, p: Placement) -
   gen_samples_per_s = p.engines * active / (step * mean)
   train_s = cfg.trainer_step_base + cfg.trainer_per_token * samples * (
       workload.prompt_tokens + mean) / p.train_devices + cfg.weight_sync
-  if p.mode == "async":
-    return min(gen_samples_per_s, samples / train_s)
   per_engine = math.ceil(samples / p.engines)
+  prompts_s = cfg.prefill_per_token * workload.prompt_tokens * per_engine
+  if p.mode == "async":
+    update_s = cfg.weight_sync
+    if p.update_mode == "retract":
+      update_s += cfg.prefill_per_token * active * live_per_sample
+    gen_s = samples / gen_samples_per_s + prompts_s + update_s
+    return min(samples / gen_s, samples / train_s)
   waves = max(1, per_engine / active)
   tail = workload.max_new_tokens * dc.step_s(1, workload.prompt_tokens + workload.max_new_tokens)
-  gen_s = max(waves * step * mean, tail)
+  gen_s = max(waves * step * mean, tail) + prompts_s
   return samples / (gen_s + train_s)
 
 

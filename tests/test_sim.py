@@ -76,6 +76,20 @@ def test_unbounded_staleness_exceeds_small_bounds():
   assert simulate(cfg, 12, 0).staleness_max >= 2
 
 
+def test_a_bound_that_never_shuts_the_gate_runs_like_any_larger_one():
+  kw = dict(num_generators=3, trainer_accelerators=1, slots=8, batch_groups=4, group_size=4,
+            length_dist="pareto", length_alpha=1.2, length_median=40, max_length=2000,
+            trainer_per_token=2e-5)
+  tight = simulate(SimConfig(max_staleness=1, **kw), 6)
+  assert tight.gate_closed > 0  # η = 1 holds generation back here...
+  loose = simulate(SimConfig(max_staleness=8, **kw), 6)
+  assert loose.gate_closed == loose.dropped_groups == 0
+  # ...and η = 8 never does, so any larger bound, or none, runs the same events.
+  for eta in (9, None):
+    same = simulate(SimConfig(max_staleness=eta, **kw), 6)
+    assert same.step_end_times == loose.step_end_times and same.timelines == loose.timelines
+
+
 def test_eta_zero_async_alternates_like_sync():
   kw = dict(num_generators=4, trainer_accelerators=2, slots=8, batch_groups=6, group_size=4,
             max_staleness=0, length_dist="lognormal", length_median=60, max_length=1000,

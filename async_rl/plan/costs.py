@@ -2,7 +2,7 @@
 
 Every figure comes from bytes moved and FLOPs done, at the rates of `plan.hardware`:
 
-  decode step   a roofline: max(bytes read / (hbm_bw * decode_eff),
+  decode step   a roofline: max(step_overhead_s + bytes read / (hbm_bw * decode_eff),
                 FLOPs / (peak_flops * mfu)). The bytes are the weights, read once per
                 step, and the live keys and values of every active slot, read through
                 the paged layout (each slot's last block is read whole: on average
@@ -69,7 +69,7 @@ def decode_cost(model: ModelConfig, hw: Hardware, *, tp: int = 1,
   bw = hw.hbm_bw * hw.decode_eff
   kv_split = min(tp, model.n_kv_heads)
   kv = kv_bytes_per_token(model) / kv_split
-  base = weight_bytes(model) / tp / bw
+  base = hw.step_overhead_s + weight_bytes(model) / tp / bw
   per_slot = (block_size - 1) / 2 * kv / bw
   if tp > 1:
     # Two all-reduces per layer (attention and MLP outputs), ring: 2 (t-1)/t of the bytes.

@@ -2,18 +2,24 @@
 
 Peak FLOP/s are dense bf16 tensor-core rates (no sparsity); bandwidths are bytes per
 second per device, one direction. `nvlink_bw` is what one device can send to another of
-its node; `network_bw` what it can send to another node (one NIC per GPU). The two
-efficiency constants are the only derates the cost model applies, one per kind and never
-per experiment:
+its node; `network_bw` what it can send to another node (one NIC per GPU). Three
+constants describe what the kernels and the serving engine make of those rates, one
+value per kind and never per experiment:
 
-  decode_eff  the fraction of `hbm_bw` a decode step's reads achieve (paged attention
-              and weight-streaming GEMV kernels are bandwidth bound).
-  mfu         the fraction of `peak_flops` a prefill or a training step achieves (model
-              FLOPs utilisation).
+  decode_eff       the fraction of `hbm_bw` a decode step's reads achieve (paged
+                   attention and weight-streaming GEMV kernels are bandwidth bound).
+  mfu              the fraction of `peak_flops` a prefill or a training step achieves
+                   (model FLOPs utilisation).
+  step_overhead_s  the serving engine's fixed cost per decode step, whatever it reads:
+                   kernel launches (one per op of every layer, even from a CUDA graph),
+                   sampling over the vocabulary, and the scheduler's bookkeeping. It is
+                   small beside a 7B model's step but of the order of a 1.5B model's, and
+                   it sets the pace of a batch's tail, where one slot decodes for
+                   thousands of steps.
 
 "this machine" (`measure_host`) is measured when asked for: a jitted float32 matmul for
 the peak and a large array copy for the bandwidth, so its efficiencies are 1.0 (the
-measurement already is what runs).
+measurement already is what runs) and its step overhead 0.
 """
 
 import dataclasses
@@ -42,6 +48,7 @@ class Hardware:
     link_latency_s: the latency of one small collective within a node.
     decode_eff: achieved fraction of `hbm_bw` in a decode step.
     mfu: achieved fraction of `peak_flops` in prefill and training.
+    step_overhead_s: a serving engine's fixed time per decode step.
     source: where the figures come from.
   """
   name: str
@@ -53,6 +60,7 @@ class Hardware:
   link_latency_s: float
   decode_eff: float
   mfu: float
+  step_overhead_s: float
   source: str
 
 
@@ -68,32 +76,40 @@ _MFU_AMPERE = 0.45
 _MFU_HOPPER = 0.40
 _MFU_BLACKWELL = 0.40
 _NCCL_LATENCY_S = 10e-6  # nccl-tests: small all-reduce within an NVLink node, ~10 us.
+# step_overhead_s: Qwen's speed benchmark of SGLang 0.4.6 (qwen.readthedocs.io, "Speed
+#   Benchmark", Qwen3 series, one H20 of 4.0 TB/s, batch 1) decodes Qwen3-0.6B at 414
+#   tokens/s: 2.41 ms a step, of which reading its 1.19 GB of weights and ~0.12 GB of
+#   keys and values at `_DECODE_EFF` explains 0.47 ms; the rest, 1.9 ms, is the engine's
+#   per-step cost. The same benchmark's larger models decode slower still than weights
+#   plus 1.9 ms at `_DECODE_EFF` (Qwen3-8B: 12.2 ms against 7.4 ms), so it is a lower
+#   bound. It is the engine's and the host's, not the GPU's: the same for every kind.
+_STEP_OVERHEAD_S = 1.9e-3
 
 HARDWARE: dict[str, Hardware] = {
     h.name: h for h in (
         Hardware("H800", peak_flops=989e12, hbm_bw=3.35e12, hbm_bytes=80 * GB,
                  nvlink_bw=200 * GB, network_bw=50 * GB, link_latency_s=_NCCL_LATENCY_S,
-                 decode_eff=_DECODE_EFF, mfu=_MFU_HOPPER,
+                 decode_eff=_DECODE_EFF, mfu=_MFU_HOPPER, step_overhead_s=_STEP_OVERHEAD_S,
                  source="NVIDIA H800 SXM datasheet (NVLink 400 GB/s bidirectional); "
                         "400 Gb/s NIC per GPU"),
         Hardware("H100", peak_flops=989e12, hbm_bw=3.35e12, hbm_bytes=80 * GB,
                  nvlink_bw=450 * GB, network_bw=50 * GB, link_latency_s=_NCCL_LATENCY_S,
-                 decode_eff=_DECODE_EFF, mfu=_MFU_HOPPER,
+                 decode_eff=_DECODE_EFF, mfu=_MFU_HOPPER, step_overhead_s=_STEP_OVERHEAD_S,
                  source="NVIDIA H100 SXM datasheet (NVLink 900 GB/s bidirectional); "
                         "ConnectX-7 400 Gb/s per GPU"),
         Hardware("H200", peak_flops=989e12, hbm_bw=4.8e12, hbm_bytes=141 * GB,
                  nvlink_bw=450 * GB, network_bw=50 * GB, link_latency_s=_NCCL_LATENCY_S,
-                 decode_eff=_DECODE_EFF, mfu=_MFU_HOPPER,
+                 decode_eff=_DECODE_EFF, mfu=_MFU_HOPPER, step_overhead_s=_STEP_OVERHEAD_S,
                  source="NVIDIA H200 SXM datasheet (NVLink 900 GB/s bidirectional); "
                         "ConnectX-7 400 Gb/s per GPU"),
         Hardware("A100-80GB", peak_flops=312e12, hbm_bw=2.039e12, hbm_bytes=80 * GB,
                  nvlink_bw=300 * GB, network_bw=25 * GB, link_latency_s=_NCCL_LATENCY_S,
-                 decode_eff=_DECODE_EFF, mfu=_MFU_AMPERE,
+                 decode_eff=_DECODE_EFF, mfu=_MFU_AMPERE, step_overhead_s=_STEP_OVERHEAD_S,
                  source="NVIDIA A100 80GB SXM datasheet (NVLink 600 GB/s bidirectional); "
                         "HDR 200 Gb/s per GPU"),
         Hardware("B200", peak_flops=2.25e15, hbm_bw=8.0e12, hbm_bytes=180 * GB,
                  nvlink_bw=900 * GB, network_bw=50 * GB, link_latency_s=_NCCL_LATENCY_S,
-                 decode_eff=_DECODE_EFF, mfu=_MFU_BLACKWELL,
+                 decode_eff=_DECODE_EFF, mfu=_MFU_BLACKWELL, step_overhead_s=_STEP_OVERHEAD_S,
                  source="NVIDIA HGX B200 datasheet (per GPU: 1/8 of the board, dense; "
                         "NVLink 1.8 TB/s bidirectional); ConnectX-7 400 Gb/s per GPU"),
     )
@@ -121,6 +137,7 @@ def measure_host(size: int = 1024, reps: int = 5, copy_bytes: int = 2**27) -> Ha
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   return Hardware(HOST, peak_flops=peak, hbm_bw=bw, hbm_bytes=float(memory), nvlink_bw=bw,
                   network_bw=bw, link_latency_s=0.0, decode_eff=1.0, mfu=1.0,
+                  step_overhead_s=0.0,
                   source=f"measured: jitted {size}x{size} float32 matmul, "
                          f"{copy_bytes >> 20} MiB copy")
 

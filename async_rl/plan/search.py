@@ -122,7 +122,11 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-  """A placement's simulated steady state: throughput, where time goes, memory."""
+  """A placement's simulated steady state: throughput, where time goes, memory.
+
+  `eta_bound` says whether η held the run back (the staleness gate shut on a free slot,
+  or a group was dropped as too stale); if not, a larger η predicts the same.
+  """
   placement: Placement
   samples_per_s: float
   tokens_per_s: float
@@ -136,6 +140,7 @@ class Prediction:
   staleness_hist: tuple[int, ...]
   generator_shares: dict
   preempted_per_step: float
+  eta_bound: bool
 
   @property
   def memory_per_device(self) -> float:
@@ -231,16 +236,19 @@ def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 
       slot_occupancy=res.slot_occupancy, generator_idle=res.generator_idle,
       trainer_idle=res.trainer_idle, staleness_mean=res.staleness_mean,
       staleness_hist=tuple(res.staleness_hist), generator_shares=res.generator_shares,
-      preempted_per_step=res.preempted / steps)
+      preempted_per_step=res.preempted / steps,
+      eta_bound=res.gate_closed > 0 or res.dropped_groups > 0)
 
 
 def estimate_samples_per_s(workload: Workload, cluster: Cluster, p: Placement) -> float:
   """A closed-form steady state, to rank placements before simulating them.
 
   Generation: every engine keeps its slots full (as many as the KV budget holds), each
-  holding `Workload.mean_live_tokens` on average. Training: its per-token
-  cost. Async runs at the slower of the two; sync pays both in turn, and its generation
-  lasts as long as the longest sample of the batch (taken at the length cap).
+  holding `Workload.mean_live_tokens` on average, and prefills its share of the batch's
+  prompts; in async mode each new version also costs it the weights' transfer and,
+  under "retract", a prefill of every sample it holds. Training: its per-token cost.
+  Async runs at the slower of the two; sync pays both in turn, and its generation lasts
+  as long as the longest sample of the batch (taken at the length cap).
   """
   cfg = sim_config(workload, cluster, p)
   mean = workload.mean_length()
@@ -252,12 +260,17 @@ def estimate_samples_per_s(workload: Workload, cluster: Cluster, p: Placement) -
   gen_samples_per_s = p.engines * active / (step * mean)
   train_s = cfg.trainer_step_base + cfg.trainer_per_token * samples * (
       workload.prompt_tokens + mean) / p.train_devices + cfg.weight_sync
-  if p.mode == "async":
-    return min(gen_samples_per_s, samples / train_s)
   per_engine = math.ceil(samples / p.engines)
+  prompts_s = cfg.prefill_per_token * workload.prompt_tokens * per_engine
+  if p.mode == "async":
+    update_s = cfg.weight_sync
+    if p.update_mode == "retract":
+      update_s += cfg.prefill_per_token * active * live_per_sample
+    gen_s = samples / gen_samples_per_s + prompts_s + update_s
+    return min(samples / gen_s, samples / train_s)
   waves = max(1, per_engine / active)
   tail = workload.max_new_tokens * dc.step_s(1, workload.prompt_tokens + workload.max_new_tokens)
-  gen_s = max(waves * step * mean, tail)
+  gen_s = max(waves * step * mean, tail) + prompts_s
   return samples / (gen_s + train_s)
 
 
@@ -302,7 +315,9 @@ def search(workload: Workload, cluster: Cluster, *, top: int = 3, steps: int = 6
   Candidates are ranked by `estimate_samples_per_s`; of the `top` best distinct shapes
   (η and update mode aside) the best is simulated at every η and update mode of the
   grid, the others at the grid's middle ones; each at a scale that keeps its simulated
-  batch within `max_simulated_samples` samples (`sim_scale`).
+  batch within `max_simulated_samples` samples (`sim_scale`). A run that η never held
+  back (`Prediction.eta_bound`) stands for the same shape and update mode at every
+  larger η, unsimulated.
   """
   out = {}
   for mode in ("sync", "async"):
@@ -324,8 +339,17 @@ def search(workload: Workload, cluster: Cluster, *, top: int = 3, steps: int = 6
     middle = (etas[len(etas) // 2] if etas else 0, modes[-1] if modes else "drain")
     chosen = [p for p in cands if _shape(p) in best.values() and (
         _shape(p) == first or (p.max_staleness, p.update_mode) == middle)]
-    preds = [predict(workload, cluster, p, steps=steps,
-                     scale=sim_scale(workload, p, max_simulated_samples)) for p in chosen]
+    preds, unbound = [], {}
+    for p in sorted(chosen, key=lambda p: (_shape(p), p.update_mode, p.max_staleness)):
+      same = unbound.get((_shape(p), p.update_mode))
+      if same is not None:  # A smaller η never held it back: the same events.
+        preds.append(dataclasses.replace(same, placement=p))
+        continue
+      pred = predict(workload, cluster, p, steps=steps,
+                     scale=sim_scale(workload, p, max_simulated_samples))
+      preds.append(pred)
+      if not pred.eta_bound:
+        unbound[(_shape(p), p.update_mode)] = pred
     out[mode] = sorted(preds, key=lambda r: -r.samples_per_s)
   return out
 

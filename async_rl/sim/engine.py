@@ -35,6 +35,9 @@ class SimResult:
 
   `slot_occupancy` is the mean fraction of all generator slots holding a sample over the
   wall time; `preempted` counts samples moved out of their slot for lack of KV room;
+  `gate_closed` counts the times a generator with a free slot found the staleness window
+  shut (η, not the concurrency cap, held it back: with none and no dropped group, a
+  larger η runs the same events);
   `generator_shares` splits the generators' time into what their timelines label
   ("decode", "prefill", "update") and "idle".
   """
@@ -53,17 +56,19 @@ class SimResult:
   staleness_hist: list[int]
   slot_occupancy: float
   preempted: int
+  gate_closed: int
   generator_shares: dict[str, float]
   step_end_times: list[float]
   timelines: dict[str, list[Interval]]  # component -> merged busy (start, end, label)
 
 
 class _Sample:
-  __slots__ = ("group", "length", "done", "versions")
+  __slots__ = ("group", "length", "done", "versions", "joined", "seq")
 
   def __init__(self, group, length):
     self.group, self.length, self.done = group, int(length), 0
     self.versions: list[list[int]] = []  # [version, tokens] runs, oldest first.
+    self.joined = self.seq = 0  # Its generator's clock when it took its slot, and its turn.
 
 
 class _Group:
@@ -87,16 +92,72 @@ def _trajectory(sample: _Sample) -> Trajectory:
 
 
 class _Generator:
+  """One engine. Its active samples advance together, a token each per decode step, so
+  none is touched until it leaves its slot: `clock` counts the engine's decode steps,
+  `log` holds the clock at which each weights version began, and a sample's tokens and
+  their versions are settled from the two when it finishes or is preempted."""
 
-  def __init__(self, idx):
+  def __init__(self, idx, prompt_tokens):
     self.name = f"generator{idx}"
+    self.prompt_tokens = prompt_tokens
     self.version = 0
-    self.active: list[_Sample] = []
+    self.active: dict[_Sample, None] = {}  # In the order they took their slots.
     self.queue: list[_Sample] = []
+    self.ends: list = []  # Heap of (clock at which a sample ends, its seq, it).
+    self.clock = 0
+    self.log = [[0, 0]]  # [clock, version]: the tokens from that clock on carry it.
+    self.live = 0  # Tokens the active samples' KV cache holds: prompts and generated.
     self.seg_start = self.seg_end = 0.0
     self.dt = 0.0
     self.scheduled = False
     self.epoch = 0
+
+  def join(self, sample, seq):
+    sample.joined, sample.seq = self.clock, seq
+    self.active[sample] = None
+    self.live += self.prompt_tokens + sample.done
+    heapq.heappush(self.ends, (self.clock + sample.length - sample.done, seq, sample))
+
+  def leave(self, sample):
+    """Settles the sample's tokens and versions up to the clock, and frees its slot."""
+    del self.active[sample]
+    start, end, log = sample.joined, self.clock, self.log
+    k = len(log) - 1
+    while log[k][0] > start:
+      k -= 1
+    runs = sample.versions
+    for i in range(k, len(log)):
+      tokens = (end if i + 1 == len(log) else min(end, log[i + 1][0])) - max(start, log[i][0])
+      if tokens <= 0:
+        continue
+      if runs and runs[-1][0] == log[i][1]:
+        runs[-1][1] += tokens
+      else:
+        runs.append([log[i][1], tokens])
+    sample.done += end - start
+    self.live -= self.prompt_tokens + sample.done
+
+  def finished(self) -> list:
+    """The active samples that have reached their length, in the order they joined."""
+    out = []
+    while self.ends and self.ends[0][0] <= self.clock:
+      _, seq, sample = heapq.heappop(self.ends)
+      if sample.seq == seq and sample in self.active:  # Else preempted since.
+        out.append(sample)
+    return out
+
+  def left(self) -> int:
+    """The fewest steps any active sample has left."""
+    while self.ends[0][2].seq != self.ends[0][1] or self.ends[0][2] not in self.active:
+      heapq.heappop(self.ends)
+    return self.ends[0][0] - self.clock
+
+  def set_version(self, version):
+    if self.log[-1][0] == self.clock:
+      self.log[-1][1] = version
+    else:
+      self.log.append([self.clock, version])
+    self.version = version
 
 
 class _Simulation:
@@ -106,14 +167,15 @@ class _Simulation:
     self.rng = np.random.default_rng(seed)
     self.gate = StalenessGate(max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups,
                               max_concurrent=cfg.num_generators * cfg.slots)
-    self.gens = [_Generator(i) for i in range(cfg.num_generators)]
+    self.gens = [_Generator(i, cfg.prompt_tokens) for i in range(cfg.num_generators)]
+    self.joins = itertools.count()
     self.events: list = []
     self.order = itertools.count()
     self.published = 0  # Trainer version v: training steps completed.
     self.buffer = AdmissionBuffer(cfg.max_staleness)
     self.trainer_busy = False
     self.slot_time = 0.0
-    self.preempted = 0
+    self.preempted = self.gate_closed = 0
     self.generated = self.trained_samples = self.trained_tokens = 0
     self.step_end_times: list[float] = []
     self.timelines: dict[str, list[Interval]] = {g.name: [] for g in self.gens}
@@ -172,26 +234,20 @@ class _Simulation:
       steps = round((now - gen.seg_start) / gen.dt)
       self.slot_time += len(gen.active) * (now - gen.seg_start)
       self._busy(gen.name, gen.seg_start, now, "decode")
-      still = []
-      for sample in gen.active:
-        sample.done += steps
-        runs = sample.versions
-        if runs and runs[-1][0] == gen.version:
-          runs[-1][1] += steps
-        else:
-          runs.append([gen.version, steps])
-        if sample.done < sample.length:
-          still.append(sample)
-          continue
+      gen.clock += steps
+      gen.live += steps * len(gen.active)
+      self.generated += steps * len(gen.active)
+      for sample in gen.finished():
+        gen.leave(sample)
         group = sample.group
         group.finished += 1
         if group.finished == cfg.group_size:
           self._push(now + cfg.reward_latency, "reward", group)
-      self.generated += steps * len(gen.active)
-      gen.active = still
     if cfg.kv_tokens:
-      while len(gen.active) > 1 and self._live(gen.active) + len(gen.active) > cfg.kv_tokens:
-        gen.queue.insert(0, gen.active.pop())  # The newest sample gives its KV back.
+      while len(gen.active) > 1 and gen.live + len(gen.active) > cfg.kv_tokens:
+        sample = next(reversed(gen.active))  # The newest sample gives its KV back.
+        gen.leave(sample)
+        gen.queue.insert(0, sample)
         self.preempted += 1
     overhead, label = 0.0, "prefill"
     if self.published > gen.version:
@@ -199,17 +255,20 @@ class _Simulation:
         self._schedule(gen, now, 0.0)  # In-flight finish on the old weights.
         return
       if cfg.update_mode == "retract":
-        overhead += cfg.prefill_per_token * sum(cfg.prompt_tokens + s.done for s in gen.active)
+        overhead += cfg.prefill_per_token * gen.live
       overhead += cfg.weight_sync
-      gen.version = self.published
+      gen.set_version(self.published)
       label = "update"
-    while cfg.slots - len(gen.active) - len(gen.queue) > 0 and self.gate.acquire(gen.version):
+    while cfg.slots - len(gen.active) - len(gen.queue) > 0:
+      if not self.gate.acquire(gen.version):
+        self.gate_closed += self.gate.running < self.gate.max_concurrent
+        break
       group = _Group()
       group.samples = [_Sample(group, n) for n in sample_lengths(cfg, self.rng, cfg.group_size)]
       gen.queue.extend(group.samples)
     starting = gen.queue[:cfg.slots - len(gen.active)]
     if cfg.kv_tokens:
-      live, fits = self._live(gen.active) + len(gen.active), 0
+      live, fits = gen.live + len(gen.active), 0
       for sample in starting:
         live += cfg.prompt_tokens + sample.done + 1
         if live > cfg.kv_tokens and (gen.active or fits):
@@ -217,8 +276,9 @@ class _Simulation:
         fits += 1
       starting = starting[:fits]
     del gen.queue[:len(starting)]
-    gen.active.extend(starting)
     overhead += cfg.prefill_per_token * sum(cfg.prompt_tokens + s.done for s in starting)
+    for sample in starting:
+      gen.join(sample, next(self.joins))
     self._busy(gen.name, now, now + overhead, label)
     self._schedule(gen, now + overhead, overhead)
 
@@ -229,23 +289,18 @@ class _Simulation:
       if overhead > 0:
         self._wake(gen, start)  # Pick up whatever arrived while updating.
       return
-    cfg, a = self.cfg, len(gen.active)
-    live = self._live(gen.active)
+    cfg, a, live = self.cfg, len(gen.active), gen.live
     gen.dt = max(
         cfg.decode_step_base + cfg.decode_step_per_slot * a
         + cfg.decode_step_per_context_token * live,
         cfg.decode_compute_per_slot * a + cfg.decode_compute_per_context_token * live)
-    steps = min(s.length - s.done for s in gen.active)
+    steps = gen.left()
     if cfg.decode_step_per_context_token or cfg.decode_compute_per_context_token:
       steps = min(steps, max(1, math.ceil(_GROWTH * live / a)))
     if cfg.kv_tokens:
       steps = min(steps, max(1, (cfg.kv_tokens - live) // a))
     gen.seg_end = start + steps * gen.dt
     self._wake(gen, gen.seg_end)
-
-  def _live(self, samples) -> int:
-    """Tokens the samples' KV cache holds: their prompts and what they generated."""
-    return sum(self.cfg.prompt_tokens + s.done for s in samples)
 
   def _offer(self, group, now):
     if self.buffer.offer(group.scored(), self.published, ticket=next(self.order)):
@@ -313,6 +368,7 @@ class _Simulation:
         staleness_mean=sum(k * c for k, c in enumerate(hist)) / max(counted, 1),
         staleness_max=len(hist) - 1 if counted else 0, staleness_hist=hist,
         slot_occupancy=self.slot_time / (gen_time * cfg.slots), preempted=self.preempted,
+        gate_closed=self.gate_closed,
         generator_shares=shares,
         step_end_times=list(self.step_end_times), timelines=self.timelines)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from async_rl.rl import entry, replay
-from async_rl.rl.errors import ConfigError
+from async_rl.rl.errors import ConfigError, WorkdirError
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
@@ -236,3 +236,11 @@ def test_the_first_difference_names_the_leaf_and_how_many_elements_differ():
   # Bit for bit: -0.0 is not 0.0.
   c = {"w": np.array([0, 0, 0, -0.0], np.float32), "b": a["b"]}
   assert "['w']: 1 of 4" in replay.first_difference(a, c)
+
+
+def test_a_record_that_cannot_be_written_stops_the_run_naming_the_file(tmp_path):
+  record = replay.recorder(str(tmp_path / "schedule"), None, {})
+  shutil.rmtree(tmp_path / "schedule")  # the workdir went away
+  with pytest.raises(WorkdirError, match=r"writing the record of step 1 to .*schedule/00000001"
+                     r"\.npz failed \(FileNotFoundError: .*\); the directory is gone"):
+    record(1, [Group("p", (_traj([0]).with_reward(1.0),))])

@@ -30,12 +30,14 @@ within `LOGP_ATOL` when the generator's numerics are float32 (else it reports th
 largest difference without a bound).
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -47,7 +49,7 @@ from async_rl import batching as batching_lib, sharding, train_step
 from async_rl.config import BatchingConfig
 from async_rl.progress import Progress, stamped
 from async_rl.rl.checkpoint import Checkpointer
-from async_rl.rl.errors import RunError
+from async_rl.rl.errors import RunError, WorkdirError
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
 from async_rl.rl.trainer_loop import Restored
@@ -117,11 +119,30 @@ def _record_nothing(step: int, groups: Sequence[Group]) -> None:
 
 def write_batch(directory: str, step: int, groups: Sequence[Group], *,
                 context: dict[str, Any]) -> None:
-  """Writes the batch of `step` (atomically: a temporary file renamed)."""
+  """Writes the batch of `step` (atomically: a temporary file renamed).
+
+  Raises:
+    WorkdirError: the write failed (a full disk, an unwritable or vanished workdir).
+  """
   path = _path(directory, step)
-  with open(path + ".tmp", "wb") as f:
-    np.savez(f, **encode(groups, context))
-  os.replace(path + ".tmp", path)
+  arrays = encode(groups, context)
+  try:
+    with open(path + ".tmp", "wb") as f:
+      np.savez(f, **arrays)
+    os.replace(path + ".tmp", path)
+  except OSError as e:
+    with contextlib.suppress(OSError):
+      os.remove(path + ".tmp")
+    raise WorkdirError(f"writing the record of step {step} to {path} failed ({type(e).__name__}: "
+                       f"{e}); {_free_space(directory)}. Fix the cause and rerun the same "
+                       f"command to resume from the last checkpoint") from e
+
+
+def _free_space(directory: str) -> str:
+  try:
+    return f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free there"
+  except OSError:
+    return "the directory is gone"
 
 
 def read_batch(directory: str, step: int) -> tuple[list[Group], dict[str, Any]]:

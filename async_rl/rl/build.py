@@ -467,7 +467,8 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
       max_consecutive_skips=cfg.train.max_consecutive_skips,
       learning_rate=train_step.learning_rate(cfg.optimizer), decode=task.tokenizer.decode,
       max_untrainable_groups=cfg.run.max_untrainable_groups,
-      correct_threshold=cfg.eval.correct_threshold, log=cfg.log)
+      correct_threshold=cfg.eval.correct_threshold, log=cfg.log,
+      max_staleness=None if cfg.staleness.on_stale == "admit" else cfg.staleness.max_staleness)
   return TrainLoop(trainer, server, evaluator, deadlines, settings,
                    Outputs(checkpointer, log, echo=bar.echo, progress=bar, record=record),
                    publishing, restored=restored, stop=stop)

@@ -46,6 +46,12 @@ class CheckpointError(WorkdirError):
   checkpoint is the last good one."""
 
 
+class VersionError(RunError, ValueError):
+  """A hand-off broke the version protocol (a token newer than the published params, or
+  staler than the bound, a version that did not increase); the message names the
+  sample and the versions. Nothing is trained on it."""
+
+
 class NoUsableCheckpointError(RunError):
   """Checkpoints exist, but none of them can be restored."""
 

@@ -63,7 +63,7 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
   old = recorded(mode)
   logged = _lines(old)
   assert replay.recorded_steps(_schedule(old)) == [1, 2, 3]
-  staleness = []
+  staleness, generated = [], 0
   for step in (1, 2, 3):
     groups, context = replay.read_batch(_schedule(old), step)
     # The record is the batch the run trained, in its order.
@@ -72,12 +72,17 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
     versions = np.concatenate([t.versions_T[t.versions_T >= 0]
                                for g in groups for t in g.trajectories])
     staleness.append(step - 1 - versions.min())
+    generated += versions.size
   assert max(staleness) > 0 and max(staleness) <= ETA  # asynchronous, within the bound
 
   summary = entry.replay(_config(mode), str(tmp_path / "new"), str(old), progress=False,
                          echo=lambda _: None)
   assert summary["compared"] == [1, 2, 3] and summary["end_version"] == 3
   assert 0 < summary["logp_tokens"] and summary["logp_max_abs_diff"] <= replay.LOGP_ATOL
+  # Every generated token is checked under the version that produced it; with "keep",
+  # all but those produced from a cache that another version computed.
+  assert summary["logp_tokens"] + summary["logp_unchecked"] == generated
+  assert summary["logp_unchecked"] == 0 or mode == "keep"
   replayed = _lines(tmp_path / "new")
   assert [replayed[s]["loss"] for s in (1, 2, 3)] == [logged[s]["loss"] for s in (1, 2, 3)]
   assert replay.checkpoint_steps(tmp_path / "new" / "checkpoints")[-1] == 3

@@ -150,18 +150,21 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
                      hparams=cli.to_dict(cfg))
     reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
     abstract = trainer.abstract_state()
+    reference_steps = replay_lib.checkpoint_steps(reference.directory)
     float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
     replayer = replay_lib.Replay(
         trainer, checkpointer, log, recorded=recorded,
         read=functools.partial(replay_lib.read_batch, schedule),
         steps=min(cfg.num_steps, steps[-1]),
         reference=lambda step: reference.restore(step, abstract)[0],
-        reference_steps=replay_lib.checkpoint_steps(reference.directory),
+        reference_steps=reference_steps,
         logged=replay_lib.read_log(recorded), context=build.record_context(cfg, mesh),
         recompute=functools.partial(replay_lib.recompute_behaviour_logp, trainer,
                                     batching=cfg.batching, max_length=cfg.generation.max_length,
                                     compiled=set()),
-        update_mode=cfg.generation.update_mode,
+        update_mode=cfg.generation.update_mode, max_staleness=cfg.staleness.max_staleness,
+        checkpointed=lambda version: (reference.restore(version, abstract)[0].params
+                                      if version in reference_steps else None),
         logp_atol=replay_lib.LOGP_ATOL if float32 else None,
         checkpoint_every=cfg.checkpoint.every_steps, restored=restored, stop=stop,
         echo=bar.echo, progress=bar)

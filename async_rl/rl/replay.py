@@ -23,11 +23,15 @@ It does not regenerate the tokens. A sample's random stream is its own (seed, sa
 position), but its decode numerics are not: on XLA:CPU a sample's behaviour log-probs
 change in their last bits with the samples decoded beside it (`benchmarks/replay.py`
 counts them), and a draw whose Gumbel-perturbed logits nearly tie could then change.
-Instead, before step s it recomputes, with the replayed params of version s - 1, the
-behaviour log-probs of the batch's tokens that version produced (`recomputable_T`;
-tokens of older versions are not recomputed) and checks them against the record
-within `LOGP_ATOL` when the generator's numerics are float32 (else it reports the
-largest difference without a bound).
+Instead, before step s it recomputes the behaviour log-prob of every generated token of
+the batch under the params of the version that produced it (`recomputable_T`), and
+checks it against the record within `LOGP_ATOL` when the generator's numerics are
+float32 (else it reports the largest difference without a bound). Those versions are
+the last η + 1 the replay itself produced, in order (it keeps their params), or, for
+the first steps of a replay that starts from a checkpoint, the recorded run's
+checkpoints of them. The tokens it cannot check are counted (`logp_unchecked`): with
+update mode "keep", those produced from a cache another version computed, and those of
+a version neither kept nor checkpointed.
 """
 
 import contextlib
@@ -225,12 +229,13 @@ def recomputable_T(traj: Trajectory, version: int, update_mode: str) -> np.ndarr
   return policy_T & mine_T
 
 
-def recompute_behaviour_logp(trainer: Trainer, trajs: Sequence[Trajectory], *,
+def recompute_behaviour_logp(trainer: Trainer, params, trajs: Sequence[Trajectory], *,
                              batching: BatchingConfig, max_length: int,
                              compiled: set) -> tuple[np.ndarray, np.ndarray]:
   """(recomputed, recorded) log-probs of `trajs`' loss-mask tokens, flat: the proximal
-  recompute of the trainer's current params on a batch packed as the trainer packs
-  (reusing the `compiled` shapes it has run, and adding its own)."""
+  recompute under `params` (the trainer's, or another version's of the same shapes) on
+  a batch packed as the trainer packs (reusing the `compiled` shapes it has run, and
+  adding its own)."""
   buckets = batching.row_buckets or batching_lib.default_row_buckets(
       batching.max_tokens_per_mb, longest=max_length)
   parts = trainer.steps.micro_batch_multiple
@@ -241,7 +246,7 @@ def recompute_behaviour_logp(trainer: Trainer, trajs: Sequence[Trajectory], *,
   batch = batching_lib.pad_micro_batches(batch, parts)
   compiled.add(batch.tokens.shape)
   logp = trainer.steps.recompute(
-      trainer.state.params, jax.device_put(batch, train_step.batch_shardings(trainer.mesh)))
+      params, jax.device_put(batch, train_step.batch_shardings(trainer.mesh)))
   mask = batch.loss_mask > 0
   return np.asarray(jax.device_get(logp))[mask], batch.behav_logp[mask]
 
@@ -279,9 +284,13 @@ class Replay:
       `reference_steps` (its checkpoints).
     logged: {step: line} of the recorded run's metrics log.
     context: this replay's numerics (as `recorder`'s), which each batch's must equal.
-    recompute: trajectories -> (recomputed, recorded) behaviour log-probs
+    recompute: (params, trajectories) -> (recomputed, recorded) behaviour log-probs
       (`recompute_behaviour_logp` of the trainer).
     update_mode: the recorded run's weight update mode.
+    max_staleness: the recorded run's η: the replay keeps the params of the last η + 1
+      versions (None: of the last one) to recompute the tokens each produced.
+    checkpointed: version -> the recorded run's params of it, or None when it kept no
+      checkpoint of it: for the versions before the one the replay starts from.
     logp_atol: the bound on their difference; None: reported, not checked.
     checkpoint_every: checkpoint every this many steps (and at the end).
     restored: the counts the replay resumes with.
@@ -294,8 +303,10 @@ class Replay:
                recorded: str, read: Callable[[int], tuple[list[Group], dict]], steps: int,
                reference: Callable[[int], Any], reference_steps: Sequence[int],
                logged: dict[int, dict], context: dict[str, Any],
-               recompute: Callable[[Sequence[Trajectory]], tuple[np.ndarray, np.ndarray]],
+               recompute: Callable[[Any, Sequence[Trajectory]], tuple[np.ndarray, np.ndarray]],
                update_mode: str, logp_atol: Optional[float], checkpoint_every: int,
+               max_staleness: Optional[int] = 0,
+               checkpointed: Callable[[int], Any] = lambda version: None,
                restored: Restored = Restored(), stop: Optional[threading.Event] = None,
                echo: Callable[[str], None] = print, progress: Optional[Progress] = None):
     self.trainer, self.checkpointer, self.log = trainer, checkpointer, log
@@ -308,6 +319,10 @@ class Replay:
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress or Progress(echo, enabled=False)
     self._warned_software = False
+    self._keep = 1 if max_staleness is None else max_staleness + 1
+    self._checkpointed = checkpointed
+    # {version: params} of the last `_keep` versions this replay produced.
+    self._params = {trainer.version: trainer.device_params()}
 
   def run(self) -> dict[str, Any]:
     """Replays to `steps` (or until `stop`); returns a summary: versions, the steps
@@ -319,7 +334,7 @@ class Replay:
         differs from the record; the message names the step and the first difference.
     """
     summary = {"start_version": self.trainer.version, "compared": [], "logp_tokens": 0,
-               "logp_max_abs_diff": 0.0}
+               "logp_unchecked": 0, "logp_max_abs_diff": 0.0}
     if self.trainer.version in self.reference_steps:  # the initial params, or a resume's
       self._compare(self.trainer.version)
       summary["compared"].append(self.trainer.version)
@@ -344,31 +359,61 @@ class Replay:
     step = self.trainer.version + 1
     groups, context = self.read(step)
     self._check_context(step, context)
-    checked = [dataclasses.replace(t, loss_mask_T=mask_T) for g in groups for t in g.trajectories
-               if (mask_T := recomputable_T(t, step - 1, self.update_mode)).any()]
-    got, want = self.recompute(checked) if checked else (np.zeros(0), np.zeros(0))
-    diff = float(np.max(np.abs(got - want), initial=0.0))
-    if self.logp_atol is not None and diff > self.logp_atol:
-      raise ReplayError(
-          f"step {step} of {self.recorded}: a recorded behaviour log-prob differs by {diff:.3g} "
-          f"(more than {self.logp_atol:g}) from the one version {step - 1}'s params give: "
-          f"the record's tokens or versions are not what that version generated")
+    checked, unchecked, diff = self._check_behaviour(step, groups)
     metrics = self.trainer.train(groups)
+    self._params[self.trainer.version] = self.trainer.device_params()
+    for version in [v for v in self._params if v <= self.trainer.version - self._keep]:
+      del self._params[version]
     self.skipped_steps += metrics["skipped"]
     self.applied_updates += metrics["applied_updates"]
     metrics["prompts"] = [str(g.prompt_id) for g in groups]
     self._check_logged(step, metrics)
-    summary["logp_tokens"] += got.size
+    summary["logp_tokens"] += checked
+    summary["logp_unchecked"] += unchecked
     summary["logp_max_abs_diff"] = max(summary["logp_max_abs_diff"], diff)
-    metrics["replay"] = {"logp_tokens": int(got.size), "logp_max_abs_diff": diff}
+    metrics["replay"] = {"logp_tokens": checked, "logp_unchecked": unchecked,
+                         "logp_max_abs_diff": diff}
     self.log.write(step, metrics)
     self.echo(stamped(f"replay v={step} loss={metrics['loss']:.4f} behaviour log-probs "
-                      f"checked={got.size} max|diff|={diff:.2g}"))
+                      f"checked={checked} unchecked={unchecked} max|diff|={diff:.2g}"))
     if step in self.reference_steps:
       self._compare(step)
       summary["compared"].append(step)
     if step % self.checkpoint_every == 0:
       self._checkpoint()
+
+  def _check_behaviour(self, step, groups) -> tuple[int, int, float]:
+    """Recomputes the behaviour log-prob of each generated token of step `step`'s batch
+    under the params of the version that produced it; returns how many were checked and
+    not, and the largest difference.
+
+    Raises:
+      ReplayError: a difference past `logp_atol`, naming the version.
+    """
+    trajs = [t for g in groups for t in g.trajectories]
+    generated = sum(int(np.count_nonzero(t.versions_T >= 0)) for t in trajs)
+    versions = np.unique(np.concatenate([t.versions_T[t.versions_T >= 0] for t in trajs]))
+    checked, diff = 0, 0.0
+    for version in map(int, versions):
+      params = self._params.get(version)
+      if params is None:
+        params = self._checkpointed(version)
+      if params is None:
+        continue
+      made = [dataclasses.replace(t, loss_mask_T=mask_T) for t in trajs
+              if (mask_T := recomputable_T(t, version, self.update_mode)).any()]
+      if not made:
+        continue
+      got, want = self.recompute(params, made)
+      version_diff = float(np.max(np.abs(got - want), initial=0.0))
+      if self.logp_atol is not None and version_diff > self.logp_atol:
+        raise ReplayError(
+            f"step {step} of {self.recorded}: a recorded behaviour log-prob differs by "
+            f"{version_diff:.3g} (more than {self.logp_atol:g}) from the one version "
+            f"{version}'s params give: the record's tokens or versions are not what that "
+            f"version generated")
+      checked, diff = checked + got.size, max(diff, version_diff)
+    return checked, generated - checked, diff
 
   def _check_context(self, step, context):
     for key, setting in _CONTEXT_SETTINGS.items():

@@ -8,13 +8,17 @@ seed; the same programs; gradients summed in a fixed order, threads included). S
 record is what it was fed: for every training step, the batch's groups in order and
 each trajectory as trained: tokens, loss mask, behaviour log-probs, per-token versions
 (which say where each weight update hit the sample), prompt length, finish reason and
-reward. Step 7's batch is `schedule/00000007.npz` in the workdir, written before the
-step trains (so a step that crashes is in the record) with a digest of its contents
-and the facts that fix the trainer's numerics (`context`). A resumed run first removes the
-batches its restored checkpoint supersedes, as the metrics log removes their lines.
+reward. Step 7's batch is `schedule/00000007.npz` in the workdir (zip-compressed),
+written before the step trains (so a step that crashes is in the record) with a digest
+of its contents and the facts that fix the trainer's numerics (`context`). A resumed run
+first removes the batches its restored checkpoint supersedes, as the metrics log
+removes their lines. The record is bounded as the checkpoints are: by default each
+write deletes the batches up to the oldest checkpoint kept, since a replay can start
+from that checkpoint.
 
-`Replay` re-executes the trainer: from the run's initial params it trains the recorded
-batches in order in a workdir of its own (checkpoints, metrics). After each step it
+`Replay` re-executes the trainer: from the run's initial params (or the recorded run's
+checkpoint of the step before the record's first) it trains the recorded batches in
+order in a workdir of its own (checkpoints, metrics). After each step it
 checks the step against the recorded run's log line (prompts, trained tokens, loss,
 gradient norm), and at each step where the recorded run kept a checkpoint, that the
 train state equals it bit for bit; it stops at the first difference, naming it.
@@ -91,15 +95,17 @@ def recorded_steps(directory: str) -> list[int]:
 
 
 def recorder(directory: str, resume_step: Optional[int], context: dict[str, Any], *,
-             enabled: bool = True,
-             echo: Callable[[str], None] = print) -> Callable[[int, Sequence[Group]], None]:
+             enabled: bool = True, echo: Callable[[str], None] = print,
+             checkpoints: Optional[str] = None) -> Callable[[int, Sequence[Group]], None]:
   """The hook that records each training batch in `directory` (`record(step, groups)`).
 
   First removes the batches above `resume_step` (the step of the checkpoint the run
   resumes from; None: a run that starts afresh, which keeps none): the run trains
-  those steps again. The hook records nothing when not `enabled`, or when the record
-  lacks a batch before `resume_step` (recording was off for it): a replay needs every
-  batch from the first.
+  those steps again. With `checkpoints` (the run's checkpoint directory), each write
+  also deletes the batches of the steps up to the oldest checkpoint kept there, from
+  which a replay can start instead. The hook records nothing when not `enabled`, or
+  when the record lacks a batch between its start and `resume_step` (recording was off
+  for it): a replay needs every batch after the checkpoint it starts from.
   """
   through = resume_step or 0
   for step in recorded_steps(directory):
@@ -108,13 +114,26 @@ def recorder(directory: str, resume_step: Optional[int], context: dict[str, Any]
   if not enabled:
     return _record_nothing
   steps = recorded_steps(directory)
-  if steps != list(range(1, through + 1)):
+  first = steps[0] if steps else through + 1
+  startable = first == 1 or (checkpoints is not None
+                             and first - 1 in checkpoint_steps(checkpoints))
+  if steps != list(range(first, through + 1)) or not startable:
     echo(f"WARNING: {directory} holds the batches of {len(steps)} of the {through} steps "
-         f"before this one; the run does not record its schedule (a replay needs every "
-         f"batch from the first)")
+         f"before this one, not every one after a checkpoint; the run does not record its "
+         f"schedule (a replay needs every batch after the checkpoint it starts from)")
     return _record_nothing
   os.makedirs(directory, exist_ok=True)
-  return functools.partial(write_batch, directory, context=context)
+  write = functools.partial(write_batch, directory, context=context)
+  if checkpoints is None:
+    return write
+
+  def write_and_prune(step: int, groups: Sequence[Group]) -> None:
+    write(step, groups)
+    kept = checkpoint_steps(checkpoints)
+    for old in recorded_steps(directory):
+      if kept and old <= kept[0]:
+        os.remove(_path(directory, old))
+  return write_and_prune
 
 
 def _record_nothing(step: int, groups: Sequence[Group]) -> None:
@@ -132,7 +151,7 @@ def write_batch(directory: str, step: int, groups: Sequence[Group], *,
   arrays = encode(groups, context)
   try:
     with open(path + ".tmp", "wb") as f:
-      np.savez(f, **arrays)
+      np.savez_compressed(f, **arrays)
     os.replace(path + ".tmp", path)
   except OSError as e:
     with contextlib.suppress(OSError):

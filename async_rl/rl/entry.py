@@ -138,8 +138,8 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
     steps = replay_lib.recorded_steps(schedule)
     if not steps:
       raise ConfigError(f"{recorded} holds no recorded schedule ({schedule} has no batch): "
-                        f"its run had run.record_schedule=False, or trained no step, or its record was "
-                        f"pruned up to its newest checkpoint (run.prune_schedule)")
+                        f"its run had run.record_schedule=False, or trained no step, or its "
+                        f"record was pruned up to its newest checkpoint (run.prune_schedule)")
     if steps != list(range(steps[0], steps[-1] + 1)):
       raise ConfigError(f"--replay needs the batches of consecutive steps in {schedule}, found "
                         f"those of steps {steps[:10]}")
@@ -170,6 +170,15 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
                         f"replay's checkpoint {restored.step}: replay into a new workdir")
     log = MetricsLog(workdir, me.run_id, resume_step=restored.step,
                      hparams=cli.to_dict(cfg))
+
+    def checkpointed(version):
+      """The recorded run's params of `version`, for tokens made before the replay's start."""
+      if version == 0 and initial is not None:
+        return initial
+      if version in reference_steps:
+        return reference.restore(version, abstract)[0].params
+      return None
+
     float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
     replayer = replay_lib.Replay(
         trainer, checkpointer, log, recorded=recorded,
@@ -182,9 +191,7 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
                                     batching=cfg.batching, max_length=cfg.generation.max_length,
                                     compiled=set()),
         update_mode=cfg.generation.update_mode, max_staleness=cfg.staleness.max_staleness,
-        checkpointed=lambda version: (
-            initial if version == 0 else reference.restore(version, abstract)[0].params
-            if version in reference_steps else None),
+        checkpointed=checkpointed,
         logp_atol=replay_lib.LOGP_ATOL if float32 else None,
         checkpoint_every=cfg.checkpoint.every_steps, restored=restored, stop=stop,
         echo=bar.echo, progress=bar)

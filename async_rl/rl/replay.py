@@ -414,9 +414,9 @@ class Replay:
     versions = np.unique(np.concatenate([t.versions_T[t.versions_T >= 0] for t in trajs]))
     checked, diff = 0, 0.0
     for version in map(int, versions):
+      if version not in self._params and (params := self._checkpointed(version)) is not None:
+        self._params[version] = params  # read once; dropped with the versions it precedes
       params = self._params.get(version)
-      if params is None:
-        params = self._checkpointed(version)
       if params is None:
         continue
       made = [dataclasses.replace(t, loss_mask_T=mask_T) for t in trajs

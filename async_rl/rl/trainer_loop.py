@@ -8,10 +8,9 @@ batch of groups start per version, so the same loop is the synchronous baseline.
 Faults: a damaged latest checkpoint falls back to the previous one
 (`Checkpointer.restore_latest`); a non-finite step is skipped and counted; a batch
 with a token outside the staleness bound or newer than the params stops the run
-before it trains (`VersionError`, naming the sample); every
-wait runs under the run's deadlines (`deadlines.Deadlines`), and a stall or a
-failed rollout worker checkpoints the current version and stops the run with an
-error that names it.
+before it trains (`VersionError`, naming the sample); every wait runs under the run's
+deadlines (`deadlines.Deadlines`), and a stall or a failed rollout worker checkpoints
+the current version and stops the run with an error that names it.
 
 Stopping: once `stop` is set (a signal), the loop ends at the step it is in (a
 training step, once started, runs to its end; waits for a batch or for a held-out

@@ -101,3 +101,4 @@ def test_a_step_that_does_not_advance_the_version_by_one_stops_the_run():
   loop = _loop(_Trainer(version=5, advance=0), max_staleness=1, recorded=[])
   with pytest.raises(VersionError, match="training step 6 left the trainer at version 5, not 6"):
     loop._train([_group([5])])
+

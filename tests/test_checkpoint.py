@@ -1,7 +1,9 @@
-"""Checkpoints that survive damage: a truncated file or a missing item in the newest
-step falls back to the previous one; with none left, a clear error. A write that fails
-(no space left) surfaces at once as a CheckpointError naming where and why, keeping
-the last good checkpoint; in a run it stops the run and frees the workdir."""
+"""Checkpoints that survive damage: a truncated file, a missing item or a failed read in
+the newest step falls back to the previous one; with none left, a clear error. A write
+that fails (no space left, an unwritable workdir) or a directory removed or moved away
+surfaces at once as a CheckpointError naming where and why, keeping the last good
+checkpoint; in a run it stops the run and frees the workdir, and the same command
+resumes once the cause is fixed."""
 
 import asyncio
 import contextlib

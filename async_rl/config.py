@@ -499,6 +499,10 @@ class RunConfig:
   record_schedule: bool = _field(
       True, "record every training batch as trained in the workdir's `schedule/`, so that "
       "`--replay` can re-execute the run (`rl.replay`).")
+  prune_schedule: bool = _field(
+      True, "delete the recorded batches of the steps up to the oldest kept checkpoint "
+      "(a replay starts from it), so the record is as bounded as the checkpoints; False: "
+      "keep every batch from the first.")
 
   def __post_init__(self):
     _check_finite("run", self)

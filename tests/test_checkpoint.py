@@ -1,12 +1,16 @@
-"""Checkpoints that survive damage: a truncated file or a missing item in the newest
-step falls back to the previous one; with none left, a clear error. A write that fails
-(no space left) surfaces at once as a CheckpointError naming where and why, keeping
-the last good checkpoint; in a run it stops the run and frees the workdir."""
+"""Checkpoints that survive damage: a truncated file, a missing item or a failed read in
+the newest step falls back to the previous one; with none left, a clear error. A write
+that fails (no space left, an unwritable workdir) or a directory removed or moved away
+surfaces at once as a CheckpointError naming where and why, keeping the last good
+checkpoint; in a run it stops the run and frees the workdir, and the same command
+resumes once the cause is fixed."""
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -18,10 +22,10 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import struct
 
-from async_rl.rl import entry, workdir
+from async_rl.rl import entry, replay, workdir
 from async_rl.rl.checkpoint import Checkpointer, NoUsableCheckpointError
 from async_rl.rl.errors import CheckpointError
-from rl_test_utils import small_config
+from rl_test_utils import check_prompt_accounting, small_config
 
 
 @struct.dataclass
@@ -113,28 +117,30 @@ def test_a_step_whose_contents_disagree_with_its_number_is_damaged(tmp_path):
   checkpointer.close()
 
 
-def _fail_writes_after(monkeypatch, good: int) -> dict:
+def _fail_writes_after(monkeypatch, good: int, code: int = errno.ENOSPC) -> dict:
   """Orbax's background write of every checkpoint after the first `good` fails with
-  ENOSPC, as on a full disk; the dict returned gets the time of the first failure."""
+  `code` (ENOSPC: a full disk; EACCES, EROFS: an unwritable workdir); the dict returned
+  gets the time of the first failure."""
   calls = {"n": 0}
   write = ocp.JsonCheckpointHandler._save_fn
 
-  async def full_disk(self, *args, **kwargs):
+  async def failing(self, *args, **kwargs):
     calls["n"] += 1
     if calls["n"] > good:
       await asyncio.sleep(0.1)
       calls.setdefault("failed_at", time.monotonic())
-      raise OSError(errno.ENOSPC, "No space left on device")
+      raise OSError(code, os.strerror(code))
     return await write(self, *args, **kwargs)
 
-  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_disk)
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", failing)
   return calls
 
 
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EROFS])
 def test_a_failed_background_write_surfaces_at_once_and_keeps_the_last_good_one(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, code):
   checkpointer = _checkpoints(tmp_path, steps=(1,))
-  _fail_writes_after(monkeypatch, good=0)
+  _fail_writes_after(monkeypatch, good=0, code=code)
   checkpointer.save(2, _state(2), {"version": 2})  # returns: the write is in the background
   deadline = time.monotonic() + 30
   with pytest.raises(CheckpointError) as e:
@@ -142,7 +148,7 @@ def test_a_failed_background_write_surfaces_at_once_and_keeps_the_last_good_one(
       checkpointer.check()
       time.sleep(0.05)
   message = str(e.value)
-  assert "No space left on device" in message and str(tmp_path / "checkpoints") in message
+  assert os.strerror(code) in message and str(tmp_path / "checkpoints") in message
   assert "a checkpoint needs ~0 MiB" in message and "the last good checkpoint is 1" in message
   assert checkpointer.latest_step() == 1
   assert checkpointer.restore_latest(_abstract()).step == 1
@@ -156,19 +162,106 @@ def test_the_first_save_refuses_a_directory_without_room(tmp_path, monkeypatch):
   assert checkpointer.latest_step() is None
 
 
-def test_a_run_whose_checkpoint_write_fails_stops_within_seconds_and_frees_the_workdir(
+def test_a_checkpoint_directory_removed_or_moved_away_is_caught_though_orbax_recreates_it(
+    tmp_path):
+  for how in ("moved", "removed"):
+    checkpointer = _checkpoints(tmp_path / how, steps=(1,))
+    directory = tmp_path / how / "checkpoints"
+    if how == "moved":
+      checkpointer.save(2, _state(2), {"version": 2})  # in flight while the directory goes
+      os.rename(directory, tmp_path / how / "elsewhere")
+    else:
+      shutil.rmtree(directory)
+    with pytest.raises(CheckpointError, match=f"the checkpoint directory {directory} was "
+                       "removed or moved away while the run wrote to it"):
+      deadline = time.monotonic() + 30
+      while time.monotonic() < deadline:
+        checkpointer.check()
+        time.sleep(0.05)
+    with pytest.raises(CheckpointError, match="removed or moved away"):
+      checkpointer.save(3, _state(3), {"version": 3})
+    with contextlib.suppress(Exception):  # the write in flight may have failed
+      checkpointer.close()
+
+
+def test_a_failed_read_at_resume_falls_back_or_says_what_is_wrong(tmp_path, monkeypatch):
+  checkpointer = _checkpoints(tmp_path)
+  read, unreadable = ocp.CheckpointManager.restore, {3}
+
+  def failing_read(self, step, *args, **kwargs):
+    if step in unreadable:
+      raise OSError(errno.EIO, os.strerror(errno.EIO), f"{self.directory}/{step}")
+    return read(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", failing_read)
+  restored = checkpointer.restore_latest(_abstract())
+  assert restored.step == 2 and restored.damaged[0][0] == 3
+  assert "Input/output error" in restored.damaged[0][1]
+  unreadable.update({1, 2})
+  with pytest.raises(NoUsableCheckpointError, match=r"\(step 2: OSError: .*Input/output "
+                     r"error.*; step 1: OSError: .*Input/output error"):
+    checkpointer.restore_latest(_abstract())
+  # On a read-only workdir a damaged step cannot be moved aside: the run says so.
+  unreadable.discard(1)
+
+  def read_only(src, dst):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), src)
+
+  monkeypatch.setattr(os, "rename", read_only)
+  with pytest.raises(CheckpointError, match=r"checkpoint 2 in .* cannot be restored \(OSError: "
+                     r".*Input/output error.*\), nor moved aside .*Read-only file system"):
+    checkpointer.restore_latest(_abstract())
+  monkeypatch.undo()
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[:2] == ["1", "2"]
+  checkpointer.close()
+
+
+def _step_lines(workdir):
+  return [json.loads(l)["step"] for l in (Path(workdir) / "metrics.jsonl").read_text()
+          .splitlines() if '"loss"' in l]
+
+
+def test_a_run_whose_checkpoint_write_fails_stops_within_seconds_and_resumes_once_fixed(
     tmp_path, monkeypatch):
-  # Checkpoints every 10 steps; the second (version 20) fails in the background. Before
-  # the loop asked after every step, the run went on to the next save (version 30).
+  # Checkpoints every 2 steps; the second (version 4) fails in the background, and the
+  # run stops after the step in which it failed, not at its next save.
   calls = _fail_writes_after(monkeypatch, good=1)
-  cfg = small_config(**{"num_steps": 30, "checkpoint.every_steps": 10})
+  steps_at = []  # (time, version) of every step line
+
+  def echo(line):
+    if (m := re.search(r" v=(\d+) ", line)):
+      steps_at.append((time.monotonic(), int(m.group(1))))
+
+  cfg = small_config(**{"num_steps": 6, "checkpoint.every_steps": 2})
   with pytest.raises(CheckpointError, match="No space left on device") as e:
-    entry.run(cfg, str(tmp_path), progress=False, echo=lambda _: None)
+    entry.run(cfg, str(tmp_path), progress=False, echo=echo)
   assert time.monotonic() - calls["failed_at"] < 10
-  assert "the last good checkpoint is 10" in str(e.value)
-  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
-           if '"loss"' in l]
-  assert 20 <= max(steps) < 30
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["10"]
-  with workdir.hold(str(tmp_path)):  # the lock is free
-    pass
+  assert "the last good checkpoint is 2" in str(e.value)
+  failed_in = max(v for t, v in steps_at if t <= calls["failed_at"]) + 1
+  assert 4 <= max(_step_lines(tmp_path)) <= failed_in
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+  # The disk has room again: the same command resumes from the last good checkpoint.
+  monkeypatch.undo()
+  lines = []
+  summary = entry.run(cfg, str(tmp_path), progress=False, echo=lines.append)
+  assert summary["start_version"] == 2 and summary["end_version"] == 6
+  assert any(f"resumed from checkpoint 2 in {tmp_path / 'checkpoints'}" in l for l in lines)
+  assert _step_lines(tmp_path) == list(range(1, 7))
+  check_prompt_accounting(tmp_path)
+
+
+def test_a_workdir_moved_away_during_a_run_stops_it_and_frees_the_lock(tmp_path):
+  run_dir, moved = tmp_path / "run", tmp_path / "moved"
+
+  def echo(line):
+    if " v=3 " in line:  # after step 3, before its checkpoint
+      os.rename(run_dir, moved)
+
+  with pytest.raises(CheckpointError, match=f"the checkpoint directory {run_dir / 'checkpoints'} "
+                     "was removed or moved away"):
+    entry.run(small_config(num_steps=5), str(run_dir), progress=False, echo=echo)
+  assert max(_step_lines(moved)) == 3  # it stopped at the step it happened in
+  assert replay.checkpoint_steps(moved / "checkpoints")  # the last good one is kept
+  for held in (moved, run_dir):  # the lock is free, wherever the workdir went
+    with workdir.hold(str(held), echo=lambda _: None):
+      pass

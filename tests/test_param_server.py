@@ -16,6 +16,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from async_rl.config import StalenessConfig
 from async_rl.param_server import ParameterServer, StalenessGate
 from async_rl.param_server.buffer import ON_STALE, length_summary
+from async_rl.rl.errors import VersionError
 from async_rl.trajectory import Group, Trajectory
 
 
@@ -210,7 +211,8 @@ def test_bad_offers_change_nothing():
     server.reject(7)
   ticket = server.acquire()
   before = server.metrics()
-  with pytest.raises(ValueError, match="newer than the published version 1"):
+  with pytest.raises(VersionError, match=r"offered at published version 1: token 3 of sample 0 "
+                     r"of group 0 was made by version 2, outside \[0, 1\]"):
     server.offer(ticket, _group([[1, 2]]))
   with pytest.raises(ValueError, match="expects a Group"):
     server.offer(ticket, [np.array([1])])

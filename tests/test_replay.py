@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from async_rl.rl import entry, replay
-from async_rl.rl.errors import ConfigError
+from async_rl.rl.errors import ConfigError, WorkdirError
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
 
@@ -22,8 +22,10 @@ ROOT = Path(__file__).parents[1]
 ETA = 2
 # Threaded micro-batches, and a reward that differs within a group, so that every
 # token, log-prob and version of the batch moves the params.
+# The record is kept whole (not pruned with the checkpoints), so that a replay starts
+# from the initial params; `_prune` makes a pruned one from it.
 RECORDED = {"staleness.max_staleness": ETA, "cpu.grad_threads": 2,
-            "rollout.reward_fn": "reward_fns_for_tests:length"}
+            "rollout.reward_fn": "reward_fns_for_tests:length", "run.prune_schedule": False}
 
 
 def _config(mode, **overrides):
@@ -63,7 +65,7 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
   old = recorded(mode)
   logged = _lines(old)
   assert replay.recorded_steps(_schedule(old)) == [1, 2, 3]
-  staleness = []
+  staleness, generated = [], 0
   for step in (1, 2, 3):
     groups, context = replay.read_batch(_schedule(old), step)
     # The record is the batch the run trained, in its order.
@@ -72,15 +74,47 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
     versions = np.concatenate([t.versions_T[t.versions_T >= 0]
                                for g in groups for t in g.trajectories])
     staleness.append(step - 1 - versions.min())
+    generated += versions.size
   assert max(staleness) > 0 and max(staleness) <= ETA  # asynchronous, within the bound
 
   summary = entry.replay(_config(mode), str(tmp_path / "new"), str(old), progress=False,
                          echo=lambda _: None)
   assert summary["compared"] == [1, 2, 3] and summary["end_version"] == 3
   assert 0 < summary["logp_tokens"] and summary["logp_max_abs_diff"] <= replay.LOGP_ATOL
+  # Every generated token is checked under the version that produced it; with "keep",
+  # all but those produced from a cache that another version computed.
+  assert summary["logp_tokens"] + summary["logp_unchecked"] == generated
+  assert summary["logp_unchecked"] == 0 or mode == "keep"
   replayed = _lines(tmp_path / "new")
   assert [replayed[s]["loss"] for s in (1, 2, 3)] == [logged[s]["loss"] for s in (1, 2, 3)]
   assert replay.checkpoint_steps(tmp_path / "new" / "checkpoints")[-1] == 3
+
+
+def _generated(schedule, steps):
+  """How many generated tokens `steps`' batches hold."""
+  return sum(int(np.count_nonzero(t.versions_T >= 0)) for step in steps
+             for g in replay.read_batch(schedule, step)[0] for t in g.trajectories)
+
+
+def test_a_pruned_record_replays_from_the_checkpoint_it_starts_after(tmp_path, recorded):
+  # What `run.prune_schedule` leaves once checkpoint 1 is the oldest kept: steps 2 and 3.
+  old = _copy(recorded("retract"), tmp_path)
+  (Path(_schedule(old)) / "00000001.npz").unlink()
+  lines = []
+  summary = entry.replay(_config("retract"), str(tmp_path / "new"), str(old), progress=False,
+                         echo=lines.append)
+  assert f"the replay starts from {old}'s checkpoint 1, where its record starts" in lines
+  assert summary["start_version"] == 1 and summary["compared"] == [1, 2, 3]
+  # Every token is checked, those of versions before the start too (version 0: the
+  # initial params, which the replay makes as the run did).
+  assert summary["logp_tokens"] == _generated(_schedule(old), (2, 3)) > 0
+  assert summary["logp_unchecked"] == 0
+  # A record that starts after every kept checkpoint cannot be replayed.
+  shutil.rmtree(old / "checkpoints" / "1")
+  with pytest.raises(ConfigError, match=r"starts at step 2; a replay starts from .*'s "
+                     r"checkpoint 1, which is gone \(its checkpoints: \[2, 3\]\)"):
+    entry.replay(_config("retract"), str(tmp_path / "other"), str(old), progress=False,
+                 echo=lambda _: None)
 
 
 def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays_in_two_parts(
@@ -236,3 +270,37 @@ def test_the_first_difference_names_the_leaf_and_how_many_elements_differ():
   # Bit for bit: -0.0 is not 0.0.
   c = {"w": np.array([0, 0, 0, -0.0], np.float32), "b": a["b"]}
   assert "['w']: 1 of 4" in replay.first_difference(a, c)
+
+
+def test_the_record_is_pruned_up_to_the_oldest_kept_checkpoint_and_resumes_after_it(tmp_path):
+  batch = [Group("p", (_traj([0, 0]).with_reward(1.0),))]
+  schedule, checkpoints = str(tmp_path / "schedule"), tmp_path / "checkpoints"
+  record = replay.recorder(schedule, None, {}, checkpoints=str(checkpoints))
+  record(1, batch)
+  record(2, batch)
+  assert replay.recorded_steps(schedule) == [1, 2]  # no checkpoint yet
+  for step in (2, 3):
+    (checkpoints / str(step)).mkdir(parents=True)
+  record(3, batch)
+  assert replay.recorded_steps(schedule) == [3]  # a replay starts from checkpoint 2
+  # Resumed from checkpoint 3, the run goes on recording after it...
+  record = replay.recorder(schedule, 3, {}, checkpoints=str(checkpoints))
+  record(4, batch)
+  assert replay.recorded_steps(schedule) == [3, 4]
+  # ...unless the checkpoint the record starts after is gone.
+  (checkpoints / "2").rmdir()
+  warnings = []
+  replay.recorder(schedule, 4, {}, checkpoints=str(checkpoints), echo=warnings.append)(5, batch)
+  assert replay.recorded_steps(schedule) == [3, 4] and "does not record" in warnings[0]
+  # Compressed: a batch of repeated tokens takes fewer bytes than its arrays.
+  long = [Group("p", (_traj([0] * 4000).with_reward(1.0),))]
+  replay.write_batch(schedule, 9, long, context={})
+  assert (Path(schedule) / "00000009.npz").stat().st_size < 4000 * 4
+
+
+def test_a_record_that_cannot_be_written_stops_the_run_naming_the_file(tmp_path):
+  record = replay.recorder(str(tmp_path / "schedule"), None, {})
+  shutil.rmtree(tmp_path / "schedule")  # the workdir went away
+  with pytest.raises(WorkdirError, match=r"writing the record of step 1 to .*schedule/00000001"
+                     r"\.npz failed \(FileNotFoundError: .*\); the directory is gone"):
+    record(1, [Group("p", (_traj([0]).with_reward(1.0),))])

@@ -1,6 +1,7 @@
 """RolloutController with fake collaborators: grouping, filtering, failures, weight sync,
 seeds, waits."""
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import CancelledError, Future
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from async_rl.generation import SamplingParams
+from async_rl.rl.errors import VersionError
 from async_rl.rl.rollout import PromptSource, sample_seed
 from async_rl.rl.rollout import RolloutController
 from async_rl.trajectory import Trajectory
@@ -334,3 +336,25 @@ def test_waits_name_a_reward_service_that_never_answers():
   waits = controller.waits()
   controller.stop()
   assert set(waits) == {"rewards"} and waits["rewards"] >= 0.25
+
+
+class AheadPool(FakePool):
+  """Tags its tokens with version 4 while it reports version 0 live."""
+
+  def submit(self, request):
+    samples = [dataclasses.replace(t, versions_T=np.where(t.versions_T >= 0, 4, -1))
+               for t in super().submit(request).result()]
+    future = Future()
+    future.set_result(samples)
+    return future
+
+
+def test_a_token_newer_than_the_generators_live_version_stops_the_controller():
+  server = FakeServer(1)
+  controller = _controller(server, AheadPool({}), {"p0": [1.0, 0.0]}).start()
+  wait_until(lambda: controller.error is not None)
+  controller.stop()
+  assert isinstance(controller.error, VersionError) and server.offered == []
+  assert str(controller.error).startswith(
+      "rollout worker 3's generator (live version 0): token 2 of sample 0 of group 'p0' was "
+      "made by version 4, outside [0, 0]")

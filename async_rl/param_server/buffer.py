@@ -6,11 +6,13 @@ its lock.
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
 
 from async_rl.config import ON_STALE
+from async_rl.rl.errors import VersionError
 from async_rl.trajectory import Group, staleness_counts
 
 # Samples by completion length: offered, admitted, dropped (at offer or while
@@ -78,12 +80,11 @@ class AdmissionBuffer:
     `ticket` orders groups of equal `min_version` (see the class docstring).
 
     Raises:
-      ValueError: if `group` holds a token newer than `version` (params that were
-        never published); nothing changes then.
+      VersionError: if `group` holds a token newer than `version` (params that were
+        never published), or one in its loss without a version; nothing changes then.
     """
-    if group.max_version > version:
-      raise ValueError(f"group {group.prompt_id!r} holds tokens of version "
-                       f"{group.max_version}, newer than the published version {version}")
+    check_versions([group], newest=version, oldest=None,
+                   where=f"offered at published version {version}")
     _count_lengths(self.length_hist["generated"], [group])
     stale = self.is_stale(group, version)
     kept = self._admissible(group, version)
@@ -181,6 +182,27 @@ def length_summary(hist: list[int]) -> dict[str, float]:
   quantile = {f"p{q}": int(np.searchsorted(cum, q / 100 * total)) for q in (10, 50, 90)}
   return {"n": total, "mean": float(np.arange(counts.size) @ counts / total), **quantile,
           "max": int(np.flatnonzero(counts)[-1])}
+
+
+def check_versions(groups: Sequence[Group], *, newest: int, oldest: Optional[int],
+                   where: str) -> None:
+  """Raises `VersionError` unless every token in the loss of `groups` carries a version
+  in [`oldest`, `newest`] (`oldest` None: any tagged version, >= 0), naming the first
+  sample and token that does not. Generated tokens are the only ones in a loss, and
+  each carries the version that produced it (-1: none)."""
+  low = 0 if oldest is None else max(oldest, 0)
+  for group in groups:
+    for i, t in enumerate(group.trajectories):
+      v_T = np.where(np.asarray(t.loss_mask_T, bool), t.versions_T, low)
+      bad_T = (v_T < low) | (v_T > newest)
+      if bad_T.any():
+        j = int(np.flatnonzero(bad_T)[0])
+        made = ("carries no version" if v_T[j] < 0
+                else f"was made by version {v_T[j]}")
+        raise VersionError(
+            f"{where}: token {j} of sample {i} of group {group.prompt_id!r} {made}, outside "
+            f"[{low}, {newest}] ({int(bad_T.sum())} such tokens in that sample): the "
+            f"version protocol is broken; nothing is trained on it")
 
 
 def _trained_versions(traj) -> np.ndarray:

@@ -10,6 +10,7 @@ from async_rl.config import StalenessConfig
 from async_rl.param_server.buffer import AdmissionBuffer
 from async_rl.param_server.gate import StalenessGate
 from async_rl.param_server.ledger import PromptLedger
+from async_rl.rl.errors import VersionError
 from async_rl.trajectory import Group
 
 
@@ -65,8 +66,9 @@ class ParameterServer:
     batches taken since the last publish count as trained.
 
     Raises:
-      ValueError: if `version` does not increase, or the tree structure, a shape or
-        a dtype differs from the first publish; nothing changes then.
+      VersionError: if `version` does not increase (a `ValueError` too).
+      ValueError: if the tree structure, a shape or a dtype differs from the first
+        publish; nothing changes then.
     """
     version = _as_version(version, "publish: version")
     if params is None:
@@ -75,11 +77,11 @@ class ParameterServer:
     with self._lock:
       current = self._gate.version
       if self._params is not None and version <= current:
-        raise ValueError(f"publish(version={version}) rejected: versions must increase, and "
-                         f"version {current} is already published")
+        raise VersionError(f"publish(version={version}) rejected: versions must increase, "
+                           f"and version {current} is already published")
       if version < current:
-        raise ValueError(f"publish(version={version}) rejected: older than the restored "
-                         f"version {current}")
+        raise VersionError(f"publish(version={version}) rejected: older than the restored "
+                           f"version {current}")
       if self._spec is not None:
         _check_same_spec(self._spec, spec, version)
       self._spec = spec if self._spec is None else self._spec
@@ -177,8 +179,10 @@ class ParameterServer:
     ticket was written off (its worker was replaced meanwhile) is not admitted.
 
     Raises:
-      ValueError: if `ticket` is not running, `group` is not a Group, or it holds
-        a token newer than the published version; nothing changes then.
+      VersionError: `group` holds a token newer than the published version, or one in
+        its loss without a version (`buffer.check_versions`).
+      ValueError: if `ticket` is not running or `group` is not a Group; nothing
+        changes then.
     """
     if not isinstance(group, Group):
       raise ValueError(f"offer expects a Group, got {type(group).__name__}")

@@ -443,9 +443,10 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   trainer, checkpointer, restored = restored_trainer(
       cfg, workdir, mesh, task, server=server, init_params=init_params, echo=bar.echo,
       record=lambda *line: warm_start_log.append((*line, time.time())))
-  record = replay_lib.recorder(os.path.join(workdir, replay_lib.SCHEDULE_DIR), restored.step,
-                               record_context(cfg, mesh), enabled=cfg.run.record_schedule,
-                               echo=bar.echo)
+  record = replay_lib.recorder(
+      os.path.join(workdir, replay_lib.SCHEDULE_DIR), restored.step, record_context(cfg, mesh),
+      enabled=cfg.run.record_schedule, echo=bar.echo,
+      checkpoints=checkpointer.directory if cfg.run.prune_schedule else None)
   leader = multihost.Leader() if jax.process_count() > 1 else None
   publishing = Publishing(on_host=publish_on_host or leader is not None,
                           dtype=cfg.placement.publish_dtype, leader=leader)
@@ -467,7 +468,8 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
       max_consecutive_skips=cfg.train.max_consecutive_skips,
       learning_rate=train_step.learning_rate(cfg.optimizer), decode=task.tokenizer.decode,
       max_untrainable_groups=cfg.run.max_untrainable_groups,
-      correct_threshold=cfg.eval.correct_threshold, log=cfg.log)
+      correct_threshold=cfg.eval.correct_threshold, log=cfg.log,
+      max_staleness=None if cfg.staleness.on_stale == "admit" else cfg.staleness.max_staleness)
   return TrainLoop(trainer, server, evaluator, deadlines, settings,
                    Outputs(checkpointer, log, echo=bar.echo, progress=bar, record=record),
                    publishing, restored=restored, stop=stop)

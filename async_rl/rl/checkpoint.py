@@ -17,6 +17,11 @@ under way, so the loop learns of it after the step it happened in, not at the ne
 save. Every write failure is a `CheckpointError` naming the directory, the cause,
 the space free there against a checkpoint's size, and the last good checkpoint,
 which the failed write leaves whole. The first save also checks the free space.
+
+A directory removed or moved away while the run writes to it (the workdir deleted, a
+volume unmounted) would go unnoticed: Orbax recreates a missing directory on the next
+write. So the first save opens the directory and keeps it open, and `save` and `check`
+raise a `CheckpointError` once the path no longer names the directory held.
 """
 
 import dataclasses
@@ -57,6 +62,7 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int):
     self.directory = os.path.abspath(directory)
     self._bytes = None  # a checkpoint's size, known at the first save
+    self._held = None  # the directory's descriptor, from the first save on
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
@@ -71,10 +77,17 @@ class Checkpointer:
       CheckpointError: this write failed, or an earlier one did in the background; or,
         on the first save, the directory has less free space than a checkpoint needs.
     """
-    if self._bytes is None:
+    if self._held is None:
       self._bytes = _nbytes(state)
+      try:
+        os.makedirs(self.directory, exist_ok=True)
+        self._held = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+      except OSError as e:
+        raise CheckpointError(self._describe("creating the checkpoint directory failed",
+                                             e)) from e
       if self._free_bytes() < self._bytes:
         raise CheckpointError(self._describe("no room for a checkpoint"))
+    self._check_directory()
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(_arrays(state)), meta=ocp.args.JsonSave(meta)))
@@ -86,12 +99,31 @@ class Checkpointer:
   def check(self) -> None:
     """Raises `CheckpointError` if a background write has failed; returns at once while
     one is still under way."""
-    if self._bytes is None or self._manager.is_saving_in_progress():
+    if self._held is None:
+      return
+    self._check_directory()
+    if self._manager.is_saving_in_progress():
       return
     try:
       self._manager.wait_until_finished()
     except Exception as e:
       raise CheckpointError(self._describe("writing a checkpoint failed", e)) from e
+
+  def _check_directory(self) -> None:
+    """Raises `CheckpointError` when the path no longer names the directory held: removed
+    (perhaps recreated since by a write) or moved away."""
+    held = os.fstat(self._held)
+    try:
+      now = os.stat(self.directory)
+      same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) and held.st_nlink > 0
+    except OSError:
+      same = False
+    if not same:
+      raise CheckpointError(
+          f"the checkpoint directory {self.directory} was removed or moved away while the run "
+          f"wrote to it (was the workdir deleted, or its volume unmounted?); the checkpoints "
+          f"written there went with it. Rerun the same command to start again there, or "
+          f"restore the directory first to resume from its last checkpoint")
 
   def _free_bytes(self) -> int:
     try:
@@ -130,6 +162,7 @@ class Checkpointer:
     Raises:
       NoUsableCheckpointError: every step is damaged; they are all left in place
         and the error lists why each failed.
+      CheckpointError: a damaged step cannot be moved aside (a read-only workdir).
     """
     failures = []
     for step in sorted(self._manager.all_steps(), reverse=True):
@@ -144,7 +177,7 @@ class Checkpointer:
         logging.error("checkpoint %d in %s cannot be restored: %s", step, self.directory,
                       why[:500])
         continue
-      damaged = tuple((s, why, self._set_aside(s)) for s, why in failures)
+      damaged = tuple((s, why, self._set_aside(s, why)) for s, why in failures)
       return Restored(step, state, meta, damaged)
     if failures:
       listing = "; ".join(f"step {s}: {why[:300]}" for s, why in failures)
@@ -153,16 +186,29 @@ class Checkpointer:
           f"left in place; move the directory away to start the run afresh.")
     return None
 
-  def _set_aside(self, step: int) -> str:
+  def _set_aside(self, step: int, why: str) -> str:
     path = os.path.join(self.directory, str(step))
     moved = f"{path}.damaged-{int(time.time())}"
-    os.rename(path, moved)
+    try:
+      os.rename(path, moved)
+    except OSError as e:
+      raise CheckpointError(
+          f"checkpoint {step} in {self.directory} cannot be restored ({why[:300]}), nor moved "
+          f"aside to {moved} ({type(e).__name__}: {e}), so the run cannot write step {step} "
+          f"again. Fix the cause (or move {path} away yourself) and rerun the same "
+          f"command") from e
     self._manager.reload()
     return moved
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the last write and closes; raises what that write raised."""
+    try:
+      self._manager.wait_until_finished()
+    finally:
+      self._manager.close()
+      if self._held is not None:
+        os.close(self._held)
+        self._held = None
 
 
 def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,

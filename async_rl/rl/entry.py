@@ -26,6 +26,7 @@ from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.errors import ConfigError
 from async_rl.rl.metrics_log import MetricsLog
+from async_rl.rl.trainer_loop import Restored
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
@@ -104,9 +105,10 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
            stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
            progress: bool = True) -> dict[str, Any]:
   """Re-executes the run recorded in the workdir `recorded` (its `schedule/`) in
-  `workdir`, or goes on with the replay `workdir` holds: from the run's initial params,
-  the recorded batches in order, each step checked against the record and the train
-  state against every checkpoint the recorded run kept, bit for bit (`rl.replay`).
+  `workdir`, or goes on with the replay `workdir` holds: from the run's initial params
+  (or, when the record was pruned, its checkpoint of the step before the record's
+  first), the recorded batches in order, each step checked against the record and the
+  train state against every checkpoint the recorded run kept, bit for bit (`rl.replay`).
   Nothing is generated or evaluated. Returns the replay's summary.
 
   `cfg` must be the recorded run's config but for `config.RESUMABLE_FIELDS`, and the
@@ -136,32 +138,60 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
     steps = replay_lib.recorded_steps(schedule)
     if not steps:
       raise ConfigError(f"{recorded} holds no recorded schedule ({schedule} has no batch): "
-                        f"its run had run.record_schedule=False, or trained no step")
-    if steps != list(range(1, len(steps) + 1)):
-      raise ConfigError(f"--replay needs the batches of steps 1, 2, ... in {schedule}, found "
+                        f"its run had run.record_schedule=False, or trained no step, or its "
+                        f"record was pruned up to its newest checkpoint (run.prune_schedule)")
+    if steps != list(range(steps[0], steps[-1] + 1)):
+      raise ConfigError(f"--replay needs the batches of consecutive steps in {schedule}, found "
                         f"those of steps {steps[:10]}")
     bar = Progress(echo, enabled=progress)
     mesh = sharding.make_mesh(cfg.mesh, build.split_devices(
         cfg.placement, jax.local_devices(), jax.devices()).trainer)
-    # Without a checkpoint the replay starts where the run did: the run's initial params.
+    # Without a checkpoint the replay starts where the record does: the run's initial
+    # params, or its checkpoint of the step before the record's first.
     trainer, checkpointer, restored = build.restored_trainer(cfg, workdir, mesh, task,
                                                              echo=bar.echo)
-    log = MetricsLog(workdir, me.run_id, resume_step=restored.step,
-                     hparams=cli.to_dict(cfg))
     reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
     abstract = trainer.abstract_state()
+    reference_steps = replay_lib.checkpoint_steps(reference.directory)
+    start, initial = steps[0] - 1, None
+    if restored.step is None and start > 0:
+      if start not in reference_steps:
+        raise ConfigError(f"the record in {schedule} starts at step {steps[0]}; a replay "
+                          f"starts from {recorded}'s checkpoint {start}, which is gone (its "
+                          f"checkpoints: {reference_steps})")
+      initial = trainer.device_params()  # version 0's, which the run kept no checkpoint of
+      state, meta = reference.restore(start, abstract)
+      trainer.restore(state, meta.get("packed_shapes", ()))
+      restored = Restored(start, int(meta["skipped_steps"]), int(meta["applied_updates"]))
+      bar.echo(f"the replay starts from {recorded}'s checkpoint {start}, where its record "
+               f"starts")
+    elif (restored.step or 0) < start:
+      raise ConfigError(f"the record in {schedule} starts at step {steps[0]}, after this "
+                        f"replay's checkpoint {restored.step}: replay into a new workdir")
+    log = MetricsLog(workdir, me.run_id, resume_step=restored.step,
+                     hparams=cli.to_dict(cfg))
+
+    def checkpointed(version):
+      """The recorded run's params of `version`, for tokens made before the replay's start."""
+      if version == 0 and initial is not None:
+        return initial
+      if version in reference_steps:
+        return reference.restore(version, abstract)[0].params
+      return None
+
     float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
     replayer = replay_lib.Replay(
         trainer, checkpointer, log, recorded=recorded,
         read=functools.partial(replay_lib.read_batch, schedule),
         steps=min(cfg.num_steps, steps[-1]),
         reference=lambda step: reference.restore(step, abstract)[0],
-        reference_steps=replay_lib.checkpoint_steps(reference.directory),
+        reference_steps=reference_steps,
         logged=replay_lib.read_log(recorded), context=build.record_context(cfg, mesh),
         recompute=functools.partial(replay_lib.recompute_behaviour_logp, trainer,
                                     batching=cfg.batching, max_length=cfg.generation.max_length,
                                     compiled=set()),
-        update_mode=cfg.generation.update_mode,
+        update_mode=cfg.generation.update_mode, max_staleness=cfg.staleness.max_staleness,
+        checkpointed=checkpointed,
         logp_atol=replay_lib.LOGP_ATOL if float32 else None,
         checkpoint_every=cfg.checkpoint.every_steps, restored=restored, stop=stop,
         echo=bar.echo, progress=bar)

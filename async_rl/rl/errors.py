@@ -36,9 +36,20 @@ class NonFiniteError(RunError):
   """Too many consecutive training steps had a non-finite loss or gradient."""
 
 
-class CheckpointError(RunError):
-  """A checkpoint could not be written (a full disk, an unwritable or vanished
-  workdir); the message says where, why, and which checkpoint is the last good one."""
+class WorkdirError(RunError):
+  """The workdir could not be written (a full disk, an unwritable or vanished workdir);
+  the message says where and why."""
+
+
+class CheckpointError(WorkdirError):
+  """A checkpoint could not be written; the message says where, why, and which
+  checkpoint is the last good one."""
+
+
+class VersionError(RunError, ValueError):
+  """A hand-off broke the version protocol (a token newer than the published params, or
+  staler than the bound, a version that did not increase); the message names the
+  sample and the versions. Nothing is trained on it."""
 
 
 class NoUsableCheckpointError(RunError):

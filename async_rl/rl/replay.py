@@ -8,13 +8,17 @@ seed; the same programs; gradients summed in a fixed order, threads included). S
 record is what it was fed: for every training step, the batch's groups in order and
 each trajectory as trained: tokens, loss mask, behaviour log-probs, per-token versions
 (which say where each weight update hit the sample), prompt length, finish reason and
-reward. Step 7's batch is `schedule/00000007.npz` in the workdir, written before the
-step trains (so a step that crashes is in the record) with a digest of its contents
-and the facts that fix the trainer's numerics (`context`). A resumed run first removes the
-batches its restored checkpoint supersedes, as the metrics log removes their lines.
+reward. Step 7's batch is `schedule/00000007.npz` in the workdir (deflated),
+written before the step trains (so a step that crashes is in the record) with a digest
+of its contents and the facts that fix the trainer's numerics (`context`). A resumed run
+first removes the batches its restored checkpoint supersedes, as the metrics log
+removes their lines. The record is bounded as the checkpoints are: by default each
+write deletes the batches up to the oldest checkpoint kept, since a replay can start
+from that checkpoint.
 
-`Replay` re-executes the trainer: from the run's initial params it trains the recorded
-batches in order in a workdir of its own (checkpoints, metrics). After each step it
+`Replay` re-executes the trainer: from the run's initial params (or the recorded run's
+checkpoint of the step before the record's first) it trains the recorded batches in
+order in a workdir of its own (checkpoints, metrics). After each step it
 checks the step against the recorded run's log line (prompts, trained tokens, loss,
 gradient norm), and at each step where the recorded run kept a checkpoint, that the
 train state equals it bit for bit; it stops at the first difference, naming it.
@@ -23,20 +27,27 @@ It does not regenerate the tokens. A sample's random stream is its own (seed, sa
 position), but its decode numerics are not: on XLA:CPU a sample's behaviour log-probs
 change in their last bits with the samples decoded beside it (`benchmarks/replay.py`
 counts them), and a draw whose Gumbel-perturbed logits nearly tie could then change.
-Instead, before step s it recomputes, with the replayed params of version s - 1, the
-behaviour log-probs of the batch's tokens that version produced (`recomputable_T`;
-tokens of older versions are not recomputed) and checks them against the record
-within `LOGP_ATOL` when the generator's numerics are float32 (else it reports the
-largest difference without a bound).
+Instead, before step s it recomputes the behaviour log-prob of every generated token of
+the batch under the params of the version that produced it (`recomputable_T`), and
+checks it against the record within `LOGP_ATOL` when the generator's numerics are
+float32 (else it reports the largest difference without a bound). Those versions are
+the last η + 1 the replay itself produced, in order (it keeps their params), or, for
+the first steps of a replay that starts from a checkpoint, the recorded run's
+checkpoints of them. The tokens it cannot check are counted (`logp_unchecked`): with
+update mode "keep", those produced from a cache another version computed, and those of
+a version neither kept nor checkpointed.
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import re
+import shutil
 import threading
+import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -47,7 +58,7 @@ from async_rl import batching as batching_lib, sharding, train_step
 from async_rl.config import BatchingConfig
 from async_rl.progress import Progress, stamped
 from async_rl.rl.checkpoint import Checkpointer
-from async_rl.rl.errors import RunError
+from async_rl.rl.errors import RunError, WorkdirError
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
 from async_rl.rl.trainer_loop import Restored
@@ -85,15 +96,17 @@ def recorded_steps(directory: str) -> list[int]:
 
 
 def recorder(directory: str, resume_step: Optional[int], context: dict[str, Any], *,
-             enabled: bool = True,
-             echo: Callable[[str], None] = print) -> Callable[[int, Sequence[Group]], None]:
+             enabled: bool = True, echo: Callable[[str], None] = print,
+             checkpoints: Optional[str] = None) -> Callable[[int, Sequence[Group]], None]:
   """The hook that records each training batch in `directory` (`record(step, groups)`).
 
   First removes the batches above `resume_step` (the step of the checkpoint the run
   resumes from; None: a run that starts afresh, which keeps none): the run trains
-  those steps again. The hook records nothing when not `enabled`, or when the record
-  lacks a batch before `resume_step` (recording was off for it): a replay needs every
-  batch from the first.
+  those steps again. With `checkpoints` (the run's checkpoint directory), each write
+  also deletes the batches of the steps up to the oldest checkpoint kept there, from
+  which a replay can start instead. The hook records nothing when not `enabled`, or
+  when the record lacks a batch between its start and `resume_step` (recording was off
+  for it): a replay needs every batch after the checkpoint it starts from.
   """
   through = resume_step or 0
   for step in recorded_steps(directory):
@@ -102,13 +115,26 @@ def recorder(directory: str, resume_step: Optional[int], context: dict[str, Any]
   if not enabled:
     return _record_nothing
   steps = recorded_steps(directory)
-  if steps != list(range(1, through + 1)):
+  first = steps[0] if steps else through + 1
+  startable = first == 1 or (checkpoints is not None
+                             and first - 1 in checkpoint_steps(checkpoints))
+  if steps != list(range(first, through + 1)) or not startable:
     echo(f"WARNING: {directory} holds the batches of {len(steps)} of the {through} steps "
-         f"before this one; the run does not record its schedule (a replay needs every "
-         f"batch from the first)")
+         f"before this one, not every one after a checkpoint; the run does not record its "
+         f"schedule (a replay needs every batch after the checkpoint it starts from)")
     return _record_nothing
   os.makedirs(directory, exist_ok=True)
-  return functools.partial(write_batch, directory, context=context)
+  write = functools.partial(write_batch, directory, context=context)
+  if checkpoints is None:
+    return write
+
+  def write_and_prune(step: int, groups: Sequence[Group]) -> None:
+    write(step, groups)
+    kept = checkpoint_steps(checkpoints)
+    for old in recorded_steps(directory):
+      if kept and old <= kept[0]:
+        os.remove(_path(directory, old))
+  return write_and_prune
 
 
 def _record_nothing(step: int, groups: Sequence[Group]) -> None:
@@ -117,11 +143,35 @@ def _record_nothing(step: int, groups: Sequence[Group]) -> None:
 
 def write_batch(directory: str, step: int, groups: Sequence[Group], *,
                 context: dict[str, Any]) -> None:
-  """Writes the batch of `step` (atomically: a temporary file renamed)."""
+  """Writes the batch of `step` (atomically: a temporary file renamed).
+
+  Raises:
+    WorkdirError: the write failed (a full disk, an unwritable or vanished workdir).
+  """
   path = _path(directory, step)
-  with open(path + ".tmp", "wb") as f:
-    np.savez(f, **encode(groups, context))
-  os.replace(path + ".tmp", path)
+  arrays = encode(groups, context)
+  try:
+    # Deflate at level 1: as small as the default level on these arrays (token ids and
+    # log-probs compress little past it; versions and masks are long runs) at a
+    # fraction of the time, which the trainer waits for.
+    with zipfile.ZipFile(path + ".tmp", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+      for name, array in arrays.items():
+        with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+          np.lib.format.write_array(f, array, allow_pickle=False)
+    os.replace(path + ".tmp", path)
+  except OSError as e:
+    with contextlib.suppress(OSError):
+      os.remove(path + ".tmp")
+    raise WorkdirError(f"writing the record of step {step} to {path} failed ({type(e).__name__}: "
+                       f"{e}); {_free_space(directory)}. Fix the cause and rerun the same "
+                       f"command to resume from the last checkpoint") from e
+
+
+def _free_space(directory: str) -> str:
+  try:
+    return f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free there"
+  except OSError:
+    return "the directory is gone"
 
 
 def read_batch(directory: str, step: int) -> tuple[list[Group], dict[str, Any]]:
@@ -204,12 +254,13 @@ def recomputable_T(traj: Trajectory, version: int, update_mode: str) -> np.ndarr
   return policy_T & mine_T
 
 
-def recompute_behaviour_logp(trainer: Trainer, trajs: Sequence[Trajectory], *,
+def recompute_behaviour_logp(trainer: Trainer, params, trajs: Sequence[Trajectory], *,
                              batching: BatchingConfig, max_length: int,
                              compiled: set) -> tuple[np.ndarray, np.ndarray]:
   """(recomputed, recorded) log-probs of `trajs`' loss-mask tokens, flat: the proximal
-  recompute of the trainer's current params on a batch packed as the trainer packs
-  (reusing the `compiled` shapes it has run, and adding its own)."""
+  recompute under `params` (the trainer's, or another version's of the same shapes) on
+  a batch packed as the trainer packs (reusing the `compiled` shapes it has run, and
+  adding its own)."""
   buckets = batching.row_buckets or batching_lib.default_row_buckets(
       batching.max_tokens_per_mb, longest=max_length)
   parts = trainer.steps.micro_batch_multiple
@@ -220,7 +271,7 @@ def recompute_behaviour_logp(trainer: Trainer, trajs: Sequence[Trajectory], *,
   batch = batching_lib.pad_micro_batches(batch, parts)
   compiled.add(batch.tokens.shape)
   logp = trainer.steps.recompute(
-      trainer.state.params, jax.device_put(batch, train_step.batch_shardings(trainer.mesh)))
+      params, jax.device_put(batch, train_step.batch_shardings(trainer.mesh)))
   mask = batch.loss_mask > 0
   return np.asarray(jax.device_get(logp))[mask], batch.behav_logp[mask]
 
@@ -258,9 +309,13 @@ class Replay:
       `reference_steps` (its checkpoints).
     logged: {step: line} of the recorded run's metrics log.
     context: this replay's numerics (as `recorder`'s), which each batch's must equal.
-    recompute: trajectories -> (recomputed, recorded) behaviour log-probs
+    recompute: (params, trajectories) -> (recomputed, recorded) behaviour log-probs
       (`recompute_behaviour_logp` of the trainer).
     update_mode: the recorded run's weight update mode.
+    max_staleness: the recorded run's η: the replay keeps the params of the last η + 1
+      versions (None: of the last one) to recompute the tokens each produced.
+    checkpointed: version -> the recorded run's params of it, or None when it kept no
+      checkpoint of it: for the versions before the one the replay starts from.
     logp_atol: the bound on their difference; None: reported, not checked.
     checkpoint_every: checkpoint every this many steps (and at the end).
     restored: the counts the replay resumes with.
@@ -273,8 +328,10 @@ class Replay:
                recorded: str, read: Callable[[int], tuple[list[Group], dict]], steps: int,
                reference: Callable[[int], Any], reference_steps: Sequence[int],
                logged: dict[int, dict], context: dict[str, Any],
-               recompute: Callable[[Sequence[Trajectory]], tuple[np.ndarray, np.ndarray]],
+               recompute: Callable[[Any, Sequence[Trajectory]], tuple[np.ndarray, np.ndarray]],
                update_mode: str, logp_atol: Optional[float], checkpoint_every: int,
+               max_staleness: Optional[int] = 0,
+               checkpointed: Callable[[int], Any] = lambda version: None,
                restored: Restored = Restored(), stop: Optional[threading.Event] = None,
                echo: Callable[[str], None] = print, progress: Optional[Progress] = None):
     self.trainer, self.checkpointer, self.log = trainer, checkpointer, log
@@ -287,6 +344,10 @@ class Replay:
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress or Progress(echo, enabled=False)
     self._warned_software = False
+    self._keep = 1 if max_staleness is None else max_staleness + 1
+    self._checkpointed = checkpointed
+    # {version: params} of the last `_keep` versions this replay produced.
+    self._params = {trainer.version: trainer.device_params()}
 
   def run(self) -> dict[str, Any]:
     """Replays to `steps` (or until `stop`); returns a summary: versions, the steps
@@ -298,7 +359,7 @@ class Replay:
         differs from the record; the message names the step and the first difference.
     """
     summary = {"start_version": self.trainer.version, "compared": [], "logp_tokens": 0,
-               "logp_max_abs_diff": 0.0}
+               "logp_unchecked": 0, "logp_max_abs_diff": 0.0}
     if self.trainer.version in self.reference_steps:  # the initial params, or a resume's
       self._compare(self.trainer.version)
       summary["compared"].append(self.trainer.version)
@@ -323,31 +384,61 @@ class Replay:
     step = self.trainer.version + 1
     groups, context = self.read(step)
     self._check_context(step, context)
-    checked = [dataclasses.replace(t, loss_mask_T=mask_T) for g in groups for t in g.trajectories
-               if (mask_T := recomputable_T(t, step - 1, self.update_mode)).any()]
-    got, want = self.recompute(checked) if checked else (np.zeros(0), np.zeros(0))
-    diff = float(np.max(np.abs(got - want), initial=0.0))
-    if self.logp_atol is not None and diff > self.logp_atol:
-      raise ReplayError(
-          f"step {step} of {self.recorded}: a recorded behaviour log-prob differs by {diff:.3g} "
-          f"(more than {self.logp_atol:g}) from the one version {step - 1}'s params give: "
-          f"the record's tokens or versions are not what that version generated")
+    checked, unchecked, diff = self._check_behaviour(step, groups)
     metrics = self.trainer.train(groups)
+    self._params[self.trainer.version] = self.trainer.device_params()
+    for version in [v for v in self._params if v <= self.trainer.version - self._keep]:
+      del self._params[version]
     self.skipped_steps += metrics["skipped"]
     self.applied_updates += metrics["applied_updates"]
     metrics["prompts"] = [str(g.prompt_id) for g in groups]
     self._check_logged(step, metrics)
-    summary["logp_tokens"] += got.size
+    summary["logp_tokens"] += checked
+    summary["logp_unchecked"] += unchecked
     summary["logp_max_abs_diff"] = max(summary["logp_max_abs_diff"], diff)
-    metrics["replay"] = {"logp_tokens": int(got.size), "logp_max_abs_diff": diff}
+    metrics["replay"] = {"logp_tokens": checked, "logp_unchecked": unchecked,
+                         "logp_max_abs_diff": diff}
     self.log.write(step, metrics)
     self.echo(stamped(f"replay v={step} loss={metrics['loss']:.4f} behaviour log-probs "
-                      f"checked={got.size} max|diff|={diff:.2g}"))
+                      f"checked={checked} unchecked={unchecked} max|diff|={diff:.2g}"))
     if step in self.reference_steps:
       self._compare(step)
       summary["compared"].append(step)
     if step % self.checkpoint_every == 0:
       self._checkpoint()
+
+  def _check_behaviour(self, step, groups) -> tuple[int, int, float]:
+    """Recomputes the behaviour log-prob of each generated token of step `step`'s batch
+    under the params of the version that produced it; returns how many were checked and
+    not, and the largest difference.
+
+    Raises:
+      ReplayError: a difference past `logp_atol`, naming the version.
+    """
+    trajs = [t for g in groups for t in g.trajectories]
+    generated = sum(int(np.count_nonzero(t.versions_T >= 0)) for t in trajs)
+    versions = np.unique(np.concatenate([t.versions_T[t.versions_T >= 0] for t in trajs]))
+    checked, diff = 0, 0.0
+    for version in map(int, versions):
+      if version not in self._params and (params := self._checkpointed(version)) is not None:
+        self._params[version] = params  # read once; dropped with the versions it precedes
+      params = self._params.get(version)
+      if params is None:
+        continue
+      made = [dataclasses.replace(t, loss_mask_T=mask_T) for t in trajs
+              if (mask_T := recomputable_T(t, version, self.update_mode)).any()]
+      if not made:
+        continue
+      got, want = self.recompute(params, made)
+      version_diff = float(np.max(np.abs(got - want), initial=0.0))
+      if self.logp_atol is not None and version_diff > self.logp_atol:
+        raise ReplayError(
+            f"step {step} of {self.recorded}: a recorded behaviour log-prob differs by "
+            f"{version_diff:.3g} (more than {self.logp_atol:g}) from the one version "
+            f"{version}'s params give: the record's tokens or versions are not what that "
+            f"version generated")
+      checked, diff = checked + got.size, max(diff, version_diff)
+    return checked, generated - checked, diff
 
   def _check_context(self, step, context):
     for key, setting in _CONTEXT_SETTINGS.items():

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 from async_rl.generation import Request, SamplingParams
+from async_rl.param_server.buffer import check_versions
 from async_rl.rewards import RewardTask
 from async_rl.rl.episodes import EpisodeRunner
 from async_rl.rl.errors import RewardFailureError, RunError
@@ -337,6 +338,11 @@ class RolloutController:
   def _score(self, ticket, prompt, samples, rewards):
     self._check_reward_failures()
     group = Group(prompt.id, tuple(s.with_reward(r) for s, r in zip(samples, rewards)))
+    # Versions only increase: a token newer than the generator's live version was made
+    # by params the pool does not say it holds.
+    live = self.pool.version
+    check_versions([group], newest=live, oldest=None,
+                   where=f"rollout worker {self._worker}'s generator (live version {live})")
     with self._lock:
       self.stats.generated_tokens += sum(s.num_policy_tokens for s in samples)
     if self._dynamic_filter and np.ptp(rewards) == 0:

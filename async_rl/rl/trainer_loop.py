@@ -6,10 +6,11 @@ local objects (in process) or proxies to Ray actors. With η = 0 the gate lets o
 batch of groups start per version, so the same loop is the synchronous baseline.
 
 Faults: a damaged latest checkpoint falls back to the previous one
-(`Checkpointer.restore_latest`); a non-finite step is skipped and counted; every
-wait runs under the run's deadlines (`deadlines.Deadlines`), and a stall or a
-failed rollout worker checkpoints the current version and stops the run with an
-error that names it.
+(`Checkpointer.restore_latest`); a non-finite step is skipped and counted; a batch
+with a token outside the staleness bound or newer than the params stops the run
+before it trains (`VersionError`, naming the sample); every wait runs under the run's
+deadlines (`deadlines.Deadlines`), and a stall or a failed rollout worker checkpoints
+the current version and stops the run with an error that names it.
 
 Stopping: once `stop` is set (a signal), the loop ends at the step it is in (a
 training step, once started, runs to its end; waits for a batch or for a held-out
@@ -26,13 +27,13 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from async_rl.config import LogConfig
-from async_rl.param_server.buffer import length_summary
+from async_rl.param_server.buffer import check_versions, length_summary
 from async_rl.progress import Progress, stamped
 from async_rl.rl import multihost
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import (NonFiniteError, NoTrainableGroupError, RolloutWorkerError,
-                                StallError, StopRequested)
+                                StallError, StopRequested, VersionError)
 from async_rl.rl.evaluate import Evaluator
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
@@ -69,6 +70,9 @@ class Settings:
     correct_threshold: a trained sample whose reward is at least this counts as correct
       (`accuracy`), as in the held-out evaluation.
     log: what the log shows besides metrics (sample completions).
+    max_staleness: every token a batch trains must be at most this many versions older
+      than the params it trains (None: no bound, as with `staleness.on_stale="admit"`);
+      a batch that breaks it, or holds a token newer than them, stops the run.
   """
   num_steps: int
   eval_every: int
@@ -79,6 +83,7 @@ class Settings:
   max_untrainable_groups: int = 0
   correct_threshold: float = 1.0
   log: LogConfig = LogConfig()
+  max_staleness: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,14 +342,21 @@ class TrainLoop:
   def _train(self, groups) -> tuple[dict, float]:
     """One training step on `groups` (recorded first); its metrics and the seconds the
     record took."""
-    version = self.trainer.version
+    version, eta = self.trainer.version, self.settings.max_staleness
+    check_versions(groups, newest=version, oldest=None if eta is None else version - eta,
+                   where=f"the batch of training step {version + 1} (params of version "
+                         f"{version}, max_staleness {eta})")
     with self.timeline.span("trainer", "train"), self.deadlines.waiting(
         f"training step {version + 1}", may_stall=False):
       self.publishing.announce("train", groups)
       t0 = time.perf_counter()
       self.record(version + 1, groups)
       record_s = time.perf_counter() - t0
-      return self.trainer.train(groups), record_s
+      metrics = self.trainer.train(groups)
+    if self.trainer.version != version + 1:
+      raise VersionError(f"training step {version + 1} left the trainer at version "
+                         f"{self.trainer.version}, not {version + 1}")
+    return metrics, record_s
 
   def _publish(self) -> float:
     """Publishes the trainer's version to the server; returns the seconds it took."""

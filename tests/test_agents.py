@@ -340,3 +340,14 @@ def test_a_failing_agent_loses_its_episode_not_the_run(agent, reason):
   # Each comes back as an aborted sample of the prompt alone, which fails its group.
   for e in episodes:
     assert (e.finish_reason, e.reward, e.metadata["lost"], len(e)) == ("aborted", 0.0, reason, 1)
+
+
+def test_serving_alone_refuses_an_open_address_without_a_key():
+  from async_rl import cli  # noqa: PLC0415
+  from async_rl.agents import serve  # noqa: PLC0415
+  from async_rl.configs import micro  # noqa: PLC0415
+  c = micro.get_config()
+  c.hf_model_dir = "/nonexistent"
+  with pytest.raises(ValueError, match="api_key"):
+    with serve.serve(cli.from_dict(c), host="0.0.0.0"):
+      pass

@@ -15,8 +15,8 @@ def get_config():
   c = tiny.get_config("tool")
   c.task.name = "agent"
   c.task.agent.update(episode="examples.agents.calculator:episode", task="arithmetic_tool",
-                      add_bos=True)
-  c.sft.steps = 30
+                      add_bos=True, deadline_s=600.0)
+  c.sft.steps = 50
   c.num_steps = 40
   c.batch_groups = 8
   c.staleness.max_concurrent = 24

@@ -2,7 +2,6 @@
 the wire format on a scripted pool, agent episodes on a real pool, and agents that fail."""
 
 import asyncio
-import functools
 import json
 import string
 import types
@@ -23,7 +22,7 @@ from async_rl.agents.server import Endpoint  # noqa: E402
 from async_rl.agents.task import AgentWorkflow  # noqa: E402
 from async_rl.chat import compile_chat_template  # noqa: E402
 from async_rl.config import AgentConfig  # noqa: E402
-from async_rl.generation import Engine, GeneratorPool, SamplingParams  # noqa: E402
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
 from async_rl.rl.episodes import EpisodeRunner  # noqa: E402
 from async_rl.trajectory import Trajectory  # noqa: E402
 from conftest import one_layer_model  # noqa: E402
@@ -259,12 +258,12 @@ def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None):
   runner = EpisodeRunner(pool, workflow, vocab_size=CFG.vocab_size)
   prompt = types.SimpleNamespace(id="p", tokens=(1,), question="go")
   try:
-    from async_rl.generation import Request  # noqa: PLC0415
     future = runner.submit(prompt, Request("p", [1], n, SamplingParams(
         temperature=1.0, max_new_tokens=120, seed=5)))
     return future.result(timeout=120), workflow.metrics()
   finally:
     runner.close()
+    workflow.close()
     endpoint.close()
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Optional
 
 from async_rl.agents.server import Endpoint
-from async_rl.config import ExperimentConfig
+from async_rl.config import LOOPBACK_HOSTS, ExperimentConfig
 
 
 @contextlib.contextmanager
@@ -25,16 +25,15 @@ def serve(cfg: ExperimentConfig, *, workdir: Optional[str] = None, step: Optiona
     ValueError: neither a workdir nor `cfg.hf_model_dir`; a host other than loopback
       without an `api_key`.
   """
-  from async_rl.config import LOOPBACK_HOSTS  # noqa: PLC0415
+  if workdir is None and cfg.hf_model_dir is None:
+    raise ValueError("nothing to serve: give a run's workdir or set hf_model_dir")
+  if host not in LOOPBACK_HOSTS and not api_key:
+    raise ValueError(f"serving on {host!r}, not a loopback address, needs an api_key")
   from async_rl.models import hf  # noqa: PLC0415 - the serving path only
   from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
   from async_rl.rl import build  # noqa: PLC0415
   from async_rl.rl.checkpoint import restore_params  # noqa: PLC0415
   from async_rl.tasks.registry import make_task  # noqa: PLC0415
-  if workdir is None and cfg.hf_model_dir is None:
-    raise ValueError("nothing to serve: give a run's workdir or set hf_model_dir")
-  if host not in LOOPBACK_HOSTS and not api_key:
-    raise ValueError(f"serving on {host!r}, not a loopback address, needs an api_key")
   cfg = build.resolve(cfg)
   if workdir is not None:
     params = restore_params(os.path.join(workdir, "checkpoints"), cfg.model, step=step)

@@ -6,9 +6,10 @@ of a prompt group the run opens an episode on its endpoint (`agents.server`), ha
 the agent an `openai.AsyncOpenAI` client whose base URL is that episode's, and the
 row of the task `task.agent.task` that the prompt came from (what the task's
 `reference` gives: an arithmetic `Problem`, a data set `Row`); the agent calls the
-model as often as it likes, calls its tools, and returns the episode's reward. The n
-agents of a group run concurrently on the group's workflow thread, each under a
-deadline (`task.agent.deadline_s`).
+model as often as it likes, calls its tools, and returns the episode's reward. Every
+group's agents run concurrently on one event loop (a thread of the workflow's),
+sharing one HTTP client, each under a deadline (`task.agent.deadline_s`); an agent
+must not block the loop (blocking work goes to `asyncio.to_thread`).
 
 Each episode becomes one trajectory (`agents.episode`): the exact tokens generated,
 with their behaviour log-probs and versions, and the tokens the agent sent between
@@ -62,18 +63,37 @@ class AgentWorkflow:
     self._deadline_s, self._max_tokens, self._api_key = deadline_s, max_tokens, api_key
     self._lock = threading.Lock()
     self._counts: collections.Counter = collections.Counter()
+    self._loop: Optional[asyncio.AbstractEventLoop] = None
+    self._client = None  # one HTTP client for all agents, made and used on `_loop`
 
   def metrics(self) -> dict[str, int]:
     """Episodes run, and those lost by reason (`agents.episode.LOSSES`)."""
     with self._lock:
       return dict(self._counts)
 
+  def close(self) -> None:
+    """Stops the agents' event loop (agents still running are abandoned)."""
+    with self._lock:
+      loop, self._loop = self._loop, None
+    if loop is not None:
+      loop.call_soon_threadsafe(loop.stop)
+
+  def _agents_loop(self) -> asyncio.AbstractEventLoop:
+    # One loop for every group's agents: a client per loop shares its connections, and
+    # no group pays for a loop and a client of its own.
+    with self._lock:
+      if self._loop is None:
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="agents", daemon=True).start()
+      return self._loop
+
   def run(self, prompt, n: int, generate) -> list:
     self.endpoint.start()
     budget = self._max_tokens or generate.max_new_tokens
     episodes = [self.endpoint.open(generate, budget=budget) for _ in range(n)]
     try:
-      outcomes = asyncio.run(self._run_agents(episodes, self._row(prompt)))
+      outcomes = asyncio.run_coroutine_threadsafe(
+          self._run_agents(episodes, self._row(prompt)), self._agents_loop()).result()
     finally:
       for episode in episodes:
         self.endpoint.finish(episode)
@@ -95,17 +115,19 @@ class AgentWorkflow:
     return trajectories
 
   async def _run_agents(self, episodes: list[Episode], row) -> list:
-    import openai  # the `agents` extra
+    if self._client is None:
+      import openai  # noqa: PLC0415 - the `agents` extra
+      self._client = openai.AsyncOpenAI(base_url=self.endpoint.url, max_retries=0,
+                                        api_key=self._api_key or "unused",
+                                        timeout=self._deadline_s)
 
     async def one(episode):
-      async with openai.AsyncOpenAI(base_url=self.endpoint.episode_url(episode),
-                                    api_key=self._api_key or "unused", max_retries=0,
-                                    timeout=self._deadline_s) as client:
-        try:
-          return await asyncio.wait_for(self._agent(client, row), self._deadline_s)
-        except TimeoutError:
-          raise episode.lose("deadline", f"the agent ran past its deadline of "
-                             f"{self._deadline_s:g} s") from None
+      client = self._client.with_options(base_url=self.endpoint.episode_url(episode))
+      try:
+        return await asyncio.wait_for(self._agent(client, row), self._deadline_s)
+      except TimeoutError:
+        raise episode.lose("deadline", f"the agent ran past its deadline of "
+                           f"{self._deadline_s:g} s") from None
 
     return await asyncio.gather(*(one(e) for e in episodes), return_exceptions=True)
 

@@ -42,6 +42,7 @@ from async_rl.generation import Request, SamplingParams
 from async_rl.trajectory import Trajectory
 
 _START_TIMEOUT_S = 30.0
+_KEEP_ALIVE_S = 120
 
 
 class Endpoint:
@@ -84,8 +85,11 @@ class Endpoint:
       sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
       sock.bind((self._host, self._port))
       port = sock.getsockname()[1]
+      # Agents pause between turns (their tools run); a connection kept alive across
+      # the pause spares a reconnect and the race of a close meeting the next request.
       server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning",
-                                             access_log=False, lifespan="off"))
+                                             access_log=False, lifespan="off",
+                                             timeout_keep_alive=_KEEP_ALIVE_S))
       thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                 name="openai-endpoint", daemon=True)
       thread.start()

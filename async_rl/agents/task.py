@@ -117,7 +117,11 @@ class AgentWorkflow:
   async def _run_agents(self, episodes: list[Episode], row) -> list:
     if self._client is None:
       import openai  # noqa: PLC0415 - the `agents` extra
-      self._client = openai.AsyncOpenAI(base_url=self.endpoint.url, max_retries=0,
+      # Retries resend a request whose connection failed before the endpoint read it (a
+      # kept-alive connection closed under it). A resent request that the endpoint had
+      # served no longer continues its episode, which is lost as a mismatch: nothing
+      # is trained twice.
+      self._client = openai.AsyncOpenAI(base_url=self.endpoint.url, max_retries=2,
                                         api_key=self._api_key or "unused",
                                         timeout=self._deadline_s)
 

@@ -753,6 +753,50 @@ class DataConfig:
       fail("task.data.seed", self.seed, "must be >= 0")
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+  """An agent written for the OpenAI client, trained through the run's OpenAI-compatible
+  endpoint (`task.name="agent"`, `agents`)."""
+  episode: str = _field(
+      "", '"module:function" naming `async def episode(client, row) -> float`: one episode '
+      "of the agent, given an `openai.AsyncOpenAI` client pointed at the episode's endpoint "
+      "and the task row; its return value is the episode's reward.")
+  task: str = _field(
+      "arithmetic", "the task the agent works on (a `task.name` other than \"agent\"): its "
+      "prompts, rows (what `reference` gives), held-out set, tokenizer and, for held-out "
+      "accuracy, reward function.")
+  host: str = _field(
+      "127.0.0.1", "the address the endpoint binds; any but a loopback one needs `api_key`.")
+  port: int = _field(0, "the endpoint's port; 0: a free one.")
+  api_key: Optional[str] = _field(
+      None, "the bearer token every request must carry; None: none (loopback only).")
+  deadline_s: float = _field(
+      120.0, "an episode still running after this many seconds is cancelled and lost.")
+  max_tokens: Optional[int] = _field(
+      None, "an episode's budget of tokens after its first prompt (generated and sent back "
+      "together); None: `generation.max_new_tokens`. A request past it loses the episode.")
+  add_bos: bool = _field(
+      False, "put the tokenizer's BOS before a completion request's text prompt, as the task "
+      "encodes its prompts (the synthetic tasks' prompts begin with BOS; chat templates "
+      "write their own).")
+
+  def __post_init__(self):
+    if self.host not in LOOPBACK_HOSTS and not self.api_key:
+      fail("task.agent.api_key", self.api_key,
+           f"must be set when task.agent.host={self.host!r} is not a loopback address")
+    if not 0 <= self.port < 65536:
+      fail("task.agent.port", self.port, "must be in [0, 65536)")
+    if not self.deadline_s > 0:
+      fail("task.agent.deadline_s", self.deadline_s, "must be > 0")
+    if self.max_tokens is not None and self.max_tokens < 1:
+      fail("task.agent.max_tokens", self.max_tokens, "must be >= 1 or None")
+    if self.task == "agent":
+      fail("task.agent.task", self.task, "must name the task the agent works on, not itself")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """What the run learns: a built-in task by name, or a user's."""
@@ -761,7 +805,8 @@ class TaskConfig:
       'character tokenizer), "arithmetic_tool" (the same problems with a calculator tool over '
       'several turns), "code" (`code`, small programs run in the sandbox), "math" (`math`, '
       "GSM8K/MATH JSONL files, the tokenizer of `hf_model_dir`), \"data\" (`data`, a user's "
-      "own JSONL or Parquet rows) — or \"module:attr\" naming a user's task factory, called "
+      "own JSONL or Parquet rows), \"agent\" (`agent`, an agent written for the OpenAI client, "
+      "on the task `agent.task`) — or \"module:attr\" naming a user's task factory, called "
       "with this section.")
   options: dict[str, Any] = _field(
       {}, "a user task's own options (plain data: strings, numbers, bools, None, lists and "
@@ -770,6 +815,7 @@ class TaskConfig:
   math: MathConfig = MathConfig()
   code: CodeConfig = CodeConfig()
   data: DataConfig = DataConfig()
+  agent: AgentConfig = AgentConfig()
   tokenizer_dir: Optional[str] = _field(
       None, "a Hugging Face directory with tokenizer files, for tasks that use one; None: "
       "`hf_model_dir` (the builder fills it in).")

@@ -136,7 +136,7 @@ class HFTokenizer:
                   add_generation_prompt: bool = True, **kwargs) -> str:
     """The text of `messages` in the model's chat template (ChatML without one), up to
     where the assistant's reply begins when `add_generation_prompt`; `kwargs` are
-    extra template variables (Qwen3's `enable_thinking`).
+    extra template variables (Qwen3's `enable_thinking`, `tools`).
 
     Raises:
       ValueError: the template rejects the conversation (its `raise_exception`).
@@ -146,8 +146,8 @@ class HFTokenizer:
     import jinja2  # noqa: PLC0415 (with the template)
     try:
       return self._template.render(
-          **self._template_tokens, **kwargs, messages=[dict(m) for m in messages],
-          tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+          **self._template_tokens, **{"tools": None, "documents": None, **kwargs},
+          messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as e:
       raise ValueError(f"the model's chat template cannot render the conversation: "
                        f"{type(e).__name__}: {e}") from None

@@ -15,8 +15,9 @@ weights to the pool (and give it up to a poll to apply them), draw a prompt, acq
 ticket for its group from the gate (at the pool's version, so a lagging generator
 never starts a group whose tokens would arrive too stale), hand it to the task's
 workflow (`rl.episodes`; single-turn by default). Trajectories are scored
-asynchronously by the reward service and offered to the parameter server as one
-group; nothing here blocks the pool's decode thread.
+asynchronously by the reward service (unless the workflow scored every one itself, as
+an agent's episodes are) and offered to the parameter server as one group; nothing
+here blocks the pool's decode thread.
 
 Failures: an exception in the loop, in the workflow or in a completion callback
 rejects the group it concerned (so its capacity is freed), is logged with its
@@ -319,6 +320,9 @@ class RolloutController:
       self._finish(ticket, None, "failed")
       return
     samples = future.result()
+    if all(s.reward is not None for s in samples):  # scored by the workflow (an agent)
+      self._score(ticket, prompt, samples, [s.reward for s in samples])
+      return
     reference = self._reference(prompt)
     self._wait_on(ticket, "rewards")
     rewards = [self.rewards.submit(RewardTask(self._reward_fn, self._decode(s.completion_C),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from async_rl import named
+from async_rl.agents import task as agent_task
 from async_rl.tasks import arithmetic, code_task, data_task, math_task, tool_task
 
 
@@ -21,6 +22,7 @@ class _Entry(NamedTuple):
 
 
 TASKS: dict[str, _Entry] = {
+    "agent": _Entry(agent_task.make, agent_task.check),
     "arithmetic": _Entry(arithmetic.make, arithmetic.check),
     "arithmetic_tool": _Entry(tool_task.make, arithmetic.check),
     "code": _Entry(code_task.make, code_task.check),

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible endpoint: `/v1/chat/completions` and `/v1/completions` in front
+of a generator pool, so that an agent written for the `openai` client runs unchanged.
+
+Built on Starlette (routing, requests, server-sent events) served by uvicorn on a
+thread of its own: the same ASGI pair vLLM's OpenAI server runs on (through FastAPI,
+which adds request models we do not need: the wire format is checked by hand in
+`agents.wire`, so that a malformed request names its field the way the rest of the
+run names bad values). Both are small, widely used and actively kept.
+
+Two kinds of request:
+  * `/episodes/<key>/v1/...`: a turn of an episode that the run opened (`open`) for an
+    agent; it samples as the run does (its temperature and top-p; the request's are
+    ignored), and the episode records its tokens (`agents.episode`). An episode takes
+    one request at a time and `n` = 1.
+  * `/v1/...`: a plain request straight to the pool (`pool`; serving without training),
+    sampled as it asks.
+A prompt is the conversation as the tokenizer's own chat template renders it (chat), or
+the prompt's text (after BOS with `add_bos`) or token ids (completions). A
+tokenizer without a chat template renders a conversation as its messages' contents,
+one after another. Streaming sends the reply once the pool returns it (the pool
+returns whole samples), as OpenAI's chunks followed by `data: [DONE]`.
+
+Binds 127.0.0.1 by default; with `api_key`, every request needs the header
+`Authorization: Bearer <api_key>` (`config.AgentConfig` refuses another address
+without one).
+"""
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+from async_rl.agents import wire
+from async_rl.agents.episode import Episode, EpisodeLost
+from async_rl.generation import Request, SamplingParams
+from async_rl.trajectory import Trajectory
+
+_START_TIMEOUT_S = 30.0
+_KEEP_ALIVE_S = 120
+
+
+class Endpoint:
+  """An OpenAI-compatible HTTP endpoint on a thread; `start` binds it, `close` stops it.
+
+  Args:
+    tokenizer: encodes prompts, renders conversations (`render_chat`, if it has one),
+      decodes replies; its stop ids end every reply.
+    host, port: where to bind; port 0 takes a free one (`url` says which).
+    api_key: the bearer token requests must carry; None: none.
+    pool: the `GeneratorPool` that plain `/v1/...` requests go to; None: episodes only.
+    model: the model name the endpoint reports.
+    max_tokens: a plain request's `max_tokens` when it gives none.
+    add_bos: put the tokenizer's BOS before a completion request's text prompt.
+  """
+
+  def __init__(self, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
+               api_key: Optional[str] = None, pool=None, model: str = "async_rl",
+               max_tokens: int = 256, add_bos: bool = False):
+    self._tok, self._host, self._port, self._api_key = tokenizer, host, port, api_key
+    self._pool, self.model, self._max_tokens = pool, model, max_tokens
+    self._bos_id = tokenizer.bos_id if add_bos else None
+    self._lock = threading.Lock()
+    self._episodes: dict[str, Episode] = {}
+    self._ids = itertools.count()
+    self._server = None
+    self._thread: Optional[threading.Thread] = None
+    self.url: Optional[str] = None
+
+  # Lifecycle, from any thread.
+
+  def start(self) -> "Endpoint":
+    """Binds and starts serving (idempotent); raises RuntimeError if it cannot."""
+    import uvicorn  # the `agents` extra
+    with self._lock:
+      if self._server is not None:
+        return self
+      family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+      sock = socket.socket(family, socket.SOCK_STREAM)
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      sock.bind((self._host, self._port))
+      port = sock.getsockname()[1]
+      # Agents pause between turns (their tools run); a connection kept alive across
+      # the pause spares a reconnect and the race of a close meeting the next request.
+      server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning",
+                                             access_log=False, lifespan="off",
+                                             timeout_keep_alive=_KEEP_ALIVE_S))
+      thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                name="openai-endpoint", daemon=True)
+      thread.start()
+      deadline = time.monotonic() + _START_TIMEOUT_S
+      while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+          server.should_exit = True
+          raise RuntimeError(f"the OpenAI endpoint did not start on {self._host}:{port}")
+        time.sleep(0.01)
+      self._server, self._thread = server, thread
+      host = f"[{self._host}]" if family == socket.AF_INET6 else self._host
+      self.url = f"http://{host}:{port}"
+    logging.info("OpenAI-compatible endpoint at %s/v1", self.url)
+    return self
+
+  def close(self) -> None:
+    with self._lock:
+      server, thread, self._server = self._server, self._thread, None
+    if server is not None:
+      server.should_exit = True
+      thread.join(_START_TIMEOUT_S)
+
+  def open(self, generate, *, budget: int) -> Episode:
+    """A new episode whose turns `generate` (a `tasks.workflow.Generate`) samples;
+    its base URL is `episode_url(episode)`."""
+    episode = Episode(uuid.uuid4().hex, generate, budget=budget,
+                      stop_ids=self._tok.stop_ids)
+    with self._lock:
+      self._episodes[episode.key] = episode
+    return episode
+
+  def finish(self, episode: Episode) -> None:
+    """Closes `episode`: later requests get 404, its held slot is freed."""
+    with self._lock:
+      self._episodes.pop(episode.key, None)
+    episode.close()
+
+  def episode_url(self, episode: Episode) -> str:
+    """The `base_url` of an OpenAI client for `episode`."""
+    return f"{self.url}/episodes/{episode.key}/v1"
+
+  # The ASGI application, on the endpoint's thread.
+
+  def _app(self):
+    from starlette.applications import Starlette  # the `agents` extra
+    from starlette.routing import Route
+
+    async def chat(request):
+      return await self._handle(request, chat=True)
+
+    async def completions(request):
+      return await self._handle(request, chat=False)
+
+    async def models(request):
+      if (denied := self._denied(request)) is not None:
+        return denied
+      return _json({"object": "list", "data": [
+          {"id": self.model, "object": "model", "created": 0, "owned_by": "async_rl"}]})
+
+    routes = [Route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
+              for prefix in ("", "/episodes/{key}")]
+    routes += [Route(f"{prefix}/v1/completions", completions, methods=["POST"])
+               for prefix in ("", "/episodes/{key}")]
+    routes += [Route(f"{prefix}/v1/models", models, methods=["GET"])
+               for prefix in ("", "/episodes/{key}")]
+    return Starlette(routes=routes)
+
+  def _denied(self, request):
+    if self._api_key is None:
+      return None
+    given = request.headers.get("authorization", "")
+    if hmac.compare_digest(given.encode(), f"Bearer {self._api_key}".encode()):
+      return None
+    return _json(wire.error("a valid bearer token is required", "authentication_error"), 401)
+
+  async def _handle(self, request, *, chat: bool):
+    if (denied := self._denied(request)) is not None:
+      return denied
+    episode = None
+    if "key" in request.path_params:
+      with self._lock:
+        episode = self._episodes.get(request.path_params["key"])
+      if episode is None:
+        return _json(wire.error(f"no open episode {request.path_params['key']!r}",
+                                "not_found_error"), 404)
+      if episode.busy:
+        return self._bad(episode, "another request of this episode is running", 409)
+      episode.busy = True
+    elif self._pool is None:
+      return _json(wire.error("this endpoint serves the run's episodes only "
+                              "(/episodes/<key>/v1/...)", "not_found_error"), 404)
+    try:
+      try:
+        body = await request.json()
+      except ValueError:
+        raise wire.BadRequest("the request body is not JSON") from None
+      return await self._answer(body, chat, episode)
+    except ValueError as e:  # `wire.BadRequest`, or what the tokenizer or the pool refuses
+      return self._bad(episode, str(e))
+    except EpisodeLost as e:
+      return _json(wire.error(str(e)), 503 if e.reason == "aborted" else 400)
+    finally:
+      if episode is not None:
+        episode.busy = False
+
+  @staticmethod
+  def _bad(episode: Optional[Episode], message: str, status: int = 400):
+    if episode is not None:
+      message = str(episode.lose("malformed", message))
+    return _json(wire.error(message), status)
+
+  async def _answer(self, body, chat: bool, episode: Optional[Episode]):
+    ask = wire.parse_ask(body, self._tok.encode, chat=chat)
+    messages, tools, text = None, None, None
+    if chat:
+      messages = wire.parse_messages(body)
+      tools = body.get("tools") or None
+      if tools is not None and not isinstance(tools, list):
+        raise wire.BadRequest(f"tools must be a list, got {tools!r}")
+      text = self._render(messages, tools, True)
+      prompt_ids = None
+    else:
+      prompt_ids = wire.parse_prompt(body, self._tok.encode, self._bos_id)
+    if episode is None:
+      samples = await self._sample(prompt_ids or self._tok.encode(text), ask)
+    else:
+      episode.check()
+      if ask.n != 1:
+        raise wire.BadRequest(f"n must be 1 within an episode, got {ask.n}")
+      env = (episode.env_of_chat(messages, tools, text, self._tok.encode) if chat
+             else episode.env_of_tokens(prompt_ids))
+      try:
+        samples = await asyncio.wrap_future(episode.turn(env, ask.max_tokens, ask.stop_ids))
+      except RuntimeError as e:  # the pool or the episode runner is closing
+        raise episode.lose("aborted", f"the turn was not generated: {e}") from None
+      episode.record(samples[0])
+      episode.check()
+    if any(s.finish_reason == "aborted" for s in samples):
+      return _json(wire.error("generation was aborted (the run is ending)", "server_error"),
+                   503)
+    choices = [self._choice(s, ask, tools) for s in samples]
+    if episode is not None and chat:
+      reply = {"role": "assistant", "content": choices[0].text,
+               "tool_calls": list(choices[0].tool_calls) or None}
+      history = messages + wire.parse_messages({"messages": [reply]})
+      episode.replied(history, tools, text, self._render(history, tools, False))
+    elif episode is not None:
+      episode.completed()
+    counts = wire.usage(samples[0].prompt_len,
+                        sum(len(s.completion_C) for s in samples))
+    if ask.stream:
+      from starlette.responses import StreamingResponse  # noqa: PLC0415 (the `agents` extra)
+      chunks = wire.stream_chunks(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
+                                  usage_=counts if ask.include_usage else None)
+
+      async def events():
+        for chunk in chunks:
+          yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+      return StreamingResponse(events(), media_type="text/event-stream")
+    return _json(wire.response(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
+                               usage_=counts))
+
+  def _render(self, messages: list, tools, add_generation_prompt: bool) -> str:
+    render = getattr(self._tok, "render_chat", None)
+    if render is None:
+      return "".join(m.get("content") or "" for m in messages)
+    return render(messages, add_generation_prompt=add_generation_prompt,
+                  **({"tools": tools} if tools else {}))
+
+  async def _sample(self, prompt_ids, ask: wire.Ask) -> list[Trajectory]:
+    sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p,
+                              max_new_tokens=ask.max_tokens or self._max_tokens,
+                              stop_token_ids=(*self._tok.stop_ids, *ask.stop_ids), seed=ask.seed)
+    return await asyncio.wrap_future(self._pool.submit(
+        Request(f"openai/{next(self._ids)}", prompt_ids, ask.n, sampling)))
+
+  def _choice(self, sample: Trajectory, ask: wire.Ask, tools) -> wire.Choice:
+    generated = [int(t) for t in sample.completion_C]
+    shown = generated
+    if (sample.finish_reason == "stop" and generated and generated[-1] in ask.stop_ids
+        and generated[-1] not in self._tok.stop_ids):
+      shown = generated[:-1]  # OpenAI leaves a stop string out of the text
+    text = self._tok.decode(shown)
+    calls: list[dict[str, Any]] = []
+    if tools:
+      text, calls = wire.parse_tool_calls(text)
+    finish = "tool_calls" if calls else sample.finish_reason
+    token_texts = [self._tok.decode([t]) for t in generated] if ask.logprobs else []
+    logprobs = [float(x) for x in sample.logp_T[sample.prompt_len:]] if ask.logprobs else []
+    return wire.Choice(text, token_texts, logprobs, finish, tuple(calls))
+
+
+def _json(body: dict, status: int = 200):
+  from starlette.responses import JSONResponse  # noqa: PLC0415 (the `agents` extra)
+  return JSONResponse(body, status_code=status)

@@ -1,0 +1,352 @@
+"""The OpenAI-compatible endpoint, driven by the real `openai` client over localhost:
+the wire format on a scripted pool, agent episodes on a real pool, and agents that fail."""
+
+import asyncio
+import json
+import string
+import types
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from async_rl import models, policy  # noqa: E402
+from async_rl.agents import wire  # noqa: E402
+from async_rl.agents.episode import reply_glue  # noqa: E402
+from async_rl.agents.server import Endpoint  # noqa: E402
+from async_rl.agents.task import AgentWorkflow  # noqa: E402
+from async_rl.chat import compile_chat_template  # noqa: E402
+from async_rl.config import AgentConfig  # noqa: E402
+from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
+from async_rl.rl.episodes import EpisodeRunner  # noqa: E402
+from async_rl.trajectory import Trajectory  # noqa: E402
+from conftest import one_layer_model  # noqa: E402
+
+# A Hermes-style template (tool calls as <tool_call>JSON</tool_call>), as Qwen2.5's.
+TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}"
+    "{{ ' ' + t.function.name }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>' }}{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "{{ '</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+class ChatChars:
+  """Printable ASCII one character a token, with <|im_end|> (EOS) and <|im_start|>, and
+  the template above: a tokenizer whose text round-trips exactly."""
+  SPECIALS = ("<|im_end|>", "<|im_start|>")
+  bos_id = None
+  eos_id = pad_id = 0
+  stop_ids = (0,)
+
+  def __init__(self):
+    self._vocab = list(self.SPECIALS) + list(string.printable[:95]) + ["\n"]
+    self._ids = {t: i for i, t in enumerate(self._vocab)}
+    self.vocab_size = len(self._vocab)
+    self._template = compile_chat_template(TEMPLATE)
+
+  def encode(self, text):
+    ids, i = [], 0
+    while i < len(text):
+      special = next((s for s in self.SPECIALS if text.startswith(s, i)), None)
+      token = special or text[i]
+      ids.append(self._ids[token])
+      i += len(token)
+    return ids
+
+  def decode(self, ids):
+    out = []
+    for t in ids:
+      if int(t) in self.stop_ids:
+        break
+      out.append(self._vocab[int(t)] if int(t) >= 2 else "")
+    return "".join(out)
+
+  def render_chat(self, messages, *, add_generation_prompt=True, tools=None):
+    return self._template.render(messages=messages, tools=tools,
+                                 add_generation_prompt=add_generation_prompt)
+
+
+TOK = ChatChars()
+
+
+class ScriptedPool:
+  """A pool whose every sample is the next scripted reply (its text, then EOS unless it
+  is cut), with log-prob -0.5 and version 3; it holds no slots."""
+
+  def __init__(self):
+    self.replies, self.requests = [], []
+
+  def submit(self, request):
+    self.requests.append(request)
+    samples = []
+    for i in range(request.n):
+      ids = TOK.encode(self.replies.pop(0) if self.replies else "ok")
+      ids = ids[:request.sampling.max_new_tokens]
+      stops = [k for k, t in enumerate(ids) if t in request.sampling.stop_token_ids]
+      finish = "stop" if stops else "length"
+      if stops:
+        ids = ids[:stops[0] + 1]
+      elif len(ids) < request.sampling.max_new_tokens:
+        ids, finish = ids + [TOK.eos_id], "stop"
+      samples.append(Trajectory.from_completion(
+          request.prompt, ids, np.full(len(ids), -0.5), np.full(len(ids), 3), finish,
+          metadata={"request_id": request.request_id, "index": i}))
+    future = Future()
+    future.set_result(samples)
+    return future
+
+  def extend(self, handle, request):
+    raise AssertionError("the scripted pool holds no slot")
+
+  def release(self, handle):
+    pass
+
+
+@pytest.fixture(scope="module")
+def scripted():
+  pool = ScriptedPool()
+  endpoint = Endpoint(TOK, pool=pool, max_tokens=200).start()
+  yield pool, endpoint
+  endpoint.close()
+
+
+def _client(url, **kw):
+  return openai.OpenAI(base_url=url, api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+def test_chat_and_completion_requests_stream_and_not(scripted):
+  pool, endpoint = scripted
+  client = _client(f"{endpoint.url}/v1")
+  pool.replies[:] = ["Paris.", "Rome"]
+  out = client.chat.completions.create(
+      model="m", messages=[{"role": "user", "content": "Capital?"}], n=2, temperature=0.5,
+      top_p=0.9, seed=3, logprobs=True)
+  request = pool.requests[-1]
+  assert request.prompt == TOK.encode("<|im_start|>user\nCapital?<|im_end|>\n"
+                                      "<|im_start|>assistant\n")
+  assert (request.n, request.sampling.temperature, request.sampling.top_p,
+          request.sampling.seed) == (2, 0.5, 0.9, 3)
+  assert [c.message.content for c in out.choices] == ["Paris.", "Rome"]
+  assert [c.finish_reason for c in out.choices] == ["stop", "stop"]
+  assert [t.logprob for t in out.choices[0].logprobs.content] == [-0.5] * 7  # with EOS
+  assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(request.prompt), 12)
+
+  pool.replies[:] = ["1+2=3\n#3"]
+  text = client.completions.create(model="m", prompt="Add:", stop=["="], max_tokens=20,
+                                   logprobs=1)
+  assert pool.requests[-1].prompt == TOK.encode("Add:")  # no BOS in this tokenizer
+  assert TOK.encode("=")[0] in pool.requests[-1].sampling.stop_token_ids
+  assert text.choices[0].text == "1+2"  # the stop string is left out, as OpenAI does
+  assert text.choices[0].logprobs.tokens == ["1", "+", "2", "="]
+  assert text.choices[0].finish_reason == "stop"
+
+  pool.replies[:] = ["abcdefgh"]
+  chunks = list(client.chat.completions.create(
+      model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+      stream_options={"include_usage": True}))
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "abcd"
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+  assert chunks[-1].usage.completion_tokens == 4
+  pool.replies[:] = ["xy"]
+  streamed = list(client.completions.create(model="m", prompt=[5, 6, 7], stream=True))
+  assert pool.requests[-1].prompt == [5, 6, 7]
+  assert "".join(c.choices[0].text for c in streamed) == "xy"
+
+
+def test_tool_calls_are_parsed_and_round_trip_through_the_template(scripted):
+  pool, endpoint = scripted
+  client = _client(f"{endpoint.url}/v1")
+  tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+  pool.replies[:] = ['Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+                     '</tool_call>']
+  out = client.chat.completions.create(model="m", tools=tools,
+                                       messages=[{"role": "user", "content": "1+2?"}])
+  assert pool.requests[-1].prompt[:len(TOK.encode("<|im_start|>system\nTools: add"))] == \
+      TOK.encode("<|im_start|>system\nTools: add")
+  choice = out.choices[0]
+  assert choice.finish_reason == "tool_calls"
+  assert choice.message.content == "Let me add."
+  (call,) = choice.message.tool_calls
+  assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 1, "b": 2})
+  # Sent back, the reply renders as it was generated (so an episode can continue it).
+  history = wire.parse_messages({"messages": [
+      {"role": "user", "content": "1+2?"}, choice.message.model_dump()]})
+  rendered = TOK.render_chat(history, add_generation_prompt=False, tools=tools)
+  assert rendered.endswith('assistant\nLet me add.\n<tool_call>{"name": "add", "arguments": '
+                           '{"a": 1, "b": 2}}</tool_call><|im_end|>\n')
+
+
+def test_bad_requests_are_refused_naming_the_field(scripted):
+  _, endpoint = scripted
+  client = _client(f"{endpoint.url}/v1")
+  with pytest.raises(openai.BadRequestError, match="temperature"):
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                   temperature=7)
+  with pytest.raises(openai.BadRequestError, match="stop"):
+    client.completions.create(model="m", prompt="x", stop=["two tokens"])
+  with pytest.raises(openai.NotFoundError):
+    _client(f"{endpoint.url}/episodes/nope/v1").completions.create(model="m", prompt="x")
+
+
+def test_a_bearer_token_is_required_when_set():
+  endpoint = Endpoint(TOK, pool=ScriptedPool(), api_key="s3cret").start()
+  try:
+    with pytest.raises(openai.AuthenticationError):
+      _client(f"{endpoint.url}/v1", api_key="wrong").models.list()
+    assert _client(f"{endpoint.url}/v1", api_key="s3cret").models.list().data[0].id
+  finally:
+    endpoint.close()
+  with pytest.raises(ValueError, match="task.agent.api_key"):
+    AgentConfig(host="0.0.0.0")
+
+
+def test_reply_glue_is_what_the_template_writes_after_the_generated_tokens():
+  im_end, nl = TOK.encode("<|im_end|>\n")
+  a, b = TOK.encode("ab")
+  assert reply_glue([a, b, im_end, nl], [a, b, im_end], TOK.stop_ids) == [nl]
+  assert reply_glue([a, b, im_end, nl], [a, b], TOK.stop_ids) == [im_end, nl]  # cut reply
+  assert reply_glue([a, b], [a, b, 7], TOK.stop_ids) == []  # a stop string not rendered
+
+
+# Episodes on a real pool.
+
+CFG = one_layer_model(TOK.vocab_size)
+T = 160
+_logp = jax.jit(policy.logp_and_entropy, static_argnums=1, static_argnames="temperature")
+
+
+@pytest.fixture(scope="module")
+def real():
+  params = jax.jit(models.init_params, static_argnums=0)(CFG, jax.random.key(0))
+  engine = Engine(CFG, max_concurrent_decodes=4, max_prefill_length=T - 1, max_target_length=T)
+  with GeneratorPool(engine, params) as pool:
+    yield pool, params
+
+
+STOPS = list("aeiou0123456789 .,;:!?-+=")  # so that most turns end on a stop id
+
+
+async def _three_turns(client, row):
+  """Asks, then answers each reply with a tool result; records the log-probs of the
+  tokens it was given and whether each turn ended on a stop."""
+  messages = [{"role": "user", "content": row}]
+  logprobs, stopped = [], []
+  for turn in range(3):
+    out = await client.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                                stop=STOPS, logprobs=True)
+    logprobs += [t.logprob for t in out.choices[0].logprobs.content]
+    stopped.append(out.choices[0].finish_reason == "stop")
+    messages += [out.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "content": f"r{turn}"}]
+  _three_turns.seen.append((logprobs, sum(stopped[:2])))
+  return 1.0
+
+
+def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None):
+  endpoint = Endpoint(TOK)
+  workflow = AgentWorkflow(endpoint, agent, row=lambda p: p.question, deadline_s=deadline_s,
+                           max_tokens=max_tokens)
+  runner = EpisodeRunner(pool, workflow, vocab_size=CFG.vocab_size)
+  prompt = types.SimpleNamespace(id="p", tokens=(1,), question="go")
+  try:
+    future = runner.submit(prompt, Request("p", [1], n, SamplingParams(
+        temperature=1.0, max_new_tokens=120, seed=5)))
+    return future.result(timeout=120), workflow.metrics()
+  finally:
+    runner.close()
+    workflow.close()
+    endpoint.close()
+
+
+def test_an_episode_trains_the_generated_tokens_with_the_environment_masked(real):
+  pool, params = real
+  _three_turns.seen = []
+  before = pool.metrics()["extended_in_slot"] + pool.metrics()["extended_reprefilled"]
+  episodes, counts = _run(pool, _three_turns)
+  assert counts == {"episodes": 2}
+  # A turn after one that ended on a stop id continued in the slot its episode held.
+  assert pool.metrics()["extended_in_slot"] + pool.metrics()["extended_reprefilled"] - before \
+      == sum(held for _, held in _three_turns.seen)
+  seen = [logprobs for logprobs, _ in _three_turns.seen]
+  for e in episodes:
+    assert e.reward == 1.0 and e.metadata["turns"] == 3
+    policy_T = e.versions_T >= 0
+    np.testing.assert_array_equal(e.loss_mask_T, policy_T)
+    # The policy tokens are the replies the agent was given, token for token, and each
+    # is the generator's: its behaviour log-prob is the model's log-prob of it given
+    # the episode before it.
+    assert any(np.allclose(e.logp_T[policy_T], s) for s in seen if len(s) == policy_T.sum())
+    n = len(e)
+    pad = np.zeros(T, np.int32)
+    pad[:n] = e.tokens_T
+    logp_1T, _ = _logp(params, CFG, pad[None], np.arange(T)[None],
+                       (np.arange(T) < n).astype(np.int32)[None], temperature=1.0)
+    np.testing.assert_allclose(e.logp_T[policy_T], np.asarray(logp_1T)[0, :n][policy_T],
+                               atol=1e-4)
+    # The environment's tokens: what the template writes after each reply, the tool's
+    # message, and the next generation prompt.
+    env_T = ~policy_T
+    env_T[:e.prompt_len] = False
+    env = "".join(TOK._vocab[t] for t in e.tokens_T[env_T])
+    assert env.count("<|im_start|>tool\nr") == 2 and env.endswith("<|im_start|>assistant\n")
+
+
+async def _crashes(client, row):
+  await client.completions.create(model="m", prompt="go", max_tokens=3)
+  raise KeyError("tool failed")
+
+
+async def _hangs(client, row):
+  await client.completions.create(model="m", prompt="go", max_tokens=3)
+  await asyncio.sleep(60)
+
+
+async def _edits_history(client, row):
+  out = await client.completions.create(model="m", prompt="go", max_tokens=3)
+  await client.completions.create(model="m", prompt="GO" + out.choices[0].text, max_tokens=3)
+  return 1.0
+
+
+async def _sends_garbage(client, row):
+  await client.completions.create(model="m", prompt="go", max_tokens=3, temperature=-1)
+  return 1.0
+
+
+async def _talks_too_long(client, row):
+  prompt = "go"
+  for _ in range(4):  # each reply is "o", then the stop "k" the text leaves out
+    out = await client.completions.create(model="m", prompt=prompt, max_tokens=8, stop=["k"])
+    prompt += out.choices[0].text + "k" + "and more environment text"
+  return 1.0
+
+
+@pytest.mark.parametrize("agent, reason", [
+    (_crashes, "crashed"), (_hangs, "deadline"), (_edits_history, "mismatch"),
+    (_sends_garbage, "malformed"), (_talks_too_long, "budget")])
+def test_a_failing_agent_loses_its_episode_not_the_run(agent, reason):
+  pool = ScriptedPool()
+  episodes, counts = _run(pool, agent, deadline_s=1.0, max_tokens=40)
+  assert counts == {"episodes": 2, f"lost_{reason}": 2}
+  # Each comes back as an aborted sample of the prompt alone, which fails its group.
+  for e in episodes:
+    assert (e.finish_reason, e.reward, e.metadata["lost"], len(e)) == ("aborted", 0.0, reason, 1)
+
+
+def test_serving_alone_refuses_an_open_address_without_a_key():
+  from async_rl import cli  # noqa: PLC0415
+  from async_rl.agents import serve  # noqa: PLC0415
+  from async_rl.configs import micro  # noqa: PLC0415
+  c = micro.get_config()
+  c.hf_model_dir = "/nonexistent"
+  with pytest.raises(ValueError, match="api_key"):
+    with serve.serve(cli.from_dict(c), host="0.0.0.0"):
+      pass

@@ -38,6 +38,7 @@ from async_rl.config import MODEL_PRESETS, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl.episodes import EpisodeRunner
 from async_rl.tasks.tokenizer import CharTokenizer
+from benchmarks.common.peak import matmul_peak
 
 _REQUESTS = flags.DEFINE_integer("requests", 128, "Requests per timed run.")
 _REPS = flags.DEFINE_integer("reps", 2, "Timed runs of each path.")
@@ -115,13 +116,14 @@ def main(argv):
       runner.close()
   workflow.close()
   endpoint.close()
+  peak = matmul_peak() / 1e9  # after the runs, as the machine is then
   print(f"{n} single-turn requests of {NEW_TOKENS} new tokens, all submitted at once, "
-        f"{SLOTS} slots; the best of {_REPS.value} runs")
+        f"{SLOTS} slots; the best of {_REPS.value} runs; matmul peak {peak:.1f} GFLOP/s")
   print(f"{'path':<12}{'requests/s':>12}{'TTFT median ms':>16}{'TTFT p90 ms':>14}")
   for name, r in results.items():
     print(f"{name:<12}{r['requests_per_s']:>12.1f}{r['ttft_median_ms']:>16.0f}"
           f"{r['ttft_p90_ms']:>14.0f}")
-  print(json.dumps({"requests": n, **{f"{name}/{k}": v for name, r in results.items()
+  print(json.dumps({"requests": n, "matmul_gflops": peak, **{f"{name}/{k}": v for name, r in results.items()
                                        for k, v in r.items()}}))
 
 

@@ -17,10 +17,15 @@ def _cfg(**kw):
   return two_layer_model(61, **kw)
 
 
+# One program per length: run op by op, each of the forward's primitives compiles
+# for every length the tests take.
+_forward = jax.jit(models.forward, static_argnums=1)
+
+
 def _full_logits(params, cfg, tokens_T):
   tokens = jnp.asarray(tokens_T)[None]
   T = tokens.shape[1]
-  return models.forward(params, cfg, tokens, jnp.arange(T)[None], jnp.ones_like(tokens))[0]
+  return _forward(params, cfg, tokens, jnp.arange(T)[None], jnp.ones_like(tokens))[0]
 
 
 @pytest.mark.parametrize("kw", [{}, {"qk_norm": True, "qkv_bias": False},

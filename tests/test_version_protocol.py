@@ -44,9 +44,10 @@ def _run(cfg, workdir, poison):
   lines = []
   cfg = build.resolve(cfg)
   task = make_task(cfg.task)
+  engines = [build.make_engine(cfg)]  # shared, as `entry.run` shares it: compiled once
   loop = build.train_loop(cfg, str(workdir), _Poisoning(server, poison), task=task,
-                          echo=lines.append, progress=False)
-  worker = build.rollout_worker(cfg, server, task=task)
+                          engines=engines, echo=lines.append, progress=False)
+  worker = build.rollout_worker(cfg, server, task=task, engines=engines)
   try:
     return loop.run([worker]), lines
   finally:

@@ -14,9 +14,13 @@ def _setup():
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 
+# One program per length, not the forward's every primitive compiled op by op for each.
+_forward = jax.jit(models.forward, static_argnums=1)
+
+
 def _single(params, cfg, seq, temperature):
   T = len(seq)
-  logits = models.forward(params, cfg, seq[None], np.arange(T)[None], np.ones((1, T), int))[0]
+  logits = _forward(params, cfg, seq[None], np.arange(T)[None], np.ones((1, T), int))[0]
   logp = jax.nn.log_softmax(np.asarray(logits, np.float64) / temperature, axis=-1)
   return np.array([0.0] + [float(logp[t - 1, seq[t]]) for t in range(1, T)])
 

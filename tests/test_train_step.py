@@ -87,8 +87,8 @@ def test_non_finite_step_changes_nothing_but_the_step_count(poison):
   batch = _pack_dynamic(6, max_tokens_per_mb=32, num_shards=1, row_buckets=(32,))
   state = _state(mesh, train_step.make_optimizer(OptimizerConfig()))
   # Without the behaviour-weight cap: the cap masks a token whose weight is NaN.
-  step = functools.partial(train_step.train_step, model_cfg=CFG,
-                           loss_fn=loss.make_loss("decoupled_ppo", eps_clip=0.2))
+  step = jax.jit(functools.partial(train_step.train_step, model_cfg=CFG,
+                                   loss_fn=loss.make_loss("decoupled_ppo", eps_clip=0.2)))
   prox = _prox(batch, state.params)
   state, metrics = step(state, batch, prox)  # one good step, so the moments are non-zero
   assert int(metrics["skipped"]) == 0 and int(state.step) == 1
@@ -199,7 +199,8 @@ def test_minibatches_are_sequential_updates_on_strided_micro_batches():
   assert M % 2 == 0 and M >= 4
   state = _state(mesh, optax.sgd(1.0))
   prox = _prox(batch, state.params)
-  step = functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS)
+  step = jax.jit(functools.partial(train_step.train_step, model_cfg=CFG, loss_fn=LOSS),
+                 static_argnames="num_minibatches")
   both, metrics = step(state, batch, prox, num_minibatches=2)
   assert int(both.step) == 1 and int(metrics["applied_updates"]) == 2
   manual = state

@@ -294,12 +294,14 @@ def grad_threads(cfg: ExperimentConfig, mesh) -> int:
 
 def make_trainer(cfg: ExperimentConfig, mesh, params=None) -> Trainer:
   """The trainer, its state built on `mesh` (from `params`, or a random init; with a KL
-  penalty, these initial params are also its frozen reference policy). A trainer on one
+  penalty, these initial params are also its frozen reference policy; with `cfg.lora`,
+  they are the frozen base of the adapters it trains). A trainer on one
   CPU device shares each update's micro-batches among threads (`cpu.threaded_steps`)."""
   tx = train_step.make_optimizer(cfg.optimizer)
   state, shardings = train_step.create_train_state(cfg.model, tx, mesh,
                                                    jax.random.key(cfg.seed), params=params,
-                                                   reference=cfg.ppo.kl_beta > 0)
+                                                   reference=cfg.ppo.kl_beta > 0,
+                                                   lora_cfg=cfg.lora)
   step_kw = dict(model_cfg=cfg.model, loss_fn=loss.from_config(cfg.ppo),
                  temperature=cfg.generation.logp_temperature,
                  num_minibatches=cfg.ppo.num_minibatches)

@@ -4,8 +4,9 @@ Owns the sharded `TrainState` and the jitted functions; the math lives in
 `advantages`, `batching`, `loss` and `train_step`. One `train` call is one training
 step: advantages per trajectory, packing into bucketed micro-batches, with a KL
 penalty the reference policy's log-probs (a forward pass under the frozen
-`ref_params`), recomputation of the proximal log-probs under the current params,
-then the update. The caller publishes the new params at the new version.
+`ref_params`, or with LoRA the base alone), recomputation of the proximal log-probs
+under the current params, then the update. The caller publishes the new params at the
+new version: with LoRA, the adapters alone.
 """
 
 import functools
@@ -79,7 +80,7 @@ class Trainer:
     self._num_shards = sharding.num_batch_shards(mesh)
     self._attention_len = flops.attention_break_even_len(model)
     self._compiled = set()  # the [M, R, T] shapes the step has run
-    if ppo.kl_beta > 0 and state.ref_params is None:
+    if ppo.kl_beta > 0 and state.ref_params is None and state.base is None:
       raise ValueError("ppo.kl_beta > 0 needs the reference policy in the train state "
                        "(train_step.create_train_state(..., reference=True))")
     # The estimate per token, whole on every process: the host sums it per episode.
@@ -146,14 +147,14 @@ class Trainer:
     batch = jax.device_put(host_batch, self._batch_sharding)
     t_pack = time.perf_counter()
     if ppo.kl_beta > 0:
-      ref_logp = self.steps.recompute(self.state.ref_params, batch)
+      ref_logp = self.steps.recompute(self.state.reference_params(), batch)
       if kl_in_reward:
         batch, extra["kl"] = self._penalise_rewards(groups, host_batch, batch, ref_logp)
       else:
         batch = batch.replace(ref_logp=ref_logp)
     mode = ppo.prox_logp
     if mode == "recompute":
-      prox_logp = self.steps.recompute(self.state.params, batch)
+      prox_logp = self.steps.recompute(self.state.model_params(), batch)
     elif mode == "behav":  # naive PPO
       prox_logp = batch.behav_logp
     else:  # "loglinear": estimated inside the step from batch.versions

@@ -1,0 +1,119 @@
+"""LoRA adapters (`models.lora`): the adapted model against the merged one, and the
+trainer training the adapters alone on a frozen base that is also its reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from async_rl import models, sharding
+from async_rl.cli import from_dict
+from async_rl.config import LoraConfig
+from async_rl.models import lora
+from async_rl.rl import build
+from async_rl.trajectory import Group, Trajectory
+from conftest import two_layer_model
+from rl_test_utils import small_config
+
+CFG = two_layer_model(64)
+LORA = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down"))
+
+
+def _random_adapters(cfg, lora_cfg, key):
+  """Adapters whose B is not zero, so that they change the model."""
+  adapters = lora.init_adapters(cfg, lora_cfg, key)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, w: (0.1 * jax.random.normal(jax.random.fold_in(key, len(str(path))), w.shape)
+                       if str(path[-1].key).endswith("_lora_b") else w), adapters)
+
+
+_forward = jax.jit(models.forward, static_argnums=1)
+_prefill = jax.jit(models.prefill, static_argnums=1)
+_decode = jax.jit(models.decode, static_argnums=1)
+
+
+def test_adapters_shapes_and_a_new_adapter_leaves_the_model_as_it_was():
+  base = models.init_params(CFG, jax.random.key(0))
+  adapters = lora.init_adapters(CFG, LORA, jax.random.key(1))
+  layers = adapters["layers"]
+  assert sorted(layers) == sorted(f"{t}_lora_{ab}" for t in LORA.targets for ab in "ab")
+  assert layers["q_lora_a"].shape == (2, 32, 4) and layers["q_lora_b"].shape == (2, 4, 4, 8)
+  assert layers["o_lora_a"].shape == (2, 4, 8, 4) and layers["o_lora_b"].shape == (2, 4, 32)
+  assert layers["down_lora_a"].shape == (2, 64, 4) and layers["down_lora_b"].shape == (2, 4, 32)
+  assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(adapters))
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
+  pos, seg = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
+  np.testing.assert_array_equal(
+      _forward(lora.attach(base, adapters, LORA.scale), CFG, tokens, pos, seg),
+      _forward(base, CFG, tokens, pos, seg))
+
+
+def test_the_adapted_model_is_the_merged_one_in_training_prefill_and_decode():
+  cfg = dataclasses.replace(CFG, qk_norm=True)
+  base = models.init_params(cfg, jax.random.key(0))
+  every = LoraConfig(rank=3, alpha=6.0)
+  adapters = _random_adapters(cfg, every, jax.random.key(1))
+  adapted, merged = lora.attach(base, adapters, every.scale), lora.merge(base, adapters, every.scale)
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
+  pos, seg = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
+  want = _forward(merged, cfg, tokens, pos, seg)
+  assert float(jnp.abs(want - _forward(base, cfg, tokens, pos, seg)).max()) > 0.1
+  np.testing.assert_allclose(_forward(adapted, cfg, tokens, pos, seg), want, atol=2e-5)
+  lengths = jnp.array([8, 5])
+  logits, _ = _prefill(models.split_layers(adapted), cfg, tokens, lengths)
+  np.testing.assert_allclose(logits, want[jnp.arange(2), lengths - 1], atol=2e-5)
+  cache, split = models.init_cache(cfg, 2, 8), models.split_layers(adapted)
+  for t in range(8):
+    logits, cache = _decode(split, cfg, cache, tokens[:, t], jnp.full((2,), t))
+  np.testing.assert_allclose(logits, want[:, -1], atol=2e-5)
+
+
+def _groups():
+  rng = np.random.default_rng(0)
+  trajs = [Trajectory.from_completion(rng.integers(3, 32, 4), rng.integers(3, 32, c),
+                                      rng.normal(-2.5, 0.5, c), np.zeros(c, np.int32), "stop",
+                                      reward=r) for c, r in zip((2, 3, 4, 5), (1.0, 0.0, 0.5, 0.25))]
+  return [Group("g0", trajs[:2]), Group("g1", trajs[2:])]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_trainer_trains_the_adapters_alone_and_the_base_is_the_reference(threads):
+  cfg = small_config(**{"cpu.grad_threads": threads, "lora.rank": 4, "ppo.kl_beta": 0.1,
+                        "optimizer.learning_rate": 1e-2})
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  base = jax.device_get(models.init_params(cfg.model, jax.random.key(7)))
+  trainer = build.make_trainer(cfg, mesh, base)
+  state = trainer.state
+  assert state.ref_params is None and state.lora_scale == cfg.lora.scale
+  adapter_shapes = {w.shape for w in jax.tree.leaves(state.params)}
+  # Adam's moments and counts: every array leaf mirrors an adapter or is a scalar.
+  assert {w.shape for w in jax.tree.leaves(state.opt_state) if w.ndim} == adapter_shapes
+  recorded = []
+  steps = trainer.steps
+  trainer.steps = dataclasses.replace(
+      steps, recompute=lambda params, batch: recorded.append(params) or steps.recompute(
+          params, batch))
+  metrics = trainer.train(_groups())
+  assert metrics["skipped"] == 0 and metrics["applied_updates"] == 1
+  # The reference is the base with the adapters zeroed: the base's own model.
+  reference, proximal = recorded
+  assert all(not np.any(w) for k, w in reference["layers"].items() if "_lora_" in k)
+  assert reference["embed"] is state.base["embed"]
+  assert 0.0 <= metrics["kl"] < 1e-8  # the adapters start at zero: the policy is the base
+  for got, want in zip(jax.tree.leaves(jax.device_get(trainer.state.base)), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(got, want)
+  b_after = jax.device_get(trainer.state.params["layers"]["q_lora_b"])
+  assert np.abs(b_after).max() > 0  # B moved off zero
+  published = jax.device_get(trainer.device_params())
+  assert jax.tree.structure(published) == jax.tree.structure(lora.abstract_adapters(
+      cfg.model, cfg.lora))
+
+
+def test_the_lora_section_is_validated_and_set_from_the_command_line():
+  assert from_dict({"lora": {"rank": 16}}).lora.scale == 2.0
+  with pytest.raises(ValueError, match=r"lora\.targets must be one of"):
+    from_dict({"lora": {"rank": 4, "targets": ("q", "embed")}})
+  with pytest.raises(ValueError, match=r"lora\.rank must be >= 0"):
+    LoraConfig(rank=-1)

@@ -1,16 +1,19 @@
-"""LoRA adapters (`models.lora`): the adapted model against the merged one, and the
-trainer training the adapters alone on a frozen base that is also its reference."""
+"""LoRA adapters (`models.lora`): the adapted model against the merged one, the trainer
+training the adapters alone on a frozen base that is also its reference, and the
+generator proving which published adapter produced its tokens."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from async_rl import models, sharding
+from async_rl import models, policy, sharding
 from async_rl.cli import from_dict
 from async_rl.config import LoraConfig
+from async_rl.generation import GeneratorPool, Request, SamplingParams
 from async_rl.models import lora
 from async_rl.rl import build
 from async_rl.trajectory import Group, Trajectory
@@ -21,6 +24,7 @@ CFG = two_layer_model(64)
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down"))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _random_adapters(cfg, lora_cfg, key):
   """Adapters whose B is not zero, so that they change the model."""
   adapters = lora.init_adapters(cfg, lora_cfg, key)
@@ -83,9 +87,12 @@ def test_the_trainer_trains_the_adapters_alone_and_the_base_is_the_reference(thr
   cfg = small_config(**{"cpu.grad_threads": threads, "lora.rank": 4, "ppo.kl_beta": 0.1,
                         "optimizer.learning_rate": 1e-2})
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  base = jax.device_get(models.init_params(cfg.model, jax.random.key(7)))
-  trainer = build.make_trainer(cfg, mesh, base)
+  trainer = build.make_trainer(cfg, mesh)
   state = trainer.state
+  # The base is what its pointer (here the seed) names, which every generator loads.
+  base = jax.device_get(build.lora_base(cfg))
+  for got, want in zip(jax.tree.leaves(state.base), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(got, want)
   assert state.ref_params is None and state.lora_scale == cfg.lora.scale
   adapter_shapes = {w.shape for w in jax.tree.leaves(state.params)}
   # Adam's moments and counts: every array leaf mirrors an adapter or is a scalar.
@@ -117,3 +124,50 @@ def test_the_lora_section_is_validated_and_set_from_the_command_line():
     from_dict({"lora": {"rank": 4, "targets": ("q", "embed")}})
   with pytest.raises(ValueError, match=r"lora\.rank must be >= 0"):
     LoraConfig(rank=-1)
+
+
+_logp = jax.jit(policy.logp_and_entropy, static_argnums=1, static_argnames="temperature")
+
+
+def _max_logp_error(params, model_cfg, samples, width=48):
+  """The largest |behaviour - recomputed| log-prob of the samples' policy tokens under
+  `params`."""
+  worst = 0.0
+  for s in samples:
+    tokens_T = np.zeros(width, np.int32)
+    tokens_T[:len(s)] = s.tokens_T
+    segments_T = (np.arange(width) < len(s)).astype(np.int32)
+    logp_1T, _ = _logp(params, model_cfg, tokens_T[None], np.arange(width)[None],
+                       segments_T[None], temperature=1.0)
+    mask = s.loss_mask_T != 0
+    worst = max(worst, float(np.abs(np.asarray(logp_1T)[0, :len(s)][mask] - s.logp_T[mask]).max()))
+  return worst
+
+
+def test_the_generator_samples_with_the_published_adapter_and_reports_its_version():
+  """Only adapters reach the generator; its tokens carry the version they were published
+  at, and their log-probs are those of that adapter on the base, not of a stale one or of
+  the base alone."""
+  cfg = small_config(**{"lora.rank": 4})
+  base = build.lora_base(cfg)  # the trainer's own (test above), and the generator's
+  adapters = {v: _random_adapters(cfg.model, cfg.lora, jax.random.key(v)) for v in (1, 2)}
+  engine = build.make_engine(cfg)
+  requests = lambda tag: [Request(f"{tag}{i}", [1 + i, 2, 3, 4], n=2,
+                                  sampling=SamplingParams(max_new_tokens=10, seed=i))
+                          for i in range(3)]
+  samples = {}
+  with GeneratorPool(engine, adapters[1], version=1) as pool:
+    samples[1] = [s for f in [pool.submit(r) for r in requests("a")] for s in f.result(60)]
+    pool.update_weights(adapters[2], 2, "retract").result(60)
+    assert pool.version == 2
+    samples[2] = [s for f in [pool.submit(r) for r in requests("b")] for s in f.result(60)]
+  rounding = policy.LOGP_ROUNDING["float32"]
+  for v, drawn in samples.items():
+    for s in drawn:
+      assert set(s.versions_T[s.loss_mask_T != 0]) == {v}
+    error = {name: _max_logp_error(params, cfg.model, drawn) for name, params in (
+        ("published", lora.attach(base, adapters[v], cfg.lora.scale)),
+        ("stale", lora.attach(base, adapters[3 - v], cfg.lora.scale)),
+        ("missing", base))}
+    assert error["published"] < rounding, error
+    assert min(error["stale"], error["missing"]) > 100 * rounding, error

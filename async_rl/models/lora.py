@@ -91,9 +91,14 @@ def delta(adapters: Params, name: str, scale: float) -> jax.Array:
 
 def merge(base: Params, adapters: Params, scale: float) -> Params:
   """The base with s A B added into each adapted weight, in the weight's dtype: the plain
-  model that the adapted one computes (to the rounding of that dtype). Stacked layout."""
-  layers = dict(base["layers"])
-  for name in targets(adapters):
-    w = layers[name]
-    layers[name] = (w.astype(jnp.float32) + delta(adapters, name, scale)).astype(w.dtype)
-  return {**base, "layers": layers}
+  model that the adapted one computes (to the rounding of that dtype). `base` may be in
+  the stacked layout or the serving one (`models.split_layers`); `adapters` are stacked."""
+  deltas = {name: delta(adapters, name, scale) for name in targets(adapters)}
+  add = lambda w, d: (w.astype(jnp.float32) + d).astype(w.dtype)
+  layers = base["layers"]
+  if isinstance(layers, tuple):
+    merged = tuple({**lp, **{name: add(lp[name], d[l]) for name, d in deltas.items()}}
+                   for l, lp in enumerate(layers))
+  else:
+    merged = {**layers, **{name: add(layers[name], d) for name, d in deltas.items()}}
+  return {**base, "layers": merged}

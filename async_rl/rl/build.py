@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from async_rl import advantages, cli, config, cpu, loss, models, sharding, train_step
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
+from async_rl.generation.adapted import AdaptedEngine
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.rewards import Reward, RewardService
@@ -95,6 +96,12 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
   with _config_errors():
     _check_objective(cfg)
     check_task(cfg)
+  if cfg.lora.enabled and cfg.sft.steps:
+    raise ConfigError(f"lora.rank > 0 needs a base that every generator can load from its "
+                      f"pointer (hf_model_dir, or the seed's random init), and a warm start "
+                      f"is neither: warm-start a run of its own, export it "
+                      f"(async-rl-export) and start from that directory, or set sft.steps=0; "
+                      f"got sft.steps={cfg.sft.steps}")
   return cfg
 
 
@@ -238,7 +245,7 @@ def split_devices(placement: config.PlacementConfig, local_devices, global_devic
   return Devices(trainer, tuple(tuple(pool[i * k:(i + 1) * k]) for i in range(n)))
 
 
-def make_engine(cfg: ExperimentConfig, devices=None):
+def make_engine(cfg: ExperimentConfig, devices=None, base=None):
   """A generator engine on `devices` (default: the first local device); with several,
   its params split over heads and MLP width (the `tensor` axis of its own mesh). Its
   prefill takes whole episodes so far, not only prompts: a multi-turn workflow's next
@@ -246,7 +253,8 @@ def make_engine(cfg: ExperimentConfig, devices=None):
   decoded at once (`cpu.SlotGroupEngine`), each with its share of the KV cache's
   `generation.kv_blocks`, so no more groups than shares that hold a sequence of
   `generation.max_length`; on CPU devices its decode steps read the cache as the CPU's
-  `cpu.PagedDecoding`."""
+  `cpu.PagedDecoding`. With `cfg.lora` it serves adapters on a frozen base
+  (`generation.adapted.AdaptedEngine`): `base`, or the one `lora_base` loads."""
   g = cfg.generation
   devices = list(devices or jax.local_devices()[:1])
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
@@ -261,7 +269,22 @@ def make_engine(cfg: ExperimentConfig, devices=None):
                   steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks // groups,
                   kv_block_size=g.kv_block_size, mesh=mesh, param_sharding=param_sharding,
                   decoding=cpu.PagedDecoding() if devices[0].platform == "cpu" else None)
-  return engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
+  engine = engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
+  if cfg.lora.enabled:
+    engine = AdaptedEngine(engine, lora_base(cfg) if base is None else base, cfg.lora.scale)
+  return engine
+
+
+def lora_base(cfg: ExperimentConfig, init_params=None):
+  """The frozen base of a LoRA run's adapters, as its pointer names it: `init_params`
+  when given, else `hf_model_dir`'s weights, else the seed's random init (the trainer's
+  own, `make_trainer` without params). Every process that generates loads it itself:
+  only adapters are published."""
+  if init_params is not None:
+    return init_params
+  if cfg.hf_model_dir is not None:
+    return hf.load_hf(cfg.hf_model_dir, cfg.model)
+  return jax.jit(functools.partial(models.init_params, cfg.model))(jax.random.key(cfg.seed))
 
 
 def make_pool(engines, params, *, version: int = 0, seed: int = 0):

@@ -4,6 +4,7 @@ generator proving which published adapter produced its tokens."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from async_rl.models import lora
 from async_rl.rl import build
 from async_rl.trajectory import Group, Trajectory
 from conftest import two_layer_model
-from rl_test_utils import small_config
+from rl_test_utils import checkpoint_meta, small_config
 
 CFG = two_layer_model(64)
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down"))
@@ -171,3 +172,30 @@ def test_the_generator_samples_with_the_published_adapter_and_reports_its_versio
         ("missing", base))}
     assert error["published"] < rounding, error
     assert min(error["stale"], error["missing"]) > 100 * rounding, error
+
+
+def test_a_checkpoint_holds_the_adapters_and_the_base_pointer_and_resumes_exactly(tmp_path):
+  cfg = small_config(**{"lora.rank": 4, "optimizer.learning_rate": 1e-2,
+                        "cpu.grad_threads": 1})
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  task = build.task_of(cfg)
+  trainer, checkpointer, _ = build.restored_trainer(cfg, str(tmp_path), mesh, task)
+  trainer.train(_groups())
+  meta = {"version": 1, "skipped_steps": 0, "applied_updates": 1,
+          "packed_shapes": trainer.packed_shapes, "lora_base": trainer.base_pointer}
+  checkpointer.save(1, trainer.state, meta, wait=True)
+  checkpointer.close()
+  saved = checkpoint_meta(tmp_path)
+  assert saved["lora_base"] == {"seed": cfg.seed, "model": json.loads(json.dumps(
+      dataclasses.asdict(cfg.model)))}
+  saved_fields = {key.split("'")[1] for key in json.loads(
+      (tmp_path / "checkpoints" / "1" / "state" / "_METADATA").read_text())["tree_metadata"]}
+  assert saved_fields == {"step", "params", "opt_state"}  # no base
+  resumed, checkpointer, restored = build.restored_trainer(cfg, str(tmp_path), mesh, task)
+  checkpointer.close()
+  assert restored.step == 1 and resumed.version == 1
+  for field in ("step", "params", "opt_state", "base"):
+    want, got = (jax.device_get(getattr(t.state, field)) for t in (trainer, resumed))
+    assert jax.tree.structure(got) == jax.tree.structure(want), field
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(g, w, err_msg=field)

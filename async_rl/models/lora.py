@@ -10,7 +10,8 @@ The adapters are a params-shaped pytree of their own, `{"layers": {"q_lora_a": .
 "q_lora_b": ...}}`. `attach` puts them beside the base's weights in each layer's dict
 (no copy of the base) with s folded into B, and the model adds the low-rank term where
 a layer carries one; `merge` adds s A B into the weights themselves, for a generator or
-an export that wants the plain model.
+an export that wants the plain model; `peft_tensors` and `peft_config` lay the adapters
+out as Hugging Face's PEFT saves them.
 
 The library is our own, not qwix (the LoRA of Tunix): qwix adapts Flax Linen/NNX
 modules by intercepting their matmuls during model surgery, and this model is pure
@@ -24,9 +25,11 @@ would fail for every token), and RL recipes that train LoRA use none.
 """
 
 import math
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from async_rl.config import LoraConfig, ModelConfig
 from async_rl.models.transformer import Params, abstract_params
@@ -102,3 +105,35 @@ def merge(base: Params, adapters: Params, scale: float) -> Params:
   else:
     merged = {**layers, **{name: add(layers[name], d) for name, d in deltas.items()}}
   return {**base, "layers": merged}
+
+
+# Each target's module in a Hugging Face Qwen2 decoder layer, where PEFT puts its adapter.
+HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+              "down": "mlp.down_proj"}
+
+
+def peft_tensors(adapters: Params) -> dict[str, np.ndarray]:
+  """The adapters as PEFT saves a LoRA of a Hugging Face causal LM (float32): for each
+  layer and target, `lora_A.weight` [r, in] and `lora_B.weight` [out, r] (linear weights
+  are [out, in] there; heads flatten head-major, as `models.hf` maps the weights)."""
+  tensors = {}
+  for name in targets(adapters):
+    a = np.asarray(adapters["layers"][f"{name}_lora_a"], np.float32)
+    b = np.asarray(adapters["layers"][f"{name}_lora_b"], np.float32)
+    r = a.shape[-1]
+    for l in range(a.shape[0]):
+      module = f"base_model.model.model.layers.{l}.{HF_MODULES[name]}"
+      tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a[l].reshape(-1, r).T)
+      tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b[l].reshape(r, -1).T)
+  return tensors
+
+
+def peft_config(lora_cfg: LoraConfig, base_model: Optional[str] = None) -> dict[str, Any]:
+  """PEFT's `adapter_config.json` for adapters of `lora_cfg` on `base_model` (a Hugging
+  Face directory or hub id; None when the base was a random init)."""
+  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank,
+          "lora_alpha": lora_cfg.alpha, "lora_dropout": 0.0, "bias": "none",
+          "target_modules": sorted(HF_MODULES[t].split(".")[1] for t in lora_cfg.targets),
+          "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+          "base_model_name_or_path": base_model}

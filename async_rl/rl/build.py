@@ -275,6 +275,14 @@ def make_engine(cfg: ExperimentConfig, devices=None, base=None):
   return engine
 
 
+def lora_pointer(cfg: ExperimentConfig) -> dict[str, Any]:
+  """Where a LoRA run's frozen base comes from, as a checkpoint records it: the Hugging
+  Face directory, or the model and seed of a random init."""
+  if cfg.hf_model_dir is not None:
+    return {"hf_model_dir": cfg.hf_model_dir}
+  return {"seed": cfg.seed, "model": dataclasses.asdict(cfg.model)}
+
+
 def lora_base(cfg: ExperimentConfig, init_params=None):
   """The frozen base of a LoRA run's adapters, as its pointer names it: `init_params`
   when given, else `hf_model_dir`'s weights, else the seed's random init (the trainer's
@@ -337,7 +345,8 @@ def make_trainer(cfg: ExperimentConfig, mesh, params=None) -> Trainer:
                  batching=cfg.batching,
                  advantage_fn=advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens),
                  group_size=cfg.generation.group_size, max_length=cfg.generation.max_length,
-                 sample_per_turn=cfg.task.sample_per_turn)
+                 sample_per_turn=cfg.task.sample_per_turn,
+                 base_pointer=lora_pointer(cfg) if cfg.lora.enabled else None)
 
 
 def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None] = print,
@@ -433,7 +442,9 @@ def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=
   after the restore, so that a resume that fails leaves the run's own."""
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   try:
-    if checkpointer.latest_step() is None and init_params is None:
+    # A LoRA checkpoint holds no base: a resumed trainer loads it from its pointer.
+    fresh = checkpointer.latest_step() is None
+    if init_params is None and (fresh or cfg.lora.enabled):
       init_params = initial_params(cfg, mesh, task, echo, record=record)
     trainer = make_trainer(cfg, mesh, init_params)
     restored = TrainLoop.restore(checkpointer, trainer, server, echo)

@@ -8,10 +8,12 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
+import jax
+
 from async_rl import cli
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, SamplingParams
-from async_rl.models import hf
+from async_rl.models import hf, lora
 from async_rl.models.hf_tokenizer import HFTokenizer
 from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
@@ -59,13 +61,19 @@ def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
           "reward_failures": rewards["errors"] + rewards["timeouts"]}
 
 
-def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None:
+def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None,
+              adapter: bool = False) -> None:
   """Writes the params of the run's checkpoint at `step` (default: the latest) to
   `out_dir` as `config.json` and `model.safetensors`, with the tokenizer files of
   the run's `hf_model_dir` when it has one.
 
   The model config is the run's own, from `workdir/config.json` (written by the
-  trainer loop), so no config file or override is needed.
+  trainer loop), so no config file or override is needed. A LoRA run's checkpoint
+  holds adapters: they are merged into the base its pointer names (`build.lora_base`),
+  or with `adapter` written alone as PEFT saves them (`export_peft`).
+
+  Raises:
+    ValueError: `adapter` for a run without LoRA.
   """
   with open(os.path.join(workdir, "config.json")) as f:
     run = json.load(f)
@@ -74,8 +82,34 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None
   if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
     raise FileNotFoundError(f"the run's hf_model_dir {tokenizer_dir} (its tokenizer files) "
                             "is not a directory")
-  params = restore_params(os.path.join(workdir, "checkpoints"), model_cfg, step=step)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if run.get("lora", {}).get("rank", 0) > 0:
+    cfg = cli.from_dict(run)
+    adapters = restore_params(checkpoints, model_cfg, step=step,
+                              abstract=lora.abstract_adapters(model_cfg, cfg.lora))
+    if adapter:
+      export_peft(cfg, adapters, out_dir)
+      return
+    params = lora.merge(build.lora_base(cfg), adapters, cfg.lora.scale)
+  elif adapter:
+    raise ValueError(f"the run in {workdir} trained no adapters (lora.rank = 0): export "
+                     f"the whole model, without --adapter")
+  else:
+    params = restore_params(checkpoints, model_cfg, step=step)
   hf.save_hf(model_cfg, params, out_dir, tokenizer_dir=tokenizer_dir)
+
+
+def export_peft(cfg: ExperimentConfig, adapters, out_dir: str) -> None:
+  """Writes LoRA `adapters` of the run `cfg` to `out_dir` as PEFT saves them
+  (`adapter_config.json`, `adapter_model.safetensors`): `peft.PeftModel.from_pretrained`
+  loads them onto the base, the run's `hf_model_dir` (or that base exported with
+  `hf.save_hf`)."""
+  from safetensors.numpy import save_file  # noqa: PLC0415 (the hf extra)
+  os.makedirs(out_dir, exist_ok=True)
+  save_file(lora.peft_tensors(jax.device_get(adapters)),
+            os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+    json.dump(lora.peft_config(cfg.lora, cfg.hf_model_dir), f, indent=2)
 
 
 def serve(cfg: ExperimentConfig, prompts: Sequence, *, workdir: Optional[str] = None,

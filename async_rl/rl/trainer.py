@@ -11,7 +11,7 @@ new version: with LoRA, the adapters alone.
 
 import functools
 import time
-from typing import Sequence as SequenceOf
+from typing import Optional, Sequence as SequenceOf
 
 import jax
 import numpy as np
@@ -61,6 +61,8 @@ class Trainer:
     max_length: the longest sequence (prompt plus completion).
     sample_per_turn: train each policy turn of an episode as a sample of its own
       (`trajectory.split_turns`).
+    base_pointer: with LoRA, where the frozen base comes from (`build.lora_pointer`),
+      which checkpoints record in place of the base.
 
   `version` is the number of training steps done (a host int, read from the device
   only when a checkpoint is restored).
@@ -68,12 +70,14 @@ class Trainer:
 
   def __init__(self, state, state_shardings, mesh, steps: train_step.StepFns, *,
                model: ModelConfig, ppo: PPOConfig, batching: BatchingConfig,
-               advantage_fn, group_size: int, max_length: int, sample_per_turn: bool = False):
+               advantage_fn, group_size: int, max_length: int, sample_per_turn: bool = False,
+               base_pointer: Optional[dict] = None):
     self.state, self.state_shardings, self.mesh = state, state_shardings, mesh
     self.version = 0
     self.steps, self._ppo, self._batching = steps, ppo, batching
     self._advantage_fn, self._group_size = advantage_fn, group_size
     self._sample_per_turn = sample_per_turn
+    self.base_pointer = base_pointer
     self._batch_sharding = train_step.batch_shardings(mesh)
     self._row_buckets = batching.row_buckets or batching_lib.default_row_buckets(
         batching.max_tokens_per_mb, longest=max_length)
@@ -89,7 +93,10 @@ class Trainer:
 
   def restore(self, state, packed_shapes=()) -> None:
     """Takes a restored train state (and its version, the one device read) and the
-    `packed_shapes` saved with it, so that batches pack as they would have."""
+    `packed_shapes` saved with it, so that batches pack as they would have. A LoRA
+    state's frozen base is not in checkpoints: the trainer keeps the one it holds."""
+    if self.state.base is not None:
+      state = state.replace(base=self.state.base)
     self.state = state
     self.version = int(state.step)
     self._compiled = {tuple(shape) for shape in packed_shapes}

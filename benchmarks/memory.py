@@ -3,6 +3,8 @@
   python -m benchmarks.memory      # 1.5B and 7B at 8k / 16k / 32k, and the 7B engine on
                                    # 1 / 2 / 4 / 8 devices; compile only, minutes
   python -m benchmarks.memory --configs=qwen2_5:1.5b --lengths=32k --tp=   # one row
+  python -m benchmarks.memory --configs=qwen2_5:7b,qwen2_5:7b+lora16 --lengths=8k --tp=
+                                   # full fine-tuning against LoRA of rank 16
   python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # per micro-batch
 
 Nothing is allocated: params and KV pools are counted from their abstract shapes and
@@ -25,11 +27,15 @@ Per device, for each config (a shipped `NAME:VARIANT`) and generation length:
              devices and both engines' pools (rollout and evaluation, each with its own
              params and KV pool) on the first device, every transient counted at once:
              trainer + its temporaries + 2 x (generator + its transient). It fits one
-             80 GB device when at most 74.5 GiB.
+             80 GB device when at most 74.5 GiB, one 24 GB device at 22.35 GiB.
+  LoRA       a config with `lora.rank` > 0 (`qwen2_5:1.5b_lora`): the train state is the
+             frozen base and the adapters' float32 state; device 0 adds the base the
+             engine merges each published adapter into (`generation.adapted`).
 
 D is 1 for the 1.5B and 8 for the 7B, the devices `configs/qwen2_5.py` sizes them for (1
 for other configs).
-Lengths: 8k is each config as shipped (256 prompt + 8,192 new tokens); 16k and 32k
+Lengths: 8k is each config as shipped (256 prompt + 8,192 new tokens); 4k takes 256
+prompt and 4,096 new tokens; 16k and 32k
 take 1,024 prompt tokens and 15,360 / 31,744 new ones, slots and KV budget as shipped,
 or a config's variant `VARIANT_LENGTH` where it has one (`qwen2_5:1.5b_32k`, 64 slots).
 
@@ -115,7 +121,7 @@ from ml_collections import config_flags  # noqa: E402
 from async_rl import cpu, loss, models, sharding, train_step  # noqa: E402
 from async_rl.batching import PackedBatch  # noqa: E402
 from async_rl.cli import from_dict  # noqa: E402
-from async_rl.config import MeshConfig  # noqa: E402
+from async_rl.config import LoraConfig, MeshConfig  # noqa: E402
 from async_rl.generation import Engine, paged  # noqa: E402
 from async_rl.models import attention, flops  # noqa: E402
 from async_rl.models.memory import GIB  # noqa: E402
@@ -134,14 +140,16 @@ _SAVES = flags.DEFINE_list("saves", None, "model.remat_saves to compile with, e.
                            "mlp_gate,qkv (default: the config's; 'none' for none).")
 
 # Prompt and new tokens of each length; None: the config as shipped.
-LENGTHS = {"8k": None, "16k": (1024, 15360), "32k": (1024, 31744)}
+LENGTHS = {"4k": (256, 4096), "8k": None, "16k": (1024, 15360), "32k": (1024, 31744)}
 TRAINER_DEVICES = {"qwen2_5:1.5b": 1, "qwen2_5:7b": 8}
 DEVICE_GIB = 80e9 / GIB
+SMALL_DEVICE_GIB = 24e9 / GIB  # what `1.5b_lora` is sized for
 
 
 def experiment(name: str, length: str):
-  """The shipped config `name` (`NAME[:VARIANT]`) at `length` (`LENGTHS`): its variant
-  `VARIANT_LENGTH` if it has one."""
+  """The shipped config `name` (`NAME[:VARIANT][+loraR]`) at `length` (`LENGTHS`): its
+  variant `VARIANT_LENGTH` if it has one; with `+loraR`, LoRA adapters of rank R."""
+  name, _, rank = name.partition("+lora")
   module_name, _, variant = name.partition(":")
   module = importlib.import_module(f"async_rl.configs.{module_name}")
   if f"{variant}_{length}" in getattr(module, "VARIANTS", ()):
@@ -150,6 +158,8 @@ def experiment(name: str, length: str):
     c = module.get_config(*[variant] if variant else [])
     if LENGTHS[length] is not None:
       c.generation.max_prompt_len, c.generation.max_new_tokens = LENGTHS[length]
+  if rank:
+    c.lora.rank = int(rank)
   g = c.generation
   c.model.max_seq_len = max(c.model.max_seq_len, g.max_prompt_len + g.max_new_tokens)
   c.batching.max_tokens_per_mb = max(c.batching.max_tokens_per_mb, c.model.max_seq_len)
@@ -214,6 +224,7 @@ def trainer(cfg, devices) -> dict:
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
   f16 = dataclasses.replace(cfg, model=with_dtype(cfg.model, "float16"))
   mem = compile_train_step(f16, mesh, rows, row_len).memory_analysis()
+  # The float16 compile counts a LoRA run's float32 adapters and moments at their size.
   return dict(state=mem.argument_size_in_bytes / GIB, temp=mem.temp_size_in_bytes / GIB,
               row_len=row_len)
 
@@ -222,7 +233,7 @@ def compile_train_step(cfg, mesh, rows, row_len):
   """The train step of `cfg` on `mesh`, compiled for one micro-batch of `rows` rows of
   `row_len` tokens."""
   tx = train_step.make_optimizer(cfg.optimizer)
-  state = abstract_state(cfg.model, tx, mesh)
+  state = abstract_state(cfg.model, tx, mesh, cfg.lora)
   step = train_step.jit_train_step(mesh, train_step.train_state_shardings(state, mesh),
                                    model_cfg=cfg.model, loss_fn=loss.from_config(cfg.ppo),
                                    temperature=cfg.generation.logp_temperature)
@@ -232,15 +243,17 @@ def compile_train_step(cfg, mesh, rows, row_len):
 def per_device(name: str, length: str) -> dict:
   """`name` at `length`: generator, trainer and device 0 (module docstring), in GiB."""
   cfg = experiment(name, length)
-  D = TRAINER_DEVICES.get(name, 1)
+  D = TRAINER_DEVICES.get(name.partition("+lora")[0], 1)
   if len(jax.devices()) < D:
     raise ValueError(f"{name} needs {D} devices; XLA_FLAGS gives {len(jax.devices())}")
   gen = generator_of(name, length, 1)
   train = trainer(cfg, jax.devices()[:D])
   device0 = train["state"] + train["temp"] + 2 * gen["total"]
+  if cfg.lora.enabled:  # the base the engine merges each published adapter into
+    device0 += gen["params"]
   return dict(length=cfg.generation.max_length, slots=cfg.generation.num_slots,
               trainer_devices=D, generator=gen, trainer=train, device0=device0,
-              fits_80gb=device0 <= DEVICE_GIB)
+              fits_80gb=device0 <= DEVICE_GIB, fits_24gb=device0 <= SMALL_DEVICE_GIB)
 
 
 def tensor_parallel(name: str, ks) -> dict:
@@ -261,7 +274,8 @@ def print_per_device(results):
     g, t = r["generator"], r["trainer"]
     print(f"{name:<14}{length:>7}{r['trainer_devices']:>3}{g['params']:>11.2f}{g['kv']:>7.2f}"
           f"{g['prefill']:>9.2f}{g['decode']:>8.2f}{t['state']:>12.2f}"
-          f"{t['temp']:>11.2f}{r['device0']:>10.2f}  {'yes' if r['fits_80gb'] else 'NO'}")
+          f"{t['temp']:>11.2f}{r['device0']:>10.2f}  {'yes' if r['fits_80gb'] else 'NO'}"
+          f"{' (24 GB: yes)' if r['fits_24gb'] else ''}")
   print("GiB per device. prefill: temporaries + the prefix of one full-length sequence; "
         "decode: one chunk's temporaries, the KV budget in flight; device 0: train state + "
         "temp + 2 x (params + KV + the larger transient).")
@@ -276,10 +290,11 @@ def print_tensor_parallel(name, tp):
           f"{r['total']:>9.2f}{r['ratio']['total']:>8.3f}{1 / k:>7.3f}")
 
 
-def abstract_state(model_cfg, tx, mesh):
-  """The train state's shapes, as `train_step.create_train_state` builds it (nothing allocated)."""
-  return jax.eval_shape(lambda key: train_step.create_train_state(model_cfg, tx, mesh, key)[0],
-                        jax.random.key(0))
+def abstract_state(model_cfg, tx, mesh, lora_cfg=LoraConfig()):
+  """The train state's shapes, as `train_step.create_train_state` builds it (nothing
+  allocated): with `lora_cfg`, the frozen base and the adapters' state."""
+  return jax.eval_shape(lambda key: train_step.create_train_state(
+      model_cfg, tx, mesh, key, lora_cfg=lora_cfg)[0], jax.random.key(0))
 
 
 def abstract_batch(rows, row_len, prox_mode):
@@ -401,6 +416,7 @@ def main(argv):
   summary = dict(
       device0_gib={f"{n}/{l}": r2(r["device0"]) for (n, l), r in results.items()},
       fits_80gb={f"{n}/{l}": r["fits_80gb"] for (n, l), r in results.items()},
+      fits_24gb={f"{n}/{l}": r["fits_24gb"] for (n, l), r in results.items()},
       generator_gib={f"{n}/{l}": {k: r2(v) for k, v in r["generator"].items()}
                      for (n, l), r in results.items()},
       trainer_gib={f"{n}/{l}": {k: r2(v) for k, v in r["trainer"].items()}

@@ -5,6 +5,7 @@ generator proving which published adapter produced its tokens."""
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,10 @@ import pytest
 from async_rl import models, policy, sharding
 from async_rl.cli import from_dict
 from async_rl.config import LoraConfig
+from async_rl.configs import qwen2_5
 from async_rl.generation import GeneratorPool, Request, SamplingParams
 from async_rl.models import lora
+from async_rl.models.memory import GIB, describe, estimate_memory
 from async_rl.rl import build
 from async_rl.trajectory import Group, Trajectory
 from conftest import two_layer_model
@@ -199,3 +202,15 @@ def test_a_checkpoint_holds_the_adapters_and_the_base_pointer_and_resumes_exactl
     assert jax.tree.structure(got) == jax.tree.structure(want), field
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(g, w, err_msg=field)
+
+
+def test_the_24gb_config_quotes_its_estimate_and_leaves_room_for_temporaries():
+  cfg = from_dict(qwen2_5.get_config("1.5b_lora"))
+  assert cfg.lora.rank == 16 and cfg.generation.max_new_tokens == 4096
+  section = qwen2_5.__doc__.split("\n1.5b_lora (", 1)[1].split("\n\n")[1]
+  quoted = dict(re.findall(r"^  (\w+): ([\d.]+ GiB)", section, re.MULTILINE))
+  assert quoted == dict(line.split(": ") for line in describe(cfg).splitlines())
+  m = estimate_memory(cfg)
+  assert m["optimizer"] < m["params"] / 10  # the moments are the adapters'
+  resident = m["trainer"] + 2 * m["generator"] + m["generator_base"]
+  assert 24e9 - resident > 7 * GIB

@@ -58,6 +58,11 @@ def abstract_adapters(model_cfg: ModelConfig, lora: LoraConfig):
   return jax.eval_shape(lambda key: init_adapters(model_cfg, lora, key), jax.random.key(0))
 
 
+def num_params(model_cfg: ModelConfig, lora: LoraConfig) -> int:
+  """The adapters' parameter count: r (in + out) per target and layer."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_adapters(model_cfg, lora)))
+
+
 def targets(adapters: Params) -> list[str]:
   """The projections `adapters` adapt, in model order."""
   return [name for name in N_IN if f"{name}_lora_a" in adapters["layers"]]

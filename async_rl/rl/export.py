@@ -40,11 +40,19 @@ def latest_step(workdir: str) -> int:
   return max(steps)
 
 
+def checkpoint_params(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
+  """The params a generator of run `cfg` (`build.make_engine`) takes, from `workdir`'s
+  checkpoint at `step` (default: the latest): the model's, or a LoRA run's adapters."""
+  abstract = lora.abstract_adapters(cfg.model, cfg.lora) if cfg.lora.enabled else None
+  return restore_params(os.path.join(workdir, "checkpoints"), cfg.model, step=step,
+                        abstract=abstract)
+
+
 def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
           pass_k: Optional[int] = None) -> dict:
-  """Held-out metrics of `params` on `cfg`'s task (`build.make_evaluator`, its reward
-  service of `rollout.reward_workers` processes): greedy accuracy, pass@k, mean
-  completion length, and the reward calls that failed."""
+  """Held-out metrics of `params` (`checkpoint_params`'s) on `cfg`'s task
+  (`build.make_evaluator`, its reward service of `rollout.reward_workers` processes):
+  greedy accuracy, pass@k, mean completion length, and the reward calls that failed."""
   cfg = build.resolve(cfg)
   task = build.preflight(cfg)
   cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
@@ -146,7 +154,9 @@ def serve(cfg: ExperimentConfig, prompts: Sequence, *, workdir: Optional[str] = 
     raise ValueError(f"generation.max_prompt_len {g.max_prompt_len} exceeds JetStream's "
                      f"longest prefill length {js.PREFILL_LENGTHS[-1]}")
   if workdir is not None:
-    params = restore_params(os.path.join(workdir, "checkpoints"), cfg.model, step=step)
+    params = checkpoint_params(cfg, workdir, step)
+    if cfg.lora.enabled:
+      params = lora.merge(build.lora_base(cfg), params, cfg.lora.scale)
     tokenizer = make_task(cfg.task).tokenizer
   else:
     params = hf.load_hf(cfg.hf_model_dir, cfg.model)

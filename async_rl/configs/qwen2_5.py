@@ -13,9 +13,9 @@
             slots, the same KV budget (12 sequences of the full 32,768, or the slots at a
             mean of 6,144), micro-batches of 32,768 tokens.
   1.5b_lora the 1.5B on one 24 GB GPU: LoRA adapters of rank 16 on every projection
-            (`lora`), the base frozen; 256 prompt + 4,096 new tokens, 32 slots, 4,096 KV
-            blocks per engine (15 sequences of the full 4,352, or the slots at a mean of
-            2,048), micro-batches of 4,352 tokens, learning rate 1e-5.
+            (`lora`), the base frozen; 256 prompt + 4,096 new tokens, 32 slots, 2,048 KV
+            blocks per engine (7 sequences of the full 4,352, or the slots at a mean of
+            1,024), micro-batches of 4,352 tokens, learning rate 1e-5.
 
 Mesh: `data=1, fsdp=-1, tensor=1`, so the trainer's params, AdamW state and gradients
 are sharded over every device (fsdp=1 on one GPU, fsdp=8 on eight). Other 8-GPU
@@ -63,14 +63,14 @@ eighth of the trainer and both engines, 8.87 + 2 x 21.19, about 51.2 GiB, which 
   params: 2.88 GiB        (bf16, frozen)
   optimizer: 0.14 GiB     (AdamW moments of the adapters, float32)
   gradients: 0.07 GiB     (of the adapters, float32)
-  kv_cache: 1.75 GiB      (per engine: 2 * 28 L * 4096 N * 16 Z * 2 K * 128 E * 2 bytes)
+  kv_cache: 0.88 GiB      (per engine: 2 * 28 L * 2048 N * 16 Z * 2 K * 128 E * 2 bytes)
   adapters: 0.07 GiB      (float32)
   trainer: 3.15 GiB       (the base and the adapters' state)
-  generator: 4.63 GiB     (per engine: the base with the adapters merged in, and its KV)
+  generator: 3.75 GiB     (per engine: the base with the adapters merged in, and its KV)
   generator_base: 2.88 GiB (the base the engines merge into, once)
 
 On one 24 GB GPU (22.35 GiB) the trainer, both engines and the base they share take
-3.15 + 2 x 4.63 + 2.88, about 15.3 GiB, which leaves 7.1 GiB for the train step's and
+3.15 + 2 x 3.75 + 2.88, about 13.5 GiB, which leaves 8.8 GiB for the train step's and
 the engines' temporaries (`python -m benchmarks.memory --configs=qwen2_5:1.5b_lora
 --lengths=4k --tp=` compiles them).
 
@@ -155,5 +155,5 @@ def get_config(variant="1.5b"):
     c.batching.max_tokens_per_mb = 256 + 4096
     c.generation.max_new_tokens = 4096
     c.generation.num_slots = 32
-    c.generation.kv_blocks = 4096
+    c.generation.kv_blocks = 2048
   return c

@@ -21,7 +21,7 @@ There is no adapter dropout. A decoupled-PPO step compares the policy's log-prob
 those the generator recorded and with the proximal ones recomputed before the update;
 dropout in the training forward alone would make the trained policy a different,
 random one (the ratios would not start at 1 and the behaviour-vs-recomputed check
-would fail for every token), and RL recipes that train LoRA use none.
+would fail for every token), while the generator samples the model without it.
 """
 
 import math

@@ -3,9 +3,10 @@
 With LoRA only the adapters are published, so a generator's params are the adapters:
 `load_params` takes them and returns the base with them merged in, in the serving
 layout, and the pool decodes the plain model. Merging costs one pass over the adapted
-weights per publish; adding the low-rank terms in every decode step instead costs
-small matmuls per layer per token, which measured slower on CPU (decode runs many
-steps per version). The base is copied onto the engine's devices once.
+weights per publish, and memory: the engine keeps the base (copied onto its devices
+once) beside the merged params each pool holds. Adding the low-rank terms in every
+decode step instead would need no second copy but costs small matmuls per layer per
+token, which measured slower on CPU (decode runs many steps per version).
 """
 
 import functools

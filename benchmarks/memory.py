@@ -62,7 +62,7 @@ that k does not divide stays whole (`sharding.PARAM_RULES`). Beside the counts f
 shapes, `decode_args_f32` is what the compiler places on each device as the decode
 chunk's arguments (params, pools and the slots' state, at float32's 4 bytes).
 
-Last line: JSON with, per config and length, `device0_gib` and `fits_80gb`, the
+Last line: JSON with, per config and length, `device0_gib`, `fits_80gb` and `fits_24gb`, the
 generator's and the trainer's parts, and `tp_gib` / `tp_ratio` per k.
 
 Per micro-batch (`--tokens`, with `--config` and `--saves`): the train step of

@@ -275,6 +275,10 @@ def make_engine(cfg: ExperimentConfig, devices=None, base=None):
   return engine
 
 
+# A LoRA checkpoint's pointer when its base was handed to the run (`init_params`).
+GIVEN_BASE = {"init_params": "given to the run, not named by its config"}
+
+
 def lora_pointer(cfg: ExperimentConfig) -> dict[str, Any]:
   """Where a LoRA run's frozen base comes from, as a checkpoint records it: the Hugging
   Face directory, or the model and seed of a random init."""
@@ -444,9 +448,12 @@ def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=
   try:
     # A LoRA checkpoint holds no base: a resumed trainer loads it from its pointer.
     fresh = checkpointer.latest_step() is None
-    if init_params is None and (fresh or cfg.lora.enabled):
+    given = init_params is not None
+    if not given and (fresh or cfg.lora.enabled):
       init_params = initial_params(cfg, mesh, task, echo, record=record)
     trainer = make_trainer(cfg, mesh, init_params)
+    if given and cfg.lora.enabled:  # a base no pointer names: checkpoints say so
+      trainer.base_pointer = GIVEN_BASE
     restored = TrainLoop.restore(checkpointer, trainer, server, echo)
   except BaseException:
     checkpointer.close()

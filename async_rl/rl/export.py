@@ -81,7 +81,8 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None,
   or with `adapter` written alone as PEFT saves them (`export_peft`).
 
   Raises:
-    ValueError: `adapter` for a run without LoRA.
+    ValueError: `adapter` for a run without LoRA, or a merge for a LoRA run whose base
+      was given to it (`init_params`) rather than named by its config.
   """
   with open(os.path.join(workdir, "config.json")) as f:
     run = json.load(f)
@@ -98,6 +99,12 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None,
     if adapter:
       export_peft(cfg, adapters, out_dir)
       return
+    step = latest_step(workdir) if step is None else step
+    with open(os.path.join(checkpoints, str(step), "meta", "metadata")) as f:
+      if json.load(f).get("lora_base") == build.GIVEN_BASE:
+        raise ValueError(f"the run in {workdir} trained adapters on a base given to it "
+                         f"(init_params), which its config does not name: export the "
+                         f"adapters alone (--adapter) and merge them into that base")
     params = lora.merge(build.lora_base(cfg), adapters, cfg.lora.scale)
   elif adapter:
     raise ValueError(f"the run in {workdir} trained no adapters (lora.rank = 0): export "

@@ -83,6 +83,7 @@ def trainer(cfg, devices) -> dict:
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
   f16 = dataclasses.replace(cfg, model=with_dtype(cfg.model, "float16"))
   mem = compile_train_step(f16, mesh, rows, row_len).memory_analysis()
+  # The float16 compile counts a LoRA run's float32 adapters and moments at their size.
   return dict(state=mem.argument_size_in_bytes / GIB, temp=mem.temp_size_in_bytes / GIB,
               row_len=row_len)
 
@@ -91,17 +92,18 @@ def compile_train_step(cfg, mesh, rows, row_len):
   """The train step of `cfg` on `mesh`, compiled for one micro-batch of `rows` rows of
   `row_len` tokens."""
   tx = train_step.make_optimizer(cfg.optimizer)
-  state = _abstract_state(cfg.model, tx, mesh)
+  state = _abstract_state(cfg.model, tx, mesh, cfg.lora)
   step = train_step.jit_train_step(mesh, train_step.train_state_shardings(state, mesh),
                                    model_cfg=cfg.model, loss_fn=loss.from_config(cfg.ppo),
                                    temperature=cfg.generation.logp_temperature)
   return step.lower(state, *_abstract_batch(rows, row_len, cfg.ppo.prox_logp)).compile()
 
 
-def _abstract_state(model_cfg, tx, mesh):
-  """The train state's shapes, as `train_step.create_train_state` builds it (nothing allocated)."""
-  return jax.eval_shape(lambda key: train_step.create_train_state(model_cfg, tx, mesh, key)[0],
-                        jax.random.key(0))
+def _abstract_state(model_cfg, tx, mesh, lora_cfg):
+  """The train state's shapes, as `train_step.create_train_state` builds it (nothing
+  allocated): with `lora_cfg` on, the frozen base and the adapters' state."""
+  return jax.eval_shape(lambda key: train_step.create_train_state(
+      model_cfg, tx, mesh, key, lora_cfg=lora_cfg)[0], jax.random.key(0))
 
 
 def _abstract_batch(rows, row_len, prox_mode):

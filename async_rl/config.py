@@ -188,6 +188,42 @@ class OptimizerConfig:
       fail("optimizer.grad_clip", self.grad_clip, "must be > 0")
 
 
+# The projections a LoRA adapter may sit on: attention's and the MLP's.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters on a frozen base (`models.lora`): only the adapters train,
+  publish and checkpoint. No dropout: see `models.lora`."""
+  rank: int = _field(0, "the adapters' rank r; 0: no adapters, the whole model trains.")
+  alpha: float = _field(
+      32.0, "the adapters' output is scaled by alpha / rank (as PEFT's `lora_alpha`).")
+  targets: tuple[str, ...] = _field(
+      ("q", "k", "v", "o", "gate", "up", "down"),
+      "the projections that get an adapter (`LORA_TARGETS`).")
+
+  def __post_init__(self):
+    _check_finite("lora", self)
+    if self.rank < 0:
+      fail("lora.rank", self.rank, "must be >= 0")
+    if self.alpha <= 0:
+      fail("lora.alpha", self.alpha, "must be > 0")
+    if not self.targets or len(set(self.targets)) != len(self.targets):
+      fail("lora.targets", self.targets, "must name at least one projection, each once")
+    for target in self.targets:
+      _check_choice("lora.targets", target, LORA_TARGETS)
+
+  @property
+  def enabled(self) -> bool:
+    return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    """What the adapters' product is multiplied by: alpha / rank."""
+    return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
   """The decoupled PPO objective (docs/architecture.md); `loss.check_hparams` validates it.
@@ -945,6 +981,7 @@ class ExperimentConfig:
       "start).")
   model: ModelConfig = ModelConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
+  lora: LoraConfig = LoraConfig()
   ppo: PPOConfig = PPOConfig()
   advantage: AdvantageConfig = AdvantageConfig()
   batching: BatchingConfig = BatchingConfig()

@@ -24,6 +24,8 @@ BATCH_AXES = ("data", "fsdp")
 PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"^embed$", P("tensor", "fsdp")),
     (r"^lm_head$", P("fsdp", "tensor")),
+    # LoRA adapters (`models.lora`): a few rank-r columns per weight, replicated.
+    (r"layers/\w+_lora_(a|b)$", P()),
     (r"layers/(q|k|v)$", P(None, "fsdp", "tensor", None)),
     (r"layers/(q|k|v)_bias$", P(None, "tensor", None)),
     (r"layers/o$", P(None, "tensor", None, "fsdp")),

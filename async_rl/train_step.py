@@ -27,8 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from async_rl import off_policy, policy, sharding
 from async_rl.batching import PackedBatch
-from async_rl.config import ModelConfig, OptimizerConfig
-from async_rl.models import init_params
+from async_rl.config import LoraConfig, ModelConfig, OptimizerConfig
+from async_rl.models import init_params, lora
 from async_rl.models.attention import kernels_for
 
 
@@ -44,12 +44,31 @@ class TrainState:
   `ref_params`, when the objective has a KL penalty, are the reference policy: the
   params the run started from, frozen (no step changes them), sharded as `params` and
   checkpointed with them; None otherwise.
+
+  With LoRA (`models.lora`), `params` are the adapters, the only params trained, and
+  `base` the frozen model they adapt (held once: it is also the reference policy,
+  with the adapters zeroed, so `ref_params` is None); `lora_scale` is their alpha / r.
   """
   step: jax.Array
   params: Any
   opt_state: Any
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
   ref_params: Any = None
+  base: Any = None
+  lora_scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+  def model_params(self, params=None):
+    """What the model functions take for `params` (default: the trained ones): with
+    LoRA, the base with those adapters attached."""
+    params = self.params if params is None else params
+    return params if self.base is None else lora.attach(self.base, params, self.lora_scale)
+
+  def reference_params(self):
+    """The reference policy's model params: `ref_params`, or with LoRA the base with
+    its adapters zeroed (no second copy of the base)."""
+    if self.base is None:
+      return self.ref_params
+    return self.model_params(lora.zeros_like(self.params))
 
 
 def learning_rate(cfg: OptimizerConfig) -> optax.Schedule:
@@ -71,7 +90,8 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
-                       params=None, *, reference: bool = False
+                       params=None, *, reference: bool = False,
+                       lora_cfg: LoraConfig = LoraConfig()
                        ) -> tuple[TrainState, TrainState]:
   """A sharded TrainState built in place, and its shardings: shapes first, then jit with
   out_shardings.
@@ -80,12 +100,20 @@ def create_train_state(model_cfg: ModelConfig, tx, mesh: Mesh, key: jax.Array,
   params and the optimizer's moments as they were (its schedule counts only applied
   updates). With `params` given (e.g. a warm start), they are resharded and used
   instead of a random init. With `reference`, the state also keeps a copy of these
-  initial params as `ref_params`, the frozen reference policy.
+  initial params as `ref_params`, the frozen reference policy. With `lora_cfg` enabled
+  those params are the frozen `base` instead, the trained `params` are new LoRA
+  adapters on it (`models.lora.init_adapters`, from `key` folded with 1) and the
+  optimizer state is theirs alone; the reference policy is then the base itself.
   """
   tx = optax.apply_if_finite(tx, max_consecutive_errors=_NEVER_GIVE_UP)
 
   def init(key, params):
     params = init_params(model_cfg, key) if params is None else params
+    if lora_cfg.enabled:
+      trained = lora.init_adapters(model_cfg, lora_cfg, jax.random.fold_in(key, 1))
+      return TrainState(step=jnp.zeros((), jnp.int32), params=trained,
+                        opt_state=tx.init(trained), tx=tx, base=params,
+                        lora_scale=lora_cfg.scale)
     # A copy, not the same arrays: the step donates `params` and keeps `ref_params`.
     ref_params = jax.tree.map(jnp.copy, params) if reference else None
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -102,7 +130,9 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
       step=NamedSharding(mesh, P()), params=params_sh,
       opt_state=sharding.state_shardings(abstract_state.opt_state, abstract_state.params,
                                          mesh),
-      ref_params=None if abstract_state.ref_params is None else params_sh)
+      ref_params=None if abstract_state.ref_params is None else params_sh,
+      base=None if abstract_state.base is None else sharding.param_shardings(
+          abstract_state.base, mesh))
 
 
 def _logp_and_entropy(params, mb: PackedBatch, *, model_cfg, temperature, rows, kernels):
@@ -126,8 +156,10 @@ def mismatch(logp, behav_logp, on, num_tokens):
           "mismatch_tokens": on.sum() / num_tokens}
 
 
-def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta_version, *,
-             model_cfg, loss_fn, temperature, rows, kernels):
+def _mb_loss(params, mb: PackedBatch, prox_logp, num_tokens, prox_version, theta_version,
+             base, *, model_cfg, loss_fn, temperature, rows, kernels, lora_scale):
+  if base is not None:  # LoRA: `params` are the adapters on the frozen base
+    params = lora.attach(base, params, lora_scale)
   logp, ent = _logp_and_entropy(params, mb, model_cfg=model_cfg, temperature=temperature,
                                 rows=rows, kernels=kernels)
   if prox_logp is None:
@@ -162,27 +194,31 @@ def _minibatches(x, n):
   return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
 
 
-def _grad_fn(model_cfg, loss_fn, temperature, rows, kernels):
+def _grad_fn(model_cfg, loss_fn, temperature, rows, kernels, lora_scale):
   return jax.value_and_grad(functools.partial(_mb_loss, model_cfg=model_cfg, loss_fn=loss_fn,
                                               temperature=temperature, rows=rows,
-                                              kernels=kernels), has_aux=True)
+                                              kernels=kernels, lora_scale=lora_scale),
+                            has_aux=True)
 
 
 def accumulate_grads(params, micro_batches: PackedBatch, prox_logp, num_tokens, version,
                      theta_version, *, model_cfg: ModelConfig, loss_fn: Callable,
-                     temperature: float = 1.0, rows=None, kernels: str = "xla"):
+                     temperature: float = 1.0, rows=None, kernels: str = "xla", base=None,
+                     lora_scale: float = 1.0):
   """Loss, metrics and float32 gradients summed over [m, R, T] micro-batches, each loss
   divided by `num_tokens` (its update's valid tokens); empty micro-batches add zeros.
   `rows`: the sharding of a micro-batch's rows, as `models.hidden` takes it; `kernels`:
-  the attention's, as `models.hidden` takes them."""
-  grad_fn = _grad_fn(model_cfg, loss_fn, temperature, rows, kernels)
+  the attention's, as `models.hidden` takes them. With a `base`, `params` are LoRA
+  adapters on it at `lora_scale` (`TrainState`), and the gradients theirs alone."""
+  grad_fn = _grad_fn(model_cfg, loss_fn, temperature, rows, kernels, lora_scale)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   first = jax.tree.map(lambda x: x[0], (micro_batches, prox_logp))
-  _, metrics_shape = jax.eval_shape(grad_fn, params, *first, 1.0, version, version)[0]
+  _, metrics_shape = jax.eval_shape(grad_fn, params, *first, 1.0, version, version, base)[0]
   zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
 
   def one(mb, prox):
-    (loss, metrics), grads = grad_fn(params, mb, prox, num_tokens, version, theta_version)
+    (loss, metrics), grads = grad_fn(params, mb, prox, num_tokens, version, theta_version,
+                                     base)
     return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
   def skip(mb, prox):
@@ -279,7 +315,8 @@ def train_step(state: TrainState, batch: PackedBatch, prox_logp, *, model_cfg: M
     num_tokens = minibatch.loss_mask.sum()
     sums = accumulate_grads(state.params, minibatch, prox, num_tokens, version,
                             version + k / n, model_cfg=model_cfg, loss_fn=loss_fn,
-                            temperature=temperature, rows=rows, kernels=kernels)
+                            temperature=temperature, rows=rows, kernels=kernels,
+                            base=state.base, lora_scale=state.lora_scale)
     return apply_grads(state, *sums, num_tokens)
 
   _check_splits(batch, n)
@@ -332,12 +369,20 @@ def jit_train_step(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelC
 
 def jit_recompute_logp(mesh: Mesh, params_shardings, *, model_cfg: ModelConfig,
                        temperature: float = 1.0, kernels: str | None = None):
-  """`recompute_logp` compiled over `mesh`; `kernels` as `jit_train_step`'s."""
+  """`recompute_logp` compiled over `mesh`, for params on `params_shardings`; `kernels`
+  as `jit_train_step`'s."""
   fn = functools.partial(recompute_logp, model_cfg=model_cfg, temperature=temperature,
                          rows=rows_sharding(mesh),
                          kernels=kernels or kernels_for(mesh.devices.flat))
   return jax.jit(fn, in_shardings=(params_shardings, batch_shardings(mesh)),
                  out_shardings=sharding.batch_sharding(mesh, leading_axes=1))
+
+
+def model_shardings(state_shardings: TrainState):
+  """The shardings of `TrainState.model_params` (with LoRA: base and adapters joined)."""
+  if state_shardings.base is None:
+    return state_shardings.params
+  return lora.join(state_shardings.base, state_shardings.params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +392,9 @@ class StepFns:
   Attributes:
     step: (state, batch, prox_logp) -> (state, metrics), `train_step`; the state is
       donated.
-    recompute: (params, batch) -> the proximal log-probs [M, R, T], `recompute_logp`.
+    recompute: (model params, batch) -> their log-probs [M, R, T], `recompute_logp`:
+      the proximal ones under `TrainState.model_params`, the reference policy's under
+      `TrainState.reference_params`.
     micro_batch_multiple: a batch's M must be a multiple of it
       (`batching.pad_micro_batches`).
   """
@@ -365,6 +412,6 @@ def jit_steps(mesh: Mesh, state_shardings: TrainState, *, model_cfg: ModelConfig
       jit_train_step(mesh, state_shardings, model_cfg=model_cfg, loss_fn=loss_fn,
                      temperature=temperature, num_minibatches=num_minibatches,
                      kernels=kernels),
-      jit_recompute_logp(mesh, state_shardings.params, model_cfg=model_cfg,
+      jit_recompute_logp(mesh, model_shardings(state_shardings), model_cfg=model_cfg,
                          temperature=temperature, kernels=kernels),
       num_minibatches)

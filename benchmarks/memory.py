@@ -3,6 +3,8 @@
   python -m benchmarks.memory      # 1.5B and 7B at 8k / 16k / 32k, and the 7B engine on
                                    # 1 / 2 / 4 / 8 devices; compile only, minutes
   python -m benchmarks.memory --configs=qwen2_5:1.5b --lengths=32k --tp=   # one row
+  python -m benchmarks.memory --configs=qwen2_5:7b,qwen2_5:7b+lora16 --lengths=8k --tp=
+                                   # full fine-tuning against LoRA of rank 16
   python -m benchmarks.memory --config=configs/micro.py --tokens=80,160   # per micro-batch
 
 Nothing is allocated: params and KV pools are counted from their abstract shapes and
@@ -25,11 +27,15 @@ Per device, for each config (a shipped `NAME:VARIANT`) and generation length:
              devices and both engines' pools (rollout and evaluation, each with its own
              params and KV pool) on the first device, every transient counted at once:
              trainer + its temporaries + 2 x (generator + its transient). It fits one
-             80 GB device when at most 74.5 GiB.
+             80 GB device when at most 74.5 GiB, one 24 GB device at 22.35 GiB.
+  LoRA       a config with `lora.rank` > 0 (`qwen2_5:1.5b_lora`): the train state is the
+             frozen base and the adapters' float32 state; device 0 adds the base the
+             engine merges each published adapter into (`generation.adapted`).
 
 D is 1 for the 1.5B and 8 for the 7B, the devices `configs/qwen2_5.py` sizes them for (1
 for other configs).
-Lengths: 8k is each config as shipped (256 prompt + 8,192 new tokens); 16k and 32k
+Lengths: 8k is each config as shipped (256 prompt + 8,192 new tokens); 4k takes 256
+prompt and 4,096 new tokens; 16k and 32k
 take 1,024 prompt tokens and 15,360 / 31,744 new ones, slots and KV budget as shipped,
 or a config's variant `VARIANT_LENGTH` where it has one (`qwen2_5:1.5b_32k`, 64 slots).
 
@@ -56,7 +62,7 @@ that k does not divide stays whole (`sharding.PARAM_RULES`). Beside the counts f
 shapes, `decode_args_f32` is what the compiler places on each device as the decode
 chunk's arguments (params, pools and the slots' state, at float32's 4 bytes).
 
-Last line: JSON with, per config and length, `device0_gib` and `fits_80gb`, the
+Last line: JSON with, per config and length, `device0_gib`, `fits_80gb` and `fits_24gb`, the
 generator's and the trainer's parts, and `tp_gib` / `tp_ratio` per k.
 
 Per micro-batch (`--tokens`, with `--config` and `--saves`): the train step of
@@ -131,14 +137,16 @@ _SAVES = flags.DEFINE_list("saves", None, "model.remat_saves to compile with, e.
                            "mlp_gate,qkv (default: the config's; 'none' for none).")
 
 # Prompt and new tokens of each length; None: the config as shipped.
-LENGTHS = {"8k": None, "16k": (1024, 15360), "32k": (1024, 31744)}
+LENGTHS = {"4k": (256, 4096), "8k": None, "16k": (1024, 15360), "32k": (1024, 31744)}
 TRAINER_DEVICES = {"qwen2_5:1.5b": 1, "qwen2_5:7b": 8}
 DEVICE_GIB = 80e9 / GIB
+SMALL_DEVICE_GIB = 24e9 / GIB  # what `1.5b_lora` is sized for
 
 
 def experiment(name: str, length: str):
-  """The shipped config `name` (`NAME[:VARIANT]`) at `length` (`LENGTHS`): its variant
-  `VARIANT_LENGTH` if it has one."""
+  """The shipped config `name` (`NAME[:VARIANT][+loraR]`) at `length` (`LENGTHS`): its
+  variant `VARIANT_LENGTH` if it has one; with `+loraR`, LoRA adapters of rank R."""
+  name, _, rank = name.partition("+lora")
   module_name, _, variant = name.partition(":")
   module = importlib.import_module(f"async_rl.configs.{module_name}")
   if f"{variant}_{length}" in getattr(module, "VARIANTS", ()):
@@ -147,6 +155,8 @@ def experiment(name: str, length: str):
     c = module.get_config(*[variant] if variant else [])
     if LENGTHS[length] is not None:
       c.generation.max_prompt_len, c.generation.max_new_tokens = LENGTHS[length]
+  if rank:
+    c.lora.rank = int(rank)
   g = c.generation
   c.model.max_seq_len = max(c.model.max_seq_len, g.max_prompt_len + g.max_new_tokens)
   c.batching.max_tokens_per_mb = max(c.batching.max_tokens_per_mb, c.model.max_seq_len)
@@ -164,15 +174,17 @@ def generator_of(name: str, length: str, k: int) -> dict:
 def per_device(name: str, length: str) -> dict:
   """`name` at `length`: generator, trainer and device 0 (module docstring), in GiB."""
   cfg = experiment(name, length)
-  D = TRAINER_DEVICES.get(name, 1)
+  D = TRAINER_DEVICES.get(name.partition("+lora")[0], 1)
   if len(jax.devices()) < D:
     raise ValueError(f"{name} needs {D} devices; XLA_FLAGS gives {len(jax.devices())}")
   gen = generator_of(name, length, 1)
   train = trainer(cfg, jax.devices()[:D])
   device0 = train["state"] + train["temp"] + 2 * gen["total"]
+  if cfg.lora.enabled:  # the base the engine merges each published adapter into
+    device0 += gen["params"]
   return dict(length=cfg.generation.max_length, slots=cfg.generation.num_slots,
               trainer_devices=D, generator=gen, trainer=train, device0=device0,
-              fits_80gb=device0 <= DEVICE_GIB)
+              fits_80gb=device0 <= DEVICE_GIB, fits_24gb=device0 <= SMALL_DEVICE_GIB)
 
 
 def tensor_parallel(name: str, ks) -> dict:
@@ -193,7 +205,8 @@ def print_per_device(results):
     g, t = r["generator"], r["trainer"]
     print(f"{name:<14}{length:>7}{r['trainer_devices']:>3}{g['params']:>11.2f}{g['kv']:>7.2f}"
           f"{g['prefill']:>9.2f}{g['decode']:>8.2f}{t['state']:>12.2f}"
-          f"{t['temp']:>11.2f}{r['device0']:>10.2f}  {'yes' if r['fits_80gb'] else 'NO'}")
+          f"{t['temp']:>11.2f}{r['device0']:>10.2f}  {'yes' if r['fits_80gb'] else 'NO'}"
+          f"{' (24 GB: yes)' if r['fits_24gb'] else ''}")
   print("GiB per device. prefill: temporaries + the prefix of one full-length sequence; "
         "decode: one chunk's temporaries, the KV budget in flight; device 0: train state + "
         "temp + 2 x (params + KV + the larger transient).")
@@ -316,6 +329,7 @@ def main(argv):
   summary = dict(
       device0_gib={f"{n}/{l}": r2(r["device0"]) for (n, l), r in results.items()},
       fits_80gb={f"{n}/{l}": r["fits_80gb"] for (n, l), r in results.items()},
+      fits_24gb={f"{n}/{l}": r["fits_24gb"] for (n, l), r in results.items()},
       generator_gib={f"{n}/{l}": {k: r2(v) for k, v in r["generator"].items()}
                      for (n, l), r in results.items()},
       trainer_gib={f"{n}/{l}": {k: r2(v) for k, v in r["trainer"].items()}

@@ -22,7 +22,12 @@ does each step, with the real parameter server as an actor: the trainer's host c
 `placement.publish_dtype` does), `publish` to the server actor, and a rollout-worker
 actor's `fetch` and `Engine.load_params`. Seconds and bytes per publish for the small
 preset, and the bytes of the 1.5B and 7B shapes with the seconds the measured rate
-gives them. A float32 1024^3 matmul measured first tells how loaded the machine was.
+gives them. With LoRA (`--lora_rank`, 0 for none) only the adapters move: the same
+path for adapters of that rank on every projection of the small preset, published in
+float32 and loaded by the rollout worker's `generation.adapted.AdaptedEngine` (which
+merges them into the base it holds), and the adapter bytes of the 1.5B and 7B shapes
+beside their full params'. A float32 1024^3 matmul measured first tells how loaded the
+machine was.
 Prints a table, then one JSON object as the last line.
 """
 
@@ -38,14 +43,17 @@ import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from async_rl import sharding, train_step  # noqa: E402
-from async_rl.config import MeshConfig, model_preset  # noqa: E402
+from async_rl import models, sharding, train_step  # noqa: E402
+from async_rl.config import LoraConfig, MeshConfig, model_preset  # noqa: E402
 from async_rl.generation import Engine  # noqa: E402
+from async_rl.generation.adapted import AdaptedEngine  # noqa: E402
+from async_rl.models import lora  # noqa: E402
 from benchmarks.common.peak import matmul_peak  # noqa: E402
 from benchmarks.common.timer import median_s  # noqa: E402
 
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed publishes per variant.")
 _CROSS = flags.DEFINE_bool("cross_process", True, "Also time the publish through Ray actors.")
+_LORA_RANK = flags.DEFINE_integer("lora_rank", 16, "Rank of the LoRA publish row; 0: none.")
 
 
 def _placement(cfg, trainer_devices, generator_devices, repeats):
@@ -63,10 +71,13 @@ def _placement(cfg, trainer_devices, generator_devices, repeats):
 class _Fetcher:
   """A rollout worker's side: fetches the newest params and loads them on its engine."""
 
-  def __init__(self, cfg, server):
+  def __init__(self, cfg, server, lora_cfg=LoraConfig()):
     self._server, self._version = server, -1
     self._engine = Engine(cfg, max_concurrent_decodes=1, max_prefill_length=16,
                           max_target_length=32)
+    if lora_cfg.enabled:  # the base from its pointer (a seed), as a rollout worker loads it
+      self._engine = AdaptedEngine(self._engine, models.init_params(cfg, jax.random.key(0)),
+                                   lora_cfg.scale)
 
   def fetch_and_load(self):
     version, params = ray.get(self._server.fetch.remote(self._version))
@@ -103,9 +114,34 @@ def _cross_process(cfg, repeats):
       out[dtype] = {"seconds": seconds, "bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9}
       ray.kill(fetcher)
       ray.kill(server)
+    if _LORA_RANK.value:
+      out["lora"] = _cross_process_lora(cfg, mesh, LoraConfig(rank=_LORA_RANK.value), repeats)
     return out
   finally:
     ray.shutdown()
+
+
+def _cross_process_lora(cfg, mesh, lora_cfg, repeats):
+  """Seconds per publish of LoRA adapters through Ray, loaded by an adapted engine."""
+  from async_rl.config import StalenessConfig  # noqa: PLC0415
+  from async_rl.param_server import ParameterServer  # noqa: PLC0415
+  state, _ = train_step.create_train_state(cfg, optax.sgd(1.0), mesh, jax.random.key(0),
+                                           lora_cfg=lora_cfg)
+  server = ray.remote(ParameterServer).options(max_concurrency=4).remote(StalenessConfig(), 1)
+  fetcher = ray.remote(_Fetcher).remote(cfg, server, lora_cfg)
+  version = [0]
+
+  def publish():
+    ray.get(server.publish.remote(version[0], jax.device_get(state.params)))
+    ray.get(fetcher.fetch_and_load.remote())
+    version[0] += 1
+  try:
+    seconds = median_s(publish, repeats)
+  finally:
+    ray.kill(fetcher)
+    ray.kill(server)
+  nbytes = lora.num_params(cfg, lora_cfg) * 4
+  return {"rank": lora_cfg.rank, "seconds": seconds, "bytes": nbytes}
 
 
 def main(argv):
@@ -129,17 +165,26 @@ def main(argv):
     cross = _cross_process(cfg, _REPEATS.value)
     print("\nacross processes (Ray), small preset; then the shapes at the measured rate")
     print(f"{'model':<16}{'dtype':<10}{'GB':>8}{'s / publish':>13}")
+    lora_row = cross.pop("lora", None)
     for dtype, r in cross.items():
       print(f"{'small':<16}{dtype:<10}{r['bytes'] / 1e9:>8.3f}{r['seconds']:>13.3f}")
+    if lora_row:
+      print(f"{'small':<16}{'lora' + str(lora_row['rank']):<10}{lora_row['bytes'] / 1e9:>8.3f}"
+            f"{lora_row['seconds']:>13.3f}  (adapters, float32; the load merges them)")
     shapes = {}
     for name in ("qwen2.5-1.5b", "qwen2.5-7b"):
-      n = model_preset(name).num_params()
-      for dtype, r in cross.items():
-        nbytes = n * jax.numpy.dtype(dtype).itemsize
-        seconds = nbytes / 1e9 / r["gb_per_s"]
-        shapes[f"{name}/{dtype}"] = {"bytes": nbytes, "seconds_at_measured_rate": seconds}
-        print(f"{name:<16}{dtype:<10}{nbytes / 1e9:>8.2f}{seconds:>13.2f}")
+      model = model_preset(name)
+      sizes = {dtype: model.num_params() * jax.numpy.dtype(dtype).itemsize for dtype in cross}
+      if lora_row:  # the adapters in float32, at the float32 params' rate
+        sizes[f"lora{lora_row['rank']}"] = 4 * lora.num_params(
+            model, LoraConfig(rank=lora_row["rank"]))
+      for label, nbytes in sizes.items():
+        seconds = nbytes / 1e9 / cross.get(label, cross["float32"])["gb_per_s"]
+        shapes[f"{name}/{label}"] = {"bytes": nbytes, "seconds_at_measured_rate": seconds}
+        print(f"{name:<16}{label:<10}{nbytes / 1e9:>8.3f}{seconds:>13.3f}")
     cross["shapes"] = shapes
+    if lora_row:
+      cross["lora"] = lora_row
   print(json.dumps({"params_mib": mb, "matmul_gflops": peak, **results,
                     "cross_process": cross}))
 

@@ -61,8 +61,8 @@ def test_periodic_evaluations_and_the_final_one_evaluate_each_version_once(tmp_p
                                                                            monkeypatch):
   engines, make_engine = [], build.make_engine
 
-  def counting(cfg, devices=None):
-    engines.append(make_engine(cfg, devices))
+  def counting(cfg, devices=None, base=None):
+    engines.append(make_engine(cfg, devices, base=base))
     return engines[-1]
 
   monkeypatch.setattr(build, "make_engine", counting)

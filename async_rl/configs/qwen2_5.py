@@ -3,6 +3,7 @@
   python -m launch.train --config=configs/qwen2_5.py --workdir=/tmp/q15        # 1.5b
   python -m launch.train --config=configs/qwen2_5.py:7b --workdir=/tmp/q7
   python -m launch.train --config=configs/qwen2_5.py:1.5b_32k --workdir=/tmp/q15_32k
+  python -m launch.train --config=configs/qwen2_5.py:1.5b_lora --workdir=/tmp/q15_lora
 
 (installed: `--config=qwen2_5:7b`). Variants, after the colon:
 
@@ -11,6 +12,10 @@
   1.5b_32k  the 1.5B at AReaL's reasoning length: 1,024 prompt + 31,744 new tokens, 64
             slots, the same KV budget (12 sequences of the full 32,768, or the slots at a
             mean of 6,144), micro-batches of 32,768 tokens.
+  1.5b_lora the 1.5B on one 24 GB GPU: LoRA adapters of rank 16 on every projection
+            (`lora`), the base frozen; 256 prompt + 4,096 new tokens, 32 slots, 2,048 KV
+            blocks per engine (7 sequences of the full 4,352, or the slots at a mean of
+            1,024), micro-batches of 4,352 tokens, learning rate 1e-5.
 
 Mesh: `data=1, fsdp=-1, tensor=1`, so the trainer's params, AdamW state and gradients
 are sharded over every device (fsdp=1 on one GPU, fsdp=8 on eight). Other 8-GPU
@@ -53,6 +58,22 @@ would take 28.88 GiB. On eight 80 GB GPUs (74.5 GiB each) the first device holds
 eighth of the trainer and both engines, 8.87 + 2 x 21.19, about 51.2 GiB, which leaves
 23.3 GiB for the train step's temporaries there.
 
+1.5b_lora (1,543,714,304 params, 18,464,768 in the adapters):
+
+  params: 2.88 GiB        (bf16, frozen)
+  optimizer: 0.14 GiB     (AdamW moments of the adapters, float32)
+  gradients: 0.07 GiB     (of the adapters, float32)
+  kv_cache: 0.88 GiB      (per engine: 2 * 28 L * 2048 N * 16 Z * 2 K * 128 E * 2 bytes)
+  adapters: 0.07 GiB      (float32)
+  trainer: 3.15 GiB       (the base and the adapters' state)
+  generator: 3.75 GiB     (per engine: the base with the adapters merged in, and its KV)
+  generator_base: 2.88 GiB (the base the engines merge into, once)
+
+On one 24 GB GPU (22.35 GiB) the trainer, both engines and the base they share take
+3.15 + 2 x 3.75 + 2.88, about 13.5 GiB, which leaves 8.8 GiB for the train step's and
+the engines' temporaries (`python -m benchmarks.memory --configs=qwen2_5:1.5b_lora
+--lengths=4k --tp=` compiles them).
+
 Samples beyond the KV budget wait, preempted, and resume where they stopped
 (`generation.pool`). The compiled train step needs more than `trainer`, most of it
 gradient buffers (a float32 accumulator, one micro-batch's gradients, their cast):
@@ -81,13 +102,13 @@ chains of thought.
 from async_rl.cli import config_dict
 from async_rl.config import MODEL_PRESETS
 
-VARIANTS = ("1.5b", "7b", "1.5b_32k")
+VARIANTS = ("1.5b", "7b", "1.5b_32k", "1.5b_lora")
 
 
 def get_config(variant="1.5b"):
   if variant not in VARIANTS:
     raise ValueError(f"configs/qwen2_5.py has variants {VARIANTS}, got {variant!r}")
-  size = variant.removesuffix("_32k")
+  size = variant.removesuffix("_32k").removesuffix("_lora")
   c = config_dict()
   c.batch_groups = 32
   c.num_steps = 200
@@ -127,4 +148,12 @@ def get_config(variant="1.5b"):
     c.generation.max_prompt_len = 1024
     c.generation.max_new_tokens = 31744
     c.generation.num_slots = 64
+  if variant == "1.5b_lora":
+    c.lora.rank = 16
+    c.optimizer.learning_rate = 1e-5
+    c.model.max_seq_len = 256 + 4096
+    c.batching.max_tokens_per_mb = 256 + 4096
+    c.generation.max_new_tokens = 4096
+    c.generation.num_slots = 32
+    c.generation.kv_blocks = 2048
   return c

@@ -26,13 +26,15 @@ def _update_part(x, n, threads, k, j):
   return x.reshape(x.shape[0] // (n * threads), threads, n, *x.shape[1:])[:, j, k]
 
 
-def _accumulate_part(params, batch, prox_logp, k, j, version, *, n, threads, **policy_kw):
+def _accumulate_part(params, batch, prox_logp, k, j, version, base, *, n, threads,
+                     **policy_kw):
   """`accumulate_grads` over thread j's share of update k's micro-batches, and the
   update's valid-token count."""
   loss_mask = batch.loss_mask
   num_tokens = loss_mask.reshape(loss_mask.shape[0] // n, n, *loss_mask.shape[1:])[:, k].sum()
   part = jax.tree.map(lambda x: _update_part(x, n, threads, k, j), (batch, prox_logp))
-  sums = accumulate_grads(params, *part, num_tokens, version, version + k / n, **policy_kw)
+  sums = accumulate_grads(params, *part, num_tokens, version, version + k / n, base=base,
+                          **policy_kw)
   return sums, num_tokens
 
 
@@ -62,7 +64,7 @@ class ThreadedTrainStep:
     out_shardings = (state_shardings, NamedSharding(mesh, P()))
     self._accumulate = jax.jit(functools.partial(
         _accumulate_part, n=num_minibatches, threads=threads, model_cfg=model_cfg,
-        loss_fn=loss_fn, temperature=temperature))
+        loss_fn=loss_fn, temperature=temperature, lora_scale=state_shardings.lora_scale))
     self._apply = jax.jit(_apply_parts, donate_argnums=0, out_shardings=out_shardings)
     self._finish = jax.jit(_finish_stacked, donate_argnums=0, out_shardings=out_shardings)
 
@@ -73,7 +75,7 @@ class ThreadedTrainStep:
     for k in range(n):
       # The step count (the version) stays until `finish_step`; each update donates it.
       parts = self._dispatchers.map(self._accumulate, [
-          (state.params, batch, prox_logp, np.int32(k), np.int32(j), state.step)
+          (state.params, batch, prox_logp, np.int32(k), np.int32(j), state.step, state.base)
           for j in range(threads)])
       state, metrics = self._apply(state, parts)
       per_update.append(metrics)

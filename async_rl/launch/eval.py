@@ -42,13 +42,12 @@ def main(argv):
   import jax  # noqa: PLC0415 - after flag parsing, so a usage error costs no JAX start
   from async_rl import sharding  # noqa: PLC0415
   from async_rl.rl import build, export  # noqa: PLC0415
-  from async_rl.rl.checkpoint import restore_params  # noqa: PLC0415
   from async_rl.tasks.registry import make_task  # noqa: PLC0415
   try:
     if _WORKDIR.value is not None:
       cfg = export.run_config(_WORKDIR.value)
       step = _STEP.value if _STEP.value is not None else export.latest_step(_WORKDIR.value)
-      params = restore_params(f"{_WORKDIR.value}/checkpoints", cfg.model, step=step)
+      params = export.checkpoint_params(cfg, _WORKDIR.value, step)
       source = {"workdir": _WORKDIR.value, "step": step}
     else:
       cfg = build.resolve(cli.from_dict(_CONFIG.value))

@@ -7,7 +7,9 @@ r"""Exports a run's trained policy as a Hugging Face directory that `transformer
 Restores the params of the latest checkpoint in WORKDIR/checkpoints (or --step) with
 the run's model config (WORKDIR/config.json) and writes config.json,
 model.safetensors and, if the run started from `--config.hf_model_dir`, its
-tokenizer and generation files. Needs the `hf` extra.
+tokenizer and generation files. A LoRA run's adapters are merged into its base; with
+--adapter they are written alone in PEFT's layout (adapter_config.json,
+adapter_model.safetensors). Needs the `hf` extra.
 """
 
 from absl import flags, logging
@@ -18,6 +20,9 @@ from async_rl.rl.export import export_hf
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (config.json, checkpoints/).")
 _OUT = flags.DEFINE_string("out", None, "The directory to write.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
+_ADAPTER = flags.DEFINE_bool(
+    "adapter", False, "For a LoRA run: write the adapters alone, as PEFT saves them, instead "
+    "of the base with them merged in.")
 flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -25,7 +30,7 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
-  export_hf(_WORKDIR.value, _OUT.value, step=_STEP.value)
+  export_hf(_WORKDIR.value, _OUT.value, step=_STEP.value, adapter=_ADAPTER.value)
   print(f"exported {_WORKDIR.value} to {_OUT.value}")
 
 

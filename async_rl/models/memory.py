@@ -18,6 +18,11 @@ Its "trainer" = params + optimizer + gradients, sharded over the mesh by
 `sharding.PARAM_RULES`; its "generator" = params + kv_cache, one full copy per engine
 (the in-process placement runs two: rollout and evaluation).
 
+With LoRA (`lora.rank` > 0) the params are the frozen base, and `adapters` (float32)
+are what trains: optimizer and gradients are theirs, in float32, and `trainer` adds
+them to the base. Each engine serves the base with the adapters merged in, and the
+engine they share holds the base beside it once more (`generator_base`).
+
 This is what lives between steps. During a step the compiled train step holds more:
 besides the float32 accumulator counted here, one micro-batch's gradients and their
 cast to the params' dtype, and the activations of a micro-batch (they scale with
@@ -26,6 +31,8 @@ cast to the params' dtype, and the activations of a micro-batch (they scale with
 """
 
 import jax.numpy as jnp
+
+from async_rl.models import lora
 
 GIB = 2**30
 
@@ -43,8 +50,13 @@ def estimate_memory(cfg) -> dict[str, int]:
       kv_cache=2 * m.n_layers * g.kv_cache_blocks * g.kv_block_size * m.n_kv_heads
       * m.head_dim * jnp.dtype(m.dtype).itemsize,
   )
-  out["trainer"] = out["params"] + out["optimizer"] + out["gradients"]
+  if cfg.lora.enabled:
+    a = lora.num_params(m, cfg.lora)
+    out.update(adapters=4 * a, optimizer=2 * 4 * a, gradients=4 * a)
+  out["trainer"] = out["params"] + out.get("adapters", 0) + out["optimizer"] + out["gradients"]
   out["generator"] = out["params"] + out["kv_cache"]
+  if cfg.lora.enabled:
+    out["generator_base"] = out["params"]
   return out
 
 

@@ -6,6 +6,9 @@ leading L axis and applied with `lax.scan` (unrolled for training without remat,
 `hidden`). Weight matmuls go through `_matmul`, whose backward pass orders the
 weight-gradient operands for XLA:CPU.
 
+A layer's params may carry low-rank adapters beside its projections (`models.lora`),
+whose term the projection adds.
+
 Two entry points share one layer body:
   * `forward` (`hidden`, then `unembed`): packed training rows with segment ids and
     positions; attention (`models/attention.py`) never crosses a segment, and its cost
@@ -140,6 +143,16 @@ def _linear(x, w, n_in=1):
   return y.reshape(*lead, *out)
 
 
+def _adapted(lp, name, x, y, n_in=1):
+  """`y`, x's projection by weight `name`, plus the low-rank term x A B of an adapter
+  on that weight where the layer carries one (`models.lora.attach`, which folds the
+  adapter's scale into B)."""
+  a = lp.get(f"{name}_lora_a")
+  if a is None:
+    return y
+  return y + _linear(_linear(x, a, n_in), lp[f"{name}_lora_b"]).astype(y.dtype)
+
+
 def _project_qkv(lp, cfg, h_BTD, positions_BT):
   """q, k and v in one matmul: each kv head's query group, key and value side by side.
 
@@ -157,6 +170,7 @@ def _project_qkv(lp, cfg, h_BTD, positions_BT):
     qkv = qkv + join(lp["q_bias"], lp["k_bias"], lp["v_bias"]).astype(qkv.dtype)
   q = qkv[..., :Q, :].reshape(*qkv.shape[:-3], H, E)
   k, v = qkv[..., Q, :], qkv[..., Q + 1, :]
+  q, k, v = (_adapted(lp, name, h_BTD, y) for name, y in (("q", q), ("k", k), ("v", v)))
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
@@ -164,9 +178,10 @@ def _project_qkv(lp, cfg, h_BTD, positions_BT):
 
 
 def _mlp(lp, h_BTD):
-  gate = checkpoint_name(_linear(h_BTD, lp["gate"]), "mlp_gate")
-  up = checkpoint_name(_linear(h_BTD, lp["up"]), "mlp_up")
-  return _linear(jax.nn.silu(gate) * up, lp["down"])
+  gate = checkpoint_name(_adapted(lp, "gate", h_BTD, _linear(h_BTD, lp["gate"])), "mlp_gate")
+  up = checkpoint_name(_adapted(lp, "up", h_BTD, _linear(h_BTD, lp["up"])), "mlp_up")
+  act = jax.nn.silu(gate) * up
+  return _adapted(lp, "down", act, _linear(act, lp["down"]))
 
 
 def _block(lp, cfg, x_BTD, positions_BT, attend):
@@ -178,7 +193,8 @@ def _block(lp, cfg, x_BTD, positions_BT, attend):
   with jax.named_scope("attention"):
     attn, aux = attend(q, k, v)
   with jax.named_scope("out_proj"):
-    x_BTD = checkpoint_name(x_BTD + _linear(attn, lp["o"], n_in=2), "residual")
+    out = _adapted(lp, "o", attn, _linear(attn, lp["o"], n_in=2), n_in=2)
+    x_BTD = checkpoint_name(x_BTD + out, "residual")
   with jax.named_scope("mlp"):
     x_BTD = x_BTD + _mlp(lp, rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps))
   return x_BTD, aux

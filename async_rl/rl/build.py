@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from async_rl import advantages, cli, config, cpu, loss, models, sharding, train_step
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
+from async_rl.generation.adapted import AdaptedEngine
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.rewards import Reward, RewardService
@@ -95,6 +96,12 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
   with _config_errors():
     _check_objective(cfg)
     check_task(cfg)
+  if cfg.lora.enabled and cfg.sft.steps:
+    raise ConfigError(f"lora.rank > 0 needs a base that every generator can load from its "
+                      f"pointer (hf_model_dir, or the seed's random init), and a warm start "
+                      f"is neither: warm-start a run of its own, export it "
+                      f"(async-rl-export) and start from that directory, or set sft.steps=0; "
+                      f"got sft.steps={cfg.sft.steps}")
   return cfg
 
 
@@ -238,7 +245,7 @@ def split_devices(placement: config.PlacementConfig, local_devices, global_devic
   return Devices(trainer, tuple(tuple(pool[i * k:(i + 1) * k]) for i in range(n)))
 
 
-def make_engine(cfg: ExperimentConfig, devices=None):
+def make_engine(cfg: ExperimentConfig, devices=None, base=None):
   """A generator engine on `devices` (default: the first local device); with several,
   its params split over heads and MLP width (the `tensor` axis of its own mesh). Its
   prefill takes whole episodes so far, not only prompts: a multi-turn workflow's next
@@ -246,7 +253,8 @@ def make_engine(cfg: ExperimentConfig, devices=None):
   decoded at once (`cpu.SlotGroupEngine`), each with its share of the KV cache's
   `generation.kv_blocks`, so no more groups than shares that hold a sequence of
   `generation.max_length`; on CPU devices its decode steps read the cache as the CPU's
-  `cpu.PagedDecoding`."""
+  `cpu.PagedDecoding`. With `cfg.lora` it serves adapters on a frozen base
+  (`generation.adapted.AdaptedEngine`): `base`, or the one `lora_base` loads."""
   g = cfg.generation
   devices = list(devices or jax.local_devices()[:1])
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
@@ -261,7 +269,34 @@ def make_engine(cfg: ExperimentConfig, devices=None):
                   steps_per_call=g.steps_per_call, kv_blocks=g.kv_blocks // groups,
                   kv_block_size=g.kv_block_size, mesh=mesh, param_sharding=param_sharding,
                   decoding=cpu.PagedDecoding() if devices[0].platform == "cpu" else None)
-  return engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
+  engine = engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
+  if cfg.lora.enabled:
+    engine = AdaptedEngine(engine, lora_base(cfg) if base is None else base, cfg.lora.scale)
+  return engine
+
+
+# A LoRA checkpoint's pointer when its base was handed to the run (`init_params`).
+GIVEN_BASE = {"init_params": "given to the run, not named by its config"}
+
+
+def lora_pointer(cfg: ExperimentConfig) -> dict[str, Any]:
+  """Where a LoRA run's frozen base comes from, as a checkpoint records it: the Hugging
+  Face directory, or the model and seed of a random init."""
+  if cfg.hf_model_dir is not None:
+    return {"hf_model_dir": cfg.hf_model_dir}
+  return {"seed": cfg.seed, "model": dataclasses.asdict(cfg.model)}
+
+
+def lora_base(cfg: ExperimentConfig, init_params=None):
+  """The frozen base of a LoRA run's adapters, as its pointer names it: `init_params`
+  when given, else `hf_model_dir`'s weights, else the seed's random init (the trainer's
+  own, `make_trainer` without params). Every process that generates loads it itself:
+  only adapters are published."""
+  if init_params is not None:
+    return init_params
+  if cfg.hf_model_dir is not None:
+    return hf.load_hf(cfg.hf_model_dir, cfg.model)
+  return jax.jit(functools.partial(models.init_params, cfg.model))(jax.random.key(cfg.seed))
 
 
 def make_pool(engines, params, *, version: int = 0, seed: int = 0):
@@ -294,12 +329,14 @@ def grad_threads(cfg: ExperimentConfig, mesh) -> int:
 
 def make_trainer(cfg: ExperimentConfig, mesh, params=None) -> Trainer:
   """The trainer, its state built on `mesh` (from `params`, or a random init; with a KL
-  penalty, these initial params are also its frozen reference policy). A trainer on one
+  penalty, these initial params are also its frozen reference policy; with `cfg.lora`,
+  they are the frozen base of the adapters it trains). A trainer on one
   CPU device shares each update's micro-batches among threads (`cpu.threaded_steps`)."""
   tx = train_step.make_optimizer(cfg.optimizer)
   state, shardings = train_step.create_train_state(cfg.model, tx, mesh,
                                                    jax.random.key(cfg.seed), params=params,
-                                                   reference=cfg.ppo.kl_beta > 0)
+                                                   reference=cfg.ppo.kl_beta > 0,
+                                                   lora_cfg=cfg.lora)
   step_kw = dict(model_cfg=cfg.model, loss_fn=loss.from_config(cfg.ppo),
                  temperature=cfg.generation.logp_temperature,
                  num_minibatches=cfg.ppo.num_minibatches)
@@ -312,7 +349,8 @@ def make_trainer(cfg: ExperimentConfig, mesh, params=None) -> Trainer:
                  batching=cfg.batching,
                  advantage_fn=advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens),
                  group_size=cfg.generation.group_size, max_length=cfg.generation.max_length,
-                 sample_per_turn=cfg.task.sample_per_turn)
+                 sample_per_turn=cfg.task.sample_per_turn,
+                 base_pointer=lora_pointer(cfg) if cfg.lora.enabled else None)
 
 
 def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None] = print,
@@ -408,9 +446,14 @@ def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=
   after the restore, so that a resume that fails leaves the run's own."""
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   try:
-    if checkpointer.latest_step() is None and init_params is None:
+    # A LoRA checkpoint holds no base: a resumed trainer loads it from its pointer.
+    fresh = checkpointer.latest_step() is None
+    given = init_params is not None
+    if not given and (fresh or cfg.lora.enabled):
       init_params = initial_params(cfg, mesh, task, echo, record=record)
     trainer = make_trainer(cfg, mesh, init_params)
+    if given and cfg.lora.enabled:  # a base no pointer names: checkpoints say so
+      trainer.base_pointer = GIVEN_BASE
     restored = TrainLoop.restore(checkpointer, trainer, server, echo)
   except BaseException:
     checkpointer.close()

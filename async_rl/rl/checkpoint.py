@@ -3,7 +3,9 @@
 A checkpoint at step v holds the params, optimizer state, version and, with a KL
 penalty, the reference policy's params (`state`), and a JSON item (`meta`) with the
 parameter server's counters, the prompt streams' positions and anything else the loop
-needs to resume exactly.
+needs to resume exactly. With LoRA the params are the adapters, and the frozen base is
+not saved: the meta holds its pointer (`lora_base`), and a resumed trainer is built on
+the base that pointer names.
 
 Writes are atomic: Orbax writes a step into a temporary directory and renames it
 when every item is complete, so a process killed mid-save leaves the previous
@@ -212,11 +214,13 @@ class Checkpointer:
 
 
 def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,
-                   sharding: jax.sharding.Sharding | None = None):
+                   sharding: jax.sharding.Sharding | None = None, abstract=None):
   """The params of a `Checkpointer` checkpoint under `directory`, without its optimizer state.
 
   Reads only the params of the checkpoint at `step` (default: the latest), onto
   `sharding` (default: the first device): enough to serve or sample a trained policy.
+  `abstract`: the params' shapes (default: `cfg`'s model's; a LoRA run's are its
+  adapters', `models.lora.abstract_adapters`).
   """
   manager = ocp.CheckpointManager(os.path.abspath(directory),
                                   options=ocp.CheckpointManagerOptions(create=False))
@@ -227,7 +231,7 @@ def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {"params": jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        models.abstract_params(cfg))}
+        models.abstract_params(cfg) if abstract is None else abstract)}
     out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)))
@@ -248,6 +252,8 @@ def _nbytes(state) -> int:
 
 
 def _arrays(state) -> dict[str, Any]:
-  """The state's pytree fields that hold something (`ref_params` only with a KL penalty)."""
-  fields = (f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True))
+  """The state's pytree fields that hold something (`ref_params` only with a KL penalty),
+  but a LoRA run's frozen `base`: its pointer is saved instead."""
+  fields = (f.name for f in dataclasses.fields(state)
+            if f.metadata.get("pytree_node", True) and f.name != "base")
   return {name: getattr(state, name) for name in fields if getattr(state, name) is not None}

@@ -84,7 +84,8 @@ def _in_process(cfg, workdir, task, *, init_params, stop, echo, progress, run_id
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   # One engine per generator replica, for the rollout and held-out pools alike: their
   # programs compile once.
-  engines = [build.make_engine(cfg, replica) for replica in devices.replicas]
+  base = build.lora_base(cfg, init_params) if cfg.lora.enabled else None
+  engines = [build.make_engine(cfg, replica, base=base) for replica in devices.replicas]
   loop = worker = None
   try:
     loop = build.train_loop(cfg, workdir, server, task=task, engines=engines,

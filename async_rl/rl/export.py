@@ -8,10 +8,12 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
+import jax
+
 from async_rl import cli
 from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, SamplingParams
-from async_rl.models import hf
+from async_rl.models import hf, lora
 from async_rl.models.hf_tokenizer import HFTokenizer
 from async_rl.rl import build
 from async_rl.rl.checkpoint import restore_params
@@ -38,11 +40,19 @@ def latest_step(workdir: str) -> int:
   return max(steps)
 
 
+def checkpoint_params(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
+  """The params a generator of run `cfg` (`build.make_engine`) takes, from `workdir`'s
+  checkpoint at `step` (default: the latest): the model's, or a LoRA run's adapters."""
+  abstract = lora.abstract_adapters(cfg.model, cfg.lora) if cfg.lora.enabled else None
+  return restore_params(os.path.join(workdir, "checkpoints"), cfg.model, step=step,
+                        abstract=abstract)
+
+
 def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
           pass_k: Optional[int] = None) -> dict:
-  """Held-out metrics of `params` on `cfg`'s task (`build.make_evaluator`, its reward
-  service of `rollout.reward_workers` processes): greedy accuracy, pass@k, mean
-  completion length, and the reward calls that failed."""
+  """Held-out metrics of `params` (`checkpoint_params`'s) on `cfg`'s task
+  (`build.make_evaluator`, its reward service of `rollout.reward_workers` processes):
+  greedy accuracy, pass@k, mean completion length, and the reward calls that failed."""
   cfg = build.resolve(cfg)
   task = build.preflight(cfg)
   cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
@@ -59,13 +69,20 @@ def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
           "reward_failures": rewards["errors"] + rewards["timeouts"]}
 
 
-def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None:
+def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None,
+              adapter: bool = False) -> None:
   """Writes the params of the run's checkpoint at `step` (default: the latest) to
   `out_dir` as `config.json` and `model.safetensors`, with the tokenizer files of
   the run's `hf_model_dir` when it has one.
 
   The model config is the run's own, from `workdir/config.json` (written by the
-  trainer loop), so no config file or override is needed.
+  trainer loop), so no config file or override is needed. A LoRA run's checkpoint
+  holds adapters: they are merged into the base its pointer names (`build.lora_base`),
+  or with `adapter` written alone as PEFT saves them (`export_peft`).
+
+  Raises:
+    ValueError: `adapter` for a run without LoRA, or a merge for a LoRA run whose base
+      was given to it (`init_params`) rather than named by its config.
   """
   with open(os.path.join(workdir, "config.json")) as f:
     run = json.load(f)
@@ -74,8 +91,40 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None) -> None
   if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
     raise FileNotFoundError(f"the run's hf_model_dir {tokenizer_dir} (its tokenizer files) "
                             "is not a directory")
-  params = restore_params(os.path.join(workdir, "checkpoints"), model_cfg, step=step)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if run.get("lora", {}).get("rank", 0) > 0:
+    cfg = cli.from_dict(run)
+    adapters = restore_params(checkpoints, model_cfg, step=step,
+                              abstract=lora.abstract_adapters(model_cfg, cfg.lora))
+    if adapter:
+      export_peft(cfg, adapters, out_dir)
+      return
+    step = latest_step(workdir) if step is None else step
+    with open(os.path.join(checkpoints, str(step), "meta", "metadata")) as f:
+      if json.load(f).get("lora_base") == build.GIVEN_BASE:
+        raise ValueError(f"the run in {workdir} trained adapters on a base given to it "
+                         f"(init_params), which its config does not name: export the "
+                         f"adapters alone (--adapter) and merge them into that base")
+    params = lora.merge(build.lora_base(cfg), adapters, cfg.lora.scale)
+  elif adapter:
+    raise ValueError(f"the run in {workdir} trained no adapters (lora.rank = 0): export "
+                     f"the whole model, without --adapter")
+  else:
+    params = restore_params(checkpoints, model_cfg, step=step)
   hf.save_hf(model_cfg, params, out_dir, tokenizer_dir=tokenizer_dir)
+
+
+def export_peft(cfg: ExperimentConfig, adapters, out_dir: str) -> None:
+  """Writes LoRA `adapters` of the run `cfg` to `out_dir` as PEFT saves them
+  (`adapter_config.json`, `adapter_model.safetensors`): `peft.PeftModel.from_pretrained`
+  loads them onto the base, the run's `hf_model_dir` (or that base exported with
+  `hf.save_hf`)."""
+  from safetensors.numpy import save_file  # noqa: PLC0415 (the hf extra)
+  os.makedirs(out_dir, exist_ok=True)
+  save_file(lora.peft_tensors(jax.device_get(adapters)),
+            os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+    json.dump(lora.peft_config(cfg.lora, cfg.hf_model_dir), f, indent=2)
 
 
 def serve(cfg: ExperimentConfig, prompts: Sequence, *, workdir: Optional[str] = None,
@@ -112,7 +161,9 @@ def serve(cfg: ExperimentConfig, prompts: Sequence, *, workdir: Optional[str] = 
     raise ValueError(f"generation.max_prompt_len {g.max_prompt_len} exceeds JetStream's "
                      f"longest prefill length {js.PREFILL_LENGTHS[-1]}")
   if workdir is not None:
-    params = restore_params(os.path.join(workdir, "checkpoints"), cfg.model, step=step)
+    params = checkpoint_params(cfg, workdir, step)
+    if cfg.lora.enabled:
+      params = lora.merge(build.lora_base(cfg), params, cfg.lora.scale)
     tokenizer = make_task(cfg.task).tokenizer
   else:
     params = hf.load_hf(cfg.hf_model_dir, cfg.model)

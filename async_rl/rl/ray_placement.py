@@ -42,7 +42,7 @@ from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
 from async_rl.progress import Progress
 from async_rl.rl import build
-from async_rl.rl.errors import RolloutWorkerError, StallError
+from async_rl.rl.errors import ConfigError, RolloutWorkerError, StallError
 from async_rl.rl.rollout import RolloutWorker
 from async_rl.tasks.registry import make_task
 
@@ -221,6 +221,11 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.
     The trainer loop's summary, its `history` of step metrics and `pids`: the process
     id of the driver, the server, the trainer and each rollout worker.
   """
+  if cfg.lora.enabled and init_params is not None:
+    raise ConfigError("init_params with lora.rank > 0 on Ray: every rollout actor loads the "
+                      "base from its pointer (hf_model_dir, or the seed's random init), so "
+                      "the base must be one: write it as a Hugging Face directory "
+                      "(models.hf.save_hf) and set hf_model_dir")
   p = cfg.placement
   trainer_options = _actor_options(p, p.trainer_cpus, p.trainer_gpus)
   rollout_options = _actor_options(p, p.rollout_cpus, p.rollout_gpus)

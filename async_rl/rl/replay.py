@@ -271,7 +271,8 @@ def recompute_behaviour_logp(trainer: Trainer, params, trajs: Sequence[Trajector
   batch = batching_lib.pad_micro_batches(batch, parts)
   compiled.add(batch.tokens.shape)
   logp = trainer.steps.recompute(
-      params, jax.device_put(batch, train_step.batch_shardings(trainer.mesh)))
+      trainer.state.model_params(params),
+      jax.device_put(batch, train_step.batch_shardings(trainer.mesh)))
   mask = batch.loss_mask > 0
   return np.asarray(jax.device_get(logp))[mask], batch.behav_logp[mask]
 
@@ -464,7 +465,9 @@ class Replay:
             f"{step - 1} or the batch of step {step} differ)")
 
   def _compare(self, step):
-    difference = first_difference(self.trainer.state, self.reference(step))
+    # A LoRA run's frozen base is not in its checkpoints.
+    difference = first_difference(self.trainer.state.replace(base=None),
+                                  self.reference(step).replace(base=None))
     if difference is not None:
       raise ReplayError(f"the train state after step {step} differs from {self.recorded}'s "
                         f"checkpoint {step}: {difference}")

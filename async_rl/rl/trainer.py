@@ -4,13 +4,14 @@ Owns the sharded `TrainState` and the jitted functions; the math lives in
 `advantages`, `batching`, `loss` and `train_step`. One `train` call is one training
 step: advantages per trajectory, packing into bucketed micro-batches, with a KL
 penalty the reference policy's log-probs (a forward pass under the frozen
-`ref_params`), recomputation of the proximal log-probs under the current params,
-then the update. The caller publishes the new params at the new version.
+`ref_params`, or with LoRA the base alone), recomputation of the proximal log-probs
+under the current params, then the update. The caller publishes the new params at the
+new version: with LoRA, the adapters alone.
 """
 
 import functools
 import time
-from typing import Sequence as SequenceOf
+from typing import Optional, Sequence as SequenceOf
 
 import jax
 import numpy as np
@@ -60,6 +61,8 @@ class Trainer:
     max_length: the longest sequence (prompt plus completion).
     sample_per_turn: train each policy turn of an episode as a sample of its own
       (`trajectory.split_turns`).
+    base_pointer: with LoRA, where the frozen base comes from (`build.lora_pointer`),
+      which checkpoints record in place of the base.
 
   `version` is the number of training steps done (a host int, read from the device
   only when a checkpoint is restored).
@@ -67,19 +70,21 @@ class Trainer:
 
   def __init__(self, state, state_shardings, mesh, steps: train_step.StepFns, *,
                model: ModelConfig, ppo: PPOConfig, batching: BatchingConfig,
-               advantage_fn, group_size: int, max_length: int, sample_per_turn: bool = False):
+               advantage_fn, group_size: int, max_length: int, sample_per_turn: bool = False,
+               base_pointer: Optional[dict] = None):
     self.state, self.state_shardings, self.mesh = state, state_shardings, mesh
     self.version = 0
     self.steps, self._ppo, self._batching = steps, ppo, batching
     self._advantage_fn, self._group_size = advantage_fn, group_size
     self._sample_per_turn = sample_per_turn
+    self.base_pointer = base_pointer
     self._batch_sharding = train_step.batch_shardings(mesh)
     self._row_buckets = batching.row_buckets or batching_lib.default_row_buckets(
         batching.max_tokens_per_mb, longest=max_length)
     self._num_shards = sharding.num_batch_shards(mesh)
     self._attention_len = flops.attention_break_even_len(model)
     self._compiled = set()  # the [M, R, T] shapes the step has run
-    if ppo.kl_beta > 0 and state.ref_params is None:
+    if ppo.kl_beta > 0 and state.ref_params is None and state.base is None:
       raise ValueError("ppo.kl_beta > 0 needs the reference policy in the train state "
                        "(train_step.create_train_state(..., reference=True))")
     # The estimate per token, whole on every process: the host sums it per episode.
@@ -88,7 +93,10 @@ class Trainer:
 
   def restore(self, state, packed_shapes=()) -> None:
     """Takes a restored train state (and its version, the one device read) and the
-    `packed_shapes` saved with it, so that batches pack as they would have."""
+    `packed_shapes` saved with it, so that batches pack as they would have. A LoRA
+    state's frozen base is not in checkpoints: the trainer keeps the one it holds."""
+    if self.state.base is not None:
+      state = state.replace(base=self.state.base)
     self.state = state
     self.version = int(state.step)
     self._compiled = {tuple(shape) for shape in packed_shapes}
@@ -146,14 +154,14 @@ class Trainer:
     batch = jax.device_put(host_batch, self._batch_sharding)
     t_pack = time.perf_counter()
     if ppo.kl_beta > 0:
-      ref_logp = self.steps.recompute(self.state.ref_params, batch)
+      ref_logp = self.steps.recompute(self.state.reference_params(), batch)
       if kl_in_reward:
         batch, extra["kl"] = self._penalise_rewards(groups, host_batch, batch, ref_logp)
       else:
         batch = batch.replace(ref_logp=ref_logp)
     mode = ppo.prox_logp
     if mode == "recompute":
-      prox_logp = self.steps.recompute(self.state.params, batch)
+      prox_logp = self.steps.recompute(self.state.model_params(), batch)
     elif mode == "behav":  # naive PPO
       prox_logp = batch.behav_logp
     else:  # "loglinear": estimated inside the step from batch.versions

@@ -430,6 +430,8 @@ class TrainLoop:
     meta = {"server": self.server.state_dict(), "version": version,
             "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates,
             "packed_shapes": self.trainer.packed_shapes}
+    if self.trainer.base_pointer is not None:
+      meta["lora_base"] = self.trainer.base_pointer
     try:
       self.deadlines.call(
           lambda: self._save(version, meta, wait),

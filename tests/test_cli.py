@@ -101,7 +101,7 @@ def test_installed_console_scripts_run_outside_the_repository(venv, tmp_path):
       ("async-rl-train", "Asynchronous RL training binary.", "--coordinator_address"),
       ("async-rl-eval", "Scores a policy on its task's held-out set", "--pass_k"),
       ("async-rl-export", "Exports a run's trained policy", "--out"),
-      ("async-rl-serve", "Serves a policy with JetStream's own orchestrator", "--prompt")):
+      ("async-rl-serve", "Serves a policy, a run's checkpoint or a Hugging Face model", "--prompt")):
     out = _run([str(venv / script), "--help"], cwd, env)
     assert out.stdout.startswith(docstring) and f"  {flag}:" in out.stdout, out.stdout[-3000:]
     assert "--config: The experiment: a shipped config's name" in out.stdout or (

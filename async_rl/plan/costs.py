@@ -27,7 +27,7 @@ import types
 
 import numpy as np
 
-from async_rl.config import GenerationConfig, ModelConfig
+from async_rl.config import GenerationConfig, LoraConfig, ModelConfig
 from async_rl.models import flops, memory
 from async_rl.plan.hardware import Hardware
 
@@ -131,7 +131,8 @@ def memory_per_device(model: ModelConfig, *, kv_tokens: int, block_size: int = 1
   blocks = -(-kv_tokens // block_size)
   gen = GenerationConfig(kv_blocks=max(blocks, 1), kv_block_size=block_size,
                          max_prompt_len=1, max_new_tokens=block_size - 1)
-  counts = memory.estimate_memory(types.SimpleNamespace(model=model, generation=gen))
+  counts = memory.estimate_memory(types.SimpleNamespace(model=model, generation=gen,
+                                                          lora=LoraConfig()))
   kv_cache = counts["kv_cache"] if blocks else 0
   act_itemsize = _itemsize(model.dtype)
   width = model.n_layers * model.d_model + (

@@ -79,7 +79,7 @@ def group_sizes(slots: int, threads: int) -> list[int]:
 
 def measure(model, *, slots: int, context: int, prompt_tokens: int, sequence_tokens: int,
             tokens_per_mb: int, threads: int, recompute_logp: bool = True,
-            reps: int = 5) -> MeasuredCosts:
+            reps: int = 3) -> MeasuredCosts:
   """Times `model`'s programs in this process (see the module's docstring).
 
   Args:

@@ -1,7 +1,7 @@
 r"""The capacity planner's sync-vs-async prediction for this machine, beside the measurement.
 
   python -m benchmarks.plan_cpu --rounds=3        # 3 rounds of both runs, 20 steps a run
-  python -m benchmarks.plan_cpu --predict_only    # the prediction alone (about a minute)
+  python -m benchmarks.plan_cpu --predict_only    # the prediction alone (a minute or two)
   python -m benchmarks.plan_cpu --steps=4 --rounds=1   # the smallest measured mode
 
 The planner predicts `benchmarks/sync_vs_async.py`'s two placements of --config

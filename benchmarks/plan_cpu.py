@@ -18,9 +18,10 @@ matmuls spread over the cores, which a matmul peak and the FLOPs do not tell.
          engine on one and a trainer on the other, one thread each, η = --eta, retract.
 
 Then both run, as `benchmarks.sync_vs_async` does (same warm start, same steps), with
-every training micro-batch one row of `batching.max_tokens_per_mb` tokens, so that only
-the first step compiles (the planner predicts a steady state, and a CPU compile costs
-several steps). The runs are interleaved over --rounds rounds, each round timing the
+every training micro-batch one row of `batching.max_tokens_per_mb` tokens, so that after
+the first step a step compiles only when its batch needs more micro-batches than any
+before it (the planner predicts a steady state, and a CPU compile costs several steps;
+what compiles is left in the measurement, and longer runs dilute it). The runs are interleaved over --rounds rounds, each round timing the
 programs again, predicting again and running both (sync first in even rounds, async
 first in odd ones, so that a load that rises or falls through the benchmark weighs on
 both alike). Each round gives a predicted and a measured async/sync throughput ratio
@@ -127,9 +128,10 @@ def measured_components(run_cfg, summary, prompt_tokens, lengths) -> dict:
 
 
 def one_train_shape(cfg):
-  """`cfg` with every training micro-batch a row of `max_tokens_per_mb` tokens, so that
-  no step after the first compiles a new shape: the planner predicts a steady state,
-  and on a CPU a compile costs as much as several steps."""
+  """`cfg` with every training micro-batch a row of `max_tokens_per_mb` tokens and a
+  compiled batch shape reused whenever it holds the batch, so that few steps after the
+  first compile: the planner predicts a steady state, and on a CPU a compile costs as
+  much as several steps."""
   batching = dataclasses.replace(cfg.batching, row_buckets=(cfg.batching.max_tokens_per_mb,),
                                  reuse_slack=math.inf)
   return dataclasses.replace(cfg, batching=batching)

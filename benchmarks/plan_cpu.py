@@ -1,32 +1,41 @@
 r"""The capacity planner's sync-vs-async prediction for this machine, beside the measurement.
 
-  python -m benchmarks.plan_cpu                   # 3 rounds of both runs, 120 steps a run
-  python -m benchmarks.plan_cpu --predict_only    # seconds: the prediction alone
+  python -m benchmarks.plan_cpu --rounds=3        # 3 rounds of both runs, 20 steps a run
+  python -m benchmarks.plan_cpu --predict_only    # the prediction alone (a minute or two)
   python -m benchmarks.plan_cpu --steps=4 --rounds=1   # the smallest measured mode
 
 The planner predicts `benchmarks/sync_vs_async.py`'s two placements of --config
 (default configs/tiny.py) from the config's shapes, the task's output lengths, and
-this machine as each placement will use it (`plan.hardware.measure_cores`: a jitted
-matmul and an array copy in a process pinned to those cores, under whatever else
-runs on the machine): every core together, and the generator's core alone.
+the model's own decode, prefill and training programs timed on the cores each
+placement gives them (`plan.host`: in a process pinned to those cores, dispatched from
+as many threads as the placement runs them from, under whatever else runs on the
+machine). A tiny model's steps on a CPU are bound by dispatch and by how its small
+matmuls spread over the cores, which a matmul peak and the FLOPs do not tell.
 
-  sync   one device of every core: an engine, then a trainer (η = 0, drain);
+  sync   one device of every core: an engine, then a trainer (η = 0, drain), each
+         phase with every core (as many decode groups and gradient threads as cores);
   async  two devices of one core each (taken alike: --generator_cpus's is measured), an
-         engine on one and a trainer on the other, η = --eta, retract.
+         engine on one and a trainer on the other, one thread each, η = --eta, retract.
 
-Then both run, as `benchmarks.sync_vs_async` does (same warm start, same steps),
-interleaved over --rounds rounds, each round measuring the machine again, predicting
-again and running both (sync first in even rounds, async first in odd ones, so that a
-load that rises or falls through the benchmark weighs on both alike). Each round gives
-a predicted and a measured async/sync throughput ratio from runs minutes apart; the
-headline is their medians (the target: within 15%) and the measured ratio's spread
-over the rounds, which says how far the machine's load moved the measurement. The
-predicted absolute throughputs are printed too; on a CPU the tiny model's steps are
-dominated by dispatch, not by the bytes and FLOPs the model counts, so only the ratio
-is expected to hold. Last line: one JSON object.
+Then both run, as `benchmarks.sync_vs_async` does (same warm start, same steps), with
+every training micro-batch one row of `batching.max_tokens_per_mb` tokens, so that after
+the first step a step compiles only when its batch needs more micro-batches than any
+before it (the planner predicts a steady state, and a CPU compile costs several steps;
+what compiles is left in the measurement, and longer runs dilute it). The runs are interleaved over --rounds rounds, each round timing the
+programs again, predicting again and running both (sync first in even rounds, async
+first in odd ones, so that a load that rises or falls through the benchmark weighs on
+both alike). Each round gives a predicted and a measured async/sync throughput ratio
+from runs minutes apart; the headline is their medians (the target: within 15%) and the
+measured ratio's spread over the rounds, which says how far the machine's load moved
+the measurement. Beside each run's samples/s the table sets the two costs that make it,
+predicted and measured: the decode step at full slots (measured: the run's mean decode
+step, its prefills included) and the trainer's seconds per trained token. Last line:
+one JSON object.
 """
 
+import dataclasses
 import json
+import math
 import os
 import time
 
@@ -36,11 +45,11 @@ from absl import app, flags, logging
 
 from async_rl import cpu
 from async_rl.cli import from_dict
-from async_rl.plan import hardware, search
+from async_rl.plan import hardware, host, search
 from async_rl.rl import build
 from async_rl.tasks.registry import make_task
 from benchmarks import sync_vs_async as sva
-from benchmarks.common.run_stats import warm_params
+from benchmarks.common.run_stats import rl_window, warm_params
 
 _PREDICT_ONLY = flags.DEFINE_bool("predict_only", False, "Skip the measured runs.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds of the two runs, interleaved.")
@@ -69,17 +78,63 @@ def placements(cfg, eta: int) -> dict[str, search.Placement]:
 
 
 def predict_now(cfg, workload: search.Workload, steps: int) -> dict:
-  """Measures the machine's shares as the two placements use them, and predicts both."""
-  every = hardware.measure_cores(set(range(cpu.cores())))
-  one = hardware.measure_cores({int(sva._GENERATOR_CPUS.value[0])})
-  clusters = {"sync": search.Cluster(every, 1, 1), "async_retract": search.Cluster(one, 1, 2)}
-  predicted = {name: search.predict(workload, clusters[name], p, steps=max(steps, 4))
+  """Times the model's programs on the cores each placement gives them (`plan.host`), and
+  predicts both placements."""
+  every = set(range(cpu.cores()))
+  shape = dict(model=cfg.model, slots=cfg.generation.num_slots,
+               context=round(workload.mean_live_tokens()), prompt_tokens=workload.prompt_tokens,
+               sequence_tokens=round(workload.prompt_tokens + workload.mean_length()),
+               tokens_per_mb=cfg.batching.max_tokens_per_mb,
+               recompute_logp=cfg.ppo.prox_logp == "recompute")
+  measured = {
+      # One process, every core for each phase: as many decode groups and gradient
+      # threads as cores (`sync_vs_async.variant_config`).
+      "sync": host.measure_on_cores(every, threads=len(every), **shape),
+      # A pinned actor of one core decodes its slots as one group and trains from one
+      # thread; both sides' cores are taken alike: --generator_cpus's is measured.
+      "async_retract": host.measure_on_cores({int(sva._GENERATOR_CPUS.value[0])}, threads=1,
+                                             **shape)}
+  machine = hardware.measure_cores(every)  # the weights' copy to the generator
+  clusters = {"sync": search.Cluster(machine, 1, 1), "async_retract": search.Cluster(machine, 1, 2)}
+  predicted = {name: search.predict(workload, clusters[name], p, steps=max(steps, 4),
+                                    measured=measured[name])
                for name, p in placements(cfg, sva._ETA.value).items()}
+  sims = {name: search.sim_config(workload, clusters[name], p, measured[name])
+          for name, p in placements(cfg, sva._ETA.value).items()}
   return dict(
       samples_per_s={k: v.samples_per_s for k, v in predicted.items()},
       ratio=predicted["async_retract"].samples_per_s / predicted["sync"].samples_per_s,
-      matmul_gflops={hw.name: round(hw.peak_flops / 1e9, 1) for hw in (every, one)},
-      copy_gb_s={hw.name: round(hw.hbm_bw / 1e9, 2) for hw in (every, one)})
+      components={k: _components(sim, cfg.generation.num_slots) for k, sim in sims.items()})
+
+
+def _components(sim, slots: int) -> dict:
+  """A simulated system's decode step at full slots and trainer seconds per token."""
+  return dict(decode_step_ms=1e3 * (sim.decode_step_base + sim.decode_step_per_slot * slots),
+              train_us_per_token=1e6 * sim.trainer_per_token)
+
+
+def measured_components(run_cfg, summary, prompt_tokens, lengths) -> dict:
+  """A run's mean decode step from step 2 on (its prefills, and any compile of a new
+  prompt length, included) and its trainer's seconds per token."""
+  spans, history = summary["timeline"], summary["history"]
+  start, _ = rl_window(spans)
+  first, last = history[0]["workers"]["0"]["pool"], history[-1]["workers"]["0"]["pool"]
+  decoding = sum(s.end - s.start for s in spans
+                 if s.lane == "generator" and s.name == "decode" and s.start >= start)
+  steps = last["decode_steps"] - first["decode_steps"]
+  sim = sva.calibrate(run_cfg, summary, prompt_tokens, lengths)
+  return dict(decode_step_ms=1e3 * decoding / steps if steps else float("nan"),
+              train_us_per_token=1e6 * sim.trainer_per_token)
+
+
+def one_train_shape(cfg):
+  """`cfg` with every training micro-batch a row of `max_tokens_per_mb` tokens and a
+  compiled batch shape reused whenever it holds the batch, so that few steps after the
+  first compile: the planner predicts a steady state, and on a CPU a compile costs as
+  much as several steps."""
+  batching = dataclasses.replace(cfg.batching, row_buckets=(cfg.batching.max_tokens_per_mb,),
+                                 reuse_slack=math.inf)
+  return dataclasses.replace(cfg, batching=batching)
 
 
 def spread(values: list[float]) -> dict:
@@ -92,9 +147,9 @@ def spread(values: list[float]) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  cfg = from_dict(sva._CONFIG.value)
+  cfg = one_train_shape(from_dict(sva._CONFIG.value))
   workload = workload_of(cfg)
-  steps = sva._STEPS.value or (30 if sva._QUICK.value else 120)
+  steps = sva._STEPS.value or (10 if sva._QUICK.value else 20)
   rounds = 1 if _PREDICT_ONLY.value else _ROUNDS.value
   if rounds < 1:
     raise app.UsageError(f"--rounds must be >= 1, got {rounds}")
@@ -117,26 +172,32 @@ def main(argv):
     prompt_tokens, lengths = sva.task_lengths(cfg)
   per_round = []
   for r in range(rounds):
+    t0 = time.perf_counter()
     pred = predict_now(cfg, workload, steps)
-    print(f"round {r}: " + ", ".join(
-        f"{name} {pred['matmul_gflops'][name]:.1f} GFLOP/s {pred['copy_gb_s'][name]:.1f} GB/s"
-        for name in pred["matmul_gflops"]) + f"; predicted async/sync {pred['ratio']:.2f}",
-        flush=True)
-    measured = {}
+    print(f"round {r}: predicted async/sync {pred['ratio']:.2f} "
+          f"(measuring {time.perf_counter() - t0:.0f} s)", flush=True)
+    measured, parts = {}, {}
     order = () if _PREDICT_ONLY.value else _RUNS if r % 2 == 0 else _RUNS[::-1]
     for name in order:
       t0 = time.perf_counter()
       v = sva.named_variant(name)._replace(name=f"{name}_r{r}")
-      row, _, _ = sva.run_variant(v, cfg, params, steps, prompt_tokens, lengths)
+      row, run_cfg, summary = sva.run_variant(v, cfg, params, steps, prompt_tokens, lengths)
       measured[name] = row["samples_per_s"]
+      parts[name] = measured_components(run_cfg, summary, prompt_tokens, lengths)
       print(f"round {r}: {name} measured {row['samples_per_s']:.2f} samples/s "
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    per_round.append(dict(predicted=pred, measured=measured))
-  print(f"{'round':>5} {'run':14} {'predicted samples/s':>19} {'measured':>9}")
+    per_round.append(dict(predicted=pred, measured=measured, components=parts))
+  print(f"{'round':>5} {'run':14} {'samples/s: predicted':>20} {'measured':>9} "
+        f"{'decode step ms: predicted':>25} {'measured':>9} "
+        f"{'train us/token: predicted':>25} {'measured':>9}")
   for r, got in enumerate(per_round):
     for name in _RUNS:
-      meas = f"{got['measured'][name]:9.2f}" if name in got["measured"] else f"{'-':>9}"
-      print(f"{r:>5} {name:14} {got['predicted']['samples_per_s'][name]:>19.2f} {meas}")
+      pred, meas = got["predicted"]["components"][name], got["components"].get(name, {})
+      cells = [(got["predicted"]["samples_per_s"][name], got["measured"].get(name), 20)] + [
+          (pred[k], meas.get(k), 25) for k in ("decode_step_ms", "train_us_per_token")]
+      print(f"{r:>5} {name:14} " + " ".join(
+          f"{p:>{w}.2f} " + (f"{m:>9.2f}" if m is not None else f"{'-':>9}")
+          for p, m, w in cells))
   predicted_ratio = spread([got["predicted"]["ratio"] for got in per_round])
   headline = dict(d_model=cfg.model.d_model, steps=steps, cores=cpu.cores(), rounds=rounds,
                   predicted_ratio=predicted_ratio, per_round=[_round_row(got) for got in per_round])
@@ -155,10 +216,15 @@ def main(argv):
 
 def _round_row(got: dict) -> dict:
   pred = got["predicted"]
-  return dict(predicted_ratio=round(pred["ratio"], 3), matmul_gflops=pred["matmul_gflops"],
-              copy_gb_s=pred["copy_gb_s"],
+  return dict(predicted_ratio=round(pred["ratio"], 3),
               predicted_samples_per_s={k: round(x, 2) for k, x in pred["samples_per_s"].items()},
-              measured_samples_per_s={k: round(x, 2) for k, x in got["measured"].items()})
+              measured_samples_per_s={k: round(x, 2) for k, x in got["measured"].items()},
+              predicted_components=_rounded(pred["components"]),
+              measured_components=_rounded(got["components"]))
+
+
+def _rounded(parts: dict) -> dict:
+  return {run: {k: round(x, 3) for k, x in v.items()} for run, v in parts.items()}
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 
 from async_rl import cli, config
 from async_rl.models import memory
-from async_rl.plan import costs, hardware, inputs, published, search
+from async_rl.plan import costs, hardware, host, inputs, published, search
 from async_rl.sim import simulate
 
 ROOT = Path(__file__).parents[1]
@@ -97,6 +97,31 @@ def test_prefill_train_publish_by_hand():
   assert costs.train_sync_s(_TINY, _HW, 4, crosses_nodes=False) == pytest.approx(
       6 * n * 3 / 4 / 1e8)
 
+
+
+def test_measured_host_costs_by_hand():
+  # A step of 1 ms at one slot a group and 1.7 ms at 8, two groups stepping at once:
+  # 0.1 ms a slot within a group, so 0.05 ms a slot of the engine, 0.9 ms fixed.
+  base, per_slot = host.decode_line(1e-3, 1.7e-3, 8, 2)
+  assert (base, per_slot) == (pytest.approx(0.9e-3), pytest.approx(0.05e-3))
+  assert host.decode_line(2e-3, 1.9e-3, 8, 1) == (pytest.approx(1.9e-3), 0.0)  # noise: flat
+  assert host.group_sizes(16, 2) == [8, 8] and host.group_sizes(5, 2) == [3, 2]
+  assert host.group_sizes(3, 8) == [1, 1, 1]
+  m = host.MeasuredCosts(decode_base=1e-3, decode_per_slot=1e-4, prefill_per_token=1e-5,
+                         train_mb_s=0.5, tokens_per_mb=1000, threads=2, source="by hand")
+  # 6,001 tokens: 7 micro-batches, in 4 rounds of two threads; one thread: 7 rounds.
+  assert host.train_step_s(m, 6001) == pytest.approx(2.0)
+  assert host.train_step_s(dataclasses.replace(m, threads=1), 6001) == pytest.approx(3.5)
+  w = search.Workload(_TINY, batch_groups=4, group_size=2, prompt_tokens=10,
+                      max_new_tokens=40, length_dist="constant", length_median=40)
+  p = search.Placement("sync", 1, 1, 1, 1, 8, 400, 0, "drain")
+  cfg = search.sim_config(w, search.Cluster(_HW, 1, 1), p, m)
+  # 8 sequences of 50 tokens: one micro-batch, one round.
+  assert cfg.trainer_per_token == pytest.approx(0.5 / 400)
+  assert (cfg.decode_step_base, cfg.decode_step_per_slot, cfg.prefill_per_token) == (
+      1e-3, 1e-4, 1e-5)
+  assert cfg.decode_compute_per_slot == cfg.decode_step_per_context_token == 0.0
+  assert cfg.weight_sync == search.sim_config(w, search.Cluster(_HW, 1, 1), p).weight_sync
 
 def test_memory_uses_the_memory_module_counts():
   gen = config.GenerationConfig(kv_blocks=64, kv_block_size=16, max_prompt_len=1,

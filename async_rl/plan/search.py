@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from async_rl.config import ModelConfig
-from async_rl.plan import costs
+from async_rl.plan import costs, host
 from async_rl.plan.hardware import Hardware
 from async_rl.sim import SimConfig, sample_lengths, simulate
 
@@ -178,14 +178,17 @@ def max_kv_tokens(workload: Workload, cluster: Cluster, *, tp: int, fsdp: int,
   return blocks * 16
 
 
-def sim_config(workload: Workload, cluster: Cluster, p: Placement) -> SimConfig:
-  """The placement as the simulator takes it, its costs from `plan.costs`."""
+def sim_config(workload: Workload, cluster: Cluster, p: Placement,
+               measured: Optional[host.MeasuredCosts] = None) -> SimConfig:
+  """The placement as the simulator takes it, its costs from `plan.costs`; with
+  `measured` (`plan.host`: the model's own programs timed on the devices), its decode,
+  prefill and training costs are those instead (the trainer's per device)."""
   model, hw = workload.model, cluster.hardware
   dc = costs.decode_cost(model, hw, tp=p.tp)
   multi_node = cluster.nodes > 1
   trainer_multi_node = p.train_devices > cluster.devices_per_node
   sequence = workload.prompt_tokens + workload.mean_length()
-  return SimConfig(
+  cfg = SimConfig(
       mode=p.mode, num_generators=p.engines, trainer_accelerators=p.train_devices,
       slots=p.slots, decode_step_base=dc.base, decode_step_per_slot=dc.per_slot,
       decode_step_per_context_token=dc.per_token, decode_compute_per_slot=dc.compute_per_slot,
@@ -199,10 +202,19 @@ def sim_config(workload: Workload, cluster: Cluster, p: Placement) -> SimConfig:
       weight_sync=costs.publish_s(model, hw, crosses_nodes=multi_node),
       max_staleness=p.max_staleness, batch_groups=workload.batch_groups,
       group_size=workload.group_size, update_mode=p.update_mode, **workload.length_fields())
+  if measured is None:
+    return cfg
+  step_tokens = workload.batch_groups * workload.group_size * sequence
+  return dataclasses.replace(
+      cfg, decode_step_base=measured.decode_base, decode_step_per_slot=measured.decode_per_slot,
+      decode_step_per_context_token=0.0, decode_compute_per_slot=0.0,
+      decode_compute_per_context_token=0.0, prefill_per_token=measured.prefill_per_token,
+      trainer_per_token=host.train_step_s(measured, step_tokens) / step_tokens)
 
 
 def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 6,
-            scale: int = 1, seed: int = 0) -> Prediction:
+            scale: int = 1, seed: int = 0,
+            measured: Optional[host.MeasuredCosts] = None) -> Prediction:
   """Simulates `steps` training steps and measures those after the first
   `_WARMUP_STEPS` (the pipeline's fill).
 
@@ -210,11 +222,12 @@ def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 
   and the trainer's devices too, by making each token cost `scale` times as much on
   them, so each device sees the same load (the throughput is scaled back). The longest
   sample of a smaller batch is a little shorter, which flatters sync slightly.
+  `measured`: as `sim_config` takes it.
 
   Raises:
     ValueError: if `scale` divides the engines or the batch's groups unevenly.
   """
-  cfg = sim_config(workload, cluster, p)
+  cfg = sim_config(workload, cluster, p, measured)
   if scale > 1:
     if cfg.num_generators % scale or cfg.batch_groups % scale:
       raise ValueError(f"scale {scale} must divide the {cfg.num_generators} engines and the "

@@ -5,6 +5,7 @@ generator proving which published adapter produced its tokens."""
 import dataclasses
 import functools
 import json
+import os
 import re
 
 import jax
@@ -15,12 +16,14 @@ import pytest
 from async_rl import models, policy, sharding
 from async_rl.cli import from_dict
 from async_rl.config import LoraConfig
-from async_rl.configs import qwen2_5
+from async_rl.configs import qwen2_5, tiny
 from async_rl.generation import GeneratorPool, Request, SamplingParams
 from async_rl.models import lora
 from async_rl.models.memory import GIB, describe, estimate_memory
-from async_rl.rl import build
+from async_rl.rl import build, checkpoint
+from async_rl.rl.errors import NoUsableCheckpointError
 from async_rl.trajectory import Group, Trajectory
+
 from conftest import two_layer_model
 from rl_test_utils import checkpoint_meta, small_config
 
@@ -182,31 +185,87 @@ def test_the_generator_samples_with_the_published_adapter_and_reports_its_versio
     assert min(error["stale"], error["missing"]) > 100 * rounding, error
 
 
-def test_a_checkpoint_holds_the_adapters_and_the_base_pointer_and_resumes_exactly(tmp_path):
-  cfg = small_config(**{"lora.rank": 4, "optimizer.learning_rate": 1e-2,
-                        "cpu.grad_threads": 1})
+def test_a_warm_started_base_is_served_checkpoints_point_to_it_and_resume_is_exact(
+    tmp_path, monkeypatch):
+  """The quick start's `--config.lora.rank=16` passes the checks; a fresh run's warm start
+  is its adapters' base, written to the workdir before the first step; a generator
+  samples with the adapter on that base, not on the seed's init; a checkpoint holds the
+  adapters, their optimizer state and the base's pointer, not the base; a resume reads
+  the base back without warm-starting again and restores bit for bit; without the
+  file it fails naming it."""
+  quick_start = tiny.get_config()
+  quick_start.lora.rank = 16
+  build.check(from_dict(quick_start))
+  cfg = small_config(**{"lora.rank": 4, "sft.steps": 2, "sft.batch_size": 2,
+                        "optimizer.learning_rate": 1e-2, "cpu.grad_threads": 1})
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   task = build.task_of(cfg)
   trainer, checkpointer, _ = build.restored_trainer(cfg, str(tmp_path), mesh, task)
+  path = tmp_path / checkpoint.BASE_FILE
+  base = build.lora_base(cfg, str(tmp_path))  # what every generator loads
+  digest = checkpoint.base_digest(base)
+  assert trainer.base_pointer == {"warm_start": checkpoint.BASE_FILE, "sha256": digest}
+  assert checkpoint.base_digest(trainer.state.base) == digest
+  seeded = small_config(**{"lora.rank": 4})  # no warm start: the base is the seed's init
+  assert build.lora_pointer(seeded) == {"seed": cfg.seed, "model": dataclasses.asdict(cfg.model)}
+  seed_init = build.lora_base(seeded)
+  assert checkpoint.base_digest(seed_init) != digest  # the warm start trained it
+
+  adapters = _random_adapters(cfg.model, cfg.lora, jax.random.key(1))
+  engine = build.make_engine(cfg, base=functools.partial(build.lora_base, cfg, str(tmp_path)))
+  with GeneratorPool(engine, adapters, version=1) as pool:
+    drawn = [s for f in [pool.submit(Request(f"r{i}", [1 + i, 2, 3, 4], n=2, sampling=(
+        SamplingParams(max_new_tokens=6, seed=i)))) for i in range(2)] for s in f.result(60)]
+  error = {name: _max_logp_error(lora.attach(b, adapters, cfg.lora.scale), cfg.model, drawn)
+           for name, b in (("warm", base), ("seed", seed_init))}
+  rounding = policy.LOGP_ROUNDING["float32"]
+  assert error["warm"] < rounding < error["seed"] / 100, error
+
   trainer.train(_groups())
   meta = {"version": 1, "skipped_steps": 0, "applied_updates": 1,
           "packed_shapes": trainer.packed_shapes, "lora_base": trainer.base_pointer}
   checkpointer.save(1, trainer.state, meta, wait=True)
   checkpointer.close()
-  saved = checkpoint_meta(tmp_path)
-  assert saved["lora_base"] == {"seed": cfg.seed, "model": json.loads(json.dumps(
-      dataclasses.asdict(cfg.model)))}
+  assert checkpoint_meta(tmp_path)["lora_base"] == trainer.base_pointer
   saved_fields = {key.split("'")[1] for key in json.loads(
       (tmp_path / "checkpoints" / "1" / "state" / "_METADATA").read_text())["tree_metadata"]}
   assert saved_fields == {"step", "params", "opt_state"}  # no base
+  monkeypatch.setattr(build, "warm_start", lambda *a, **k: pytest.fail("warm-started again"))
   resumed, checkpointer, restored = build.restored_trainer(cfg, str(tmp_path), mesh, task)
   checkpointer.close()
   assert restored.step == 1 and resumed.version == 1
+  assert resumed.base_pointer == trainer.base_pointer
   for field in ("step", "params", "opt_state", "base"):
     want, got = (jax.device_get(getattr(t.state, field)) for t in (trainer, resumed))
     assert jax.tree.structure(got) == jax.tree.structure(want), field
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_array_equal(g, w, err_msg=field)
+
+  path.rename(tmp_path / "elsewhere.npz")
+  with pytest.raises(NoUsableCheckpointError, match=f"{re.escape(str(path))} is missing"):
+    build.restored_trainer(cfg, str(tmp_path), mesh, task)
+
+
+def test_the_base_file_round_trips_and_a_damaged_one_is_an_error_naming_it(tmp_path):
+  params = {"embed": np.arange(6, dtype=np.float32).reshape(2, 3),
+            "layers": {"q": jnp.ones((2, 2), jnp.bfloat16)}}
+  path = str(tmp_path / checkpoint.BASE_FILE)
+  digest = checkpoint.save_base(path, params)
+  abstract = jax.eval_shape(lambda: params)
+  loaded, got = checkpoint.load_base(path, abstract)
+  assert got == digest == checkpoint.base_digest(loaded) and os.listdir(tmp_path) == [
+      checkpoint.BASE_FILE]  # no temporary file left
+  assert loaded["layers"]["q"].dtype == jnp.bfloat16
+  for g, w in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(g, w)
+  with pytest.raises(NoUsableCheckpointError, match="holds other params"):
+    checkpoint.load_base(path, {**abstract, "embed": jax.ShapeDtypeStruct((3, 2), jnp.float32)})
+  data = bytearray(open(path, "rb").read())
+  at = data.index(np.arange(6, dtype=np.float32)[1:].tobytes())  # inside "embed"'s bytes
+  data[at] ^= 1
+  open(path, "wb").write(bytes(data))
+  with pytest.raises(NoUsableCheckpointError, match=re.escape(path)):
+    checkpoint.load_base(path, abstract)
 
 
 def test_the_24gb_config_quotes_its_estimate_and_leaves_room_for_temporaries():

@@ -30,6 +30,7 @@ def test_notebook_is_saved_without_outputs():
 
 # The notebook's run lengths, and the shorter ones the test runs.
 SHORTER = {"c.sft.steps = 100": "c.sft.steps = 20", "c.num_steps = 40": "c.num_steps = 6",
+           "c.num_steps = 20": "c.num_steps = 2",
            "num_prompts=100, every_steps=20": "num_prompts=20, every_steps=3",
            "c.checkpoint.every_steps = 20": "c.checkpoint.every_steps = 3"}
 
@@ -54,5 +55,6 @@ def test_quickstart_notebook_runs():
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
   assert re.search(r"^sample \d+: \S+= -> .* \| (correct|wrong)$", text, re.M), text[-2000:]
   assert "held-out after RL:" in text
+  assert re.search(r"^LoRA trained versions 0 -> 2$", text, re.M), text[-2000:]
   # The notebook's own reward function scored every sample in the reward workers.
   assert re.search(r"^inline reward: [1-9]\d* calls, 0 errors, 0 timeouts$", text, re.M), text

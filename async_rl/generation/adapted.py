@@ -10,6 +10,7 @@ token, which measured slower on CPU (decode runs many steps per version).
 """
 
 import functools
+from typing import Any, Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -20,23 +21,24 @@ from async_rl.models import lora
 
 
 class AdaptedEngine:
-  """`engine` serving `base` with the adapters given to `load_params` merged in.
+  """`engine` serving a frozen base with the adapters given to `load_params` merged in.
 
   Presents the `Engine` interface the generator pool uses; every call but
   `load_params` is the engine's own, on the merged params it returns.
 
   Args:
     engine: the engine (or `cpu.SlotGroupEngine`) to serve with.
-    base: the frozen base params (stacked layout, host or device arrays).
+    base: returns the frozen base params (stacked layout, host or device arrays); called
+      once, by the first `load_params` (a run's warm-started base is written after its
+      engines are built).
     scale: the adapters' alpha / r.
   """
 
-  def __init__(self, engine: Engine, base, scale: float):
+  def __init__(self, engine: Engine, base: Callable[[], Any], scale: float):
     self._engine = engine
-    self._base = engine.load_params(base)
+    self._load_base, self._scale = base, scale
+    self._base = self._merge = None
     self._adapters_sharding = NamedSharding(engine.mesh, PartitionSpec())
-    self._merge = jax.jit(functools.partial(lora.merge, scale=scale),
-                          out_shardings=jax.tree.map(lambda x: x.sharding, self._base))
 
   def __getattr__(self, name):  # cfg, buckets, prefill, generate_chunk, ...
     if name.startswith("_"):
@@ -46,4 +48,8 @@ class AdaptedEngine:
   def load_params(self, adapters):
     """The base with `adapters` merged in, on the engine's devices, in the serving
     layout; never aliases `adapters`."""
+    if self._base is None:
+      self._base = self._engine.load_params(self._load_base())
+      self._merge = jax.jit(functools.partial(lora.merge, scale=self._scale),
+                            out_shardings=jax.tree.map(lambda x: x.sharding, self._base))
     return self._merge(self._base, sharding.reshard(adapters, self._adapters_sharding))

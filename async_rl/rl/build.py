@@ -33,7 +33,7 @@ from async_rl.generation.adapted import AdaptedEngine
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.rewards import Reward, RewardService
-from async_rl.rl import multihost, replay as replay_lib
+from async_rl.rl import checkpoint, multihost, replay as replay_lib
 from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
@@ -96,12 +96,6 @@ def check(cfg: ExperimentConfig) -> ExperimentConfig:
   with _config_errors():
     _check_objective(cfg)
     check_task(cfg)
-  if cfg.lora.enabled and cfg.sft.steps:
-    raise ConfigError(f"lora.rank > 0 needs a base that every generator can load from its "
-                      f"pointer (hf_model_dir, or the seed's random init), and a warm start "
-                      f"is neither: warm-start a run of its own, export it "
-                      f"(async-rl-export) and start from that directory, or set sft.steps=0; "
-                      f"got sft.steps={cfg.sft.steps}")
   return cfg
 
 
@@ -245,7 +239,7 @@ def split_devices(placement: config.PlacementConfig, local_devices, global_devic
   return Devices(trainer, tuple(tuple(pool[i * k:(i + 1) * k]) for i in range(n)))
 
 
-def make_engine(cfg: ExperimentConfig, devices=None, base=None):
+def make_engine(cfg: ExperimentConfig, devices=None, base: Optional[Callable[[], Any]] = None):
   """A generator engine on `devices` (default: the first local device); with several,
   its params split over heads and MLP width (the `tensor` axis of its own mesh). Its
   prefill takes whole episodes so far, not only prompts: a multi-turn workflow's next
@@ -254,7 +248,8 @@ def make_engine(cfg: ExperimentConfig, devices=None, base=None):
   `generation.kv_blocks`, so no more groups than shares that hold a sequence of
   `generation.max_length`; on CPU devices its decode steps read the cache as the CPU's
   `cpu.PagedDecoding`. With `cfg.lora` it serves adapters on a frozen base
-  (`generation.adapted.AdaptedEngine`): `base`, or the one `lora_base` loads."""
+  (`generation.adapted.AdaptedEngine`): the one `base()` returns (None: `lora_base`'s
+  of a run without a warm start), when the first adapters are loaded."""
   g = cfg.generation
   devices = list(devices or jax.local_devices()[:1])
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
@@ -271,7 +266,7 @@ def make_engine(cfg: ExperimentConfig, devices=None, base=None):
                   decoding=cpu.PagedDecoding() if devices[0].platform == "cpu" else None)
   engine = engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
   if cfg.lora.enabled:
-    engine = AdaptedEngine(engine, lora_base(cfg) if base is None else base, cfg.lora.scale)
+    engine = AdaptedEngine(engine, base or functools.partial(lora_base, cfg), cfg.lora.scale)
   return engine
 
 
@@ -279,23 +274,42 @@ def make_engine(cfg: ExperimentConfig, devices=None, base=None):
 GIVEN_BASE = {"init_params": "given to the run, not named by its config"}
 
 
-def lora_pointer(cfg: ExperimentConfig) -> dict[str, Any]:
+def warm_started(cfg: ExperimentConfig) -> bool:
+  """Whether a run's initial params are its own warm start (`sft.steps`, no
+  `hf_model_dir`)."""
+  return cfg.hf_model_dir is None and cfg.sft.steps > 0
+
+
+def lora_pointer(cfg: ExperimentConfig, digest: Optional[str] = None) -> dict[str, Any]:
   """Where a LoRA run's frozen base comes from, as a checkpoint records it: the Hugging
-  Face directory, or the model and seed of a random init."""
+  Face directory; the warm start's file in the workdir (`checkpoint.BASE_FILE`) and its
+  `digest`; or the model and seed of a random init."""
   if cfg.hf_model_dir is not None:
     return {"hf_model_dir": cfg.hf_model_dir}
+  if warm_started(cfg):
+    return {"warm_start": checkpoint.BASE_FILE, "sha256": digest}
   return {"seed": cfg.seed, "model": dataclasses.asdict(cfg.model)}
 
 
-def lora_base(cfg: ExperimentConfig, init_params=None):
+def lora_base(cfg: ExperimentConfig, workdir: Optional[str] = None, init_params=None):
   """The frozen base of a LoRA run's adapters, as its pointer names it: `init_params`
-  when given, else `hf_model_dir`'s weights, else the seed's random init (the trainer's
-  own, `make_trainer` without params). Every process that generates loads it itself:
-  only adapters are published."""
+  when given, else `hf_model_dir`'s weights, else the warm start the run wrote to
+  `workdir` (`checkpoint.load_base`), else the seed's random init (the trainer's own,
+  `make_trainer` without params). Every process that generates loads it itself: only
+  adapters are published.
+
+  Raises:
+    NoUsableCheckpointError: the warm start's file is missing or damaged.
+  """
   if init_params is not None:
     return init_params
   if cfg.hf_model_dir is not None:
     return hf.load_hf(cfg.hf_model_dir, cfg.model)
+  if warm_started(cfg):
+    if workdir is None:
+      raise ValueError("a warm-started LoRA base is read from its run's workdir; none given")
+    return checkpoint.load_base(os.path.join(workdir, checkpoint.BASE_FILE),
+                                models.abstract_params(cfg.model))[0]
   return jax.jit(functools.partial(models.init_params, cfg.model))(jax.random.key(cfg.seed))
 
 
@@ -443,17 +457,35 @@ def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=
   (`server` with it; None: a process without one), else starting from `init_params`
   (None: `initial_params`, which passes the warm start's metrics to `record`); with its
   checkpointer and what it resumed. Process 0 then writes the run's `config.json`:
-  after the restore, so that a resume that fails leaves the run's own."""
+  after the restore, so that a resume that fails leaves the run's own.
+
+  A LoRA run's warm start is its adapters' base: a fresh run writes it to `workdir`
+  (`checkpoint.save_base`) before its first step, and a resumed one reads it from there
+  rather than warm-starting again.
+
+  Raises:
+    NoUsableCheckpointError: the checkpoints cannot be restored, or a resumed LoRA run's
+      warm-started base is missing or damaged."""
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   try:
     # A LoRA checkpoint holds no base: a resumed trainer loads it from its pointer.
     fresh = checkpointer.latest_step() is None
     given = init_params is not None
-    if not given and (fresh or cfg.lora.enabled):
+    digest = None
+    if not given and cfg.lora.enabled and warm_started(cfg):
+      # The warm start runs once: its params are the base of every later process.
+      path = os.path.join(workdir, checkpoint.BASE_FILE)
+      if fresh:
+        init_params = initial_params(cfg, mesh, task, echo, record=record)
+        digest = (checkpoint.save_base(path, init_params) if multihost.is_leader()
+                  else checkpoint.base_digest(init_params))
+      else:
+        init_params, digest = checkpoint.load_base(path, models.abstract_params(cfg.model))
+    elif not given and (fresh or cfg.lora.enabled):
       init_params = initial_params(cfg, mesh, task, echo, record=record)
     trainer = make_trainer(cfg, mesh, init_params)
-    if given and cfg.lora.enabled:  # a base no pointer names: checkpoints say so
-      trainer.base_pointer = GIVEN_BASE
+    if cfg.lora.enabled:  # a base given to the run is one no pointer names
+      trainer.base_pointer = GIVEN_BASE if given else lora_pointer(cfg, digest)
     restored = TrainLoop.restore(checkpointer, trainer, server, echo)
   except BaseException:
     checkpointer.close()
@@ -499,6 +531,8 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, bar.echo)
   stop = stop or threading.Event()
+  engines = engines or [make_engine(cfg, base=functools.partial(lora_base, cfg, workdir,
+                                                                 init_params))]
   evaluator = make_evaluator(cfg, task, params, engines=engines, version=trainer.version,
                              wait=functools.partial(deadlines.result, stop=stop))
   log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step,

@@ -5,7 +5,9 @@ penalty, the reference policy's params (`state`), and a JSON item (`meta`) with 
 parameter server's counters, the prompt streams' positions and anything else the loop
 needs to resume exactly. With LoRA the params are the adapters, and the frozen base is
 not saved: the meta holds its pointer (`lora_base`), and a resumed trainer is built on
-the base that pointer names.
+the base that pointer names. A base that only the run itself made (a warm start) is
+written once beside the checkpoints (`save_base`), and the pointer names that file and
+its digest (`load_base` checks both).
 
 Writes are atomic: Orbax writes a step into a temporary directory and renames it
 when every item is complete, so a process killed mid-save leaves the previous
@@ -27,13 +29,18 @@ raise a `CheckpointError` once the path no longer names the directory held.
 """
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import shutil
 import time
+import zipfile
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from async_rl import models
@@ -238,6 +245,106 @@ def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,
     return out["state"]["params"]
   finally:
     manager.close()
+
+
+# A run's own frozen base, beside its `checkpoints/`: a numpy archive of the leaves' bytes
+# and a manifest (the format, each leaf's dtype and shape, the digest of them all).
+BASE_FILE = "lora_base.npz"
+BASE_FORMAT = "async_rl.lora_base.v1"
+_MANIFEST = "__manifest__"
+
+
+def base_digest(params) -> str:
+  """The sha256 of `params`' leaves (their paths, dtypes, shapes and bytes)."""
+  return _digest(_named_leaves(params))
+
+
+def save_base(path: str, params) -> str:
+  """Writes `params` (host or device arrays) to the file `path` atomically (a temporary
+  file, synced, renamed over `path`); returns their digest (`base_digest`)."""
+  leaves = _named_leaves(params)
+  digest = _digest(leaves)
+  manifest = {"format": BASE_FORMAT, "sha256": digest,
+              "leaves": {name: [str(x.dtype), list(x.shape)] for name, x in leaves.items()}}
+  # bfloat16 has no numpy name: every leaf is stored as its bytes.
+  arrays = {name: np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            for name, x in leaves.items()}
+  arrays[_MANIFEST] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "wb") as f:
+      np.savez(f, **arrays)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+      os.fsync(directory)
+    finally:
+      os.close(directory)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise CheckpointError(f"writing the run's frozen base to {path} failed "
+                          f"({type(e).__name__}: {e})") from e
+  return digest
+
+
+def load_base(path: str, abstract):
+  """The params `save_base` wrote to `path`, as host arrays in the tree of `abstract`
+  (shapes and dtypes as its leaves'); with their digest.
+
+  Raises:
+    NoUsableCheckpointError: naming `path` (no checkpoint of the run can be restored
+      without it): the file is missing or unreadable, of another format, its bytes do
+      not match its digest, or its leaves are not `abstract`'s.
+  """
+  def fail(why):
+    raise NoUsableCheckpointError(
+        f"the run's frozen base {path} {why}. It was written by the run's warm start before "
+        f"its first step, and its checkpoints hold only the adapters trained on it; restore "
+        f"the file, or start the run afresh in a new workdir")
+
+  try:
+    with np.load(path) as archive:
+      manifest = json.loads(bytes(archive[_MANIFEST]))
+      if manifest.get("format") != BASE_FORMAT:
+        fail(f"has format {manifest.get('format')!r}, not {BASE_FORMAT!r}")
+      leaves = {name: archive[name].view(jnp.dtype(dtype)).reshape(shape)
+                for name, (dtype, shape) in manifest["leaves"].items()}
+  except FileNotFoundError:
+    fail("is missing")
+  except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+    fail(f"cannot be read ({type(e).__name__}: {e})")
+  digest = _digest(leaves)
+  if digest != manifest["sha256"]:
+    fail(f"is damaged: its leaves' sha256 is {digest}, its manifest says {manifest['sha256']}")
+  want = {name: f"{x.dtype}{list(x.shape)}" for name, x in _named_leaves(abstract).items()}
+  got = {name: f"{x.dtype}{list(x.shape)}" for name, x in leaves.items()}
+  if got != want:
+    differ = sorted(set(got.items()) ^ set(want.items()))[:4]
+    fail(f"holds other params than the run's model (leaves that differ: {differ})")
+  paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  return jax.tree.unflatten(treedef, [leaves[_name(p)] for p, _ in paths]), digest
+
+
+def _name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _named_leaves(params) -> dict[str, Any]:
+  """`params`' leaves by path; host arrays, but for abstract ones."""
+  return {_name(p): x if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(jax.device_get(x))
+          for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def _digest(leaves: dict[str, np.ndarray]) -> str:
+  h = hashlib.sha256()
+  for name in sorted(leaves):
+    x = leaves[name]
+    h.update(f"{name}:{x.dtype}:{x.shape};".encode())
+    h.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
+  return h.hexdigest()
 
 
 def _check_step(step, state, meta):

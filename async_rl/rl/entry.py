@@ -83,8 +83,9 @@ def _in_process(cfg, workdir, task, *, init_params, stop, echo, progress, run_id
     raise ConfigError(str(e)) from None
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   # One engine per generator replica, for the rollout and held-out pools alike: their
-  # programs compile once.
-  base = build.lora_base(cfg, init_params) if cfg.lora.enabled else None
+  # programs compile once. With LoRA they read the base once, when the first adapters
+  # are published: after the trainer has written a warm-started one.
+  base = functools.cache(functools.partial(build.lora_base, cfg, workdir, init_params))
   engines = [build.make_engine(cfg, replica, base=base) for replica in devices.replicas]
   loop = worker = None
   try:

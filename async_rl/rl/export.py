@@ -105,7 +105,7 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None,
         raise ValueError(f"the run in {workdir} trained adapters on a base given to it "
                          f"(init_params), which its config does not name: export the "
                          f"adapters alone (--adapter) and merge them into that base")
-    params = lora.merge(build.lora_base(cfg), adapters, cfg.lora.scale)
+    params = lora.merge(build.lora_base(cfg, workdir), adapters, cfg.lora.scale)
   elif adapter:
     raise ValueError(f"the run in {workdir} trained no adapters (lora.rank = 0): export "
                      f"the whole model, without --adapter")
@@ -163,7 +163,7 @@ def serve(cfg: ExperimentConfig, prompts: Sequence, *, workdir: Optional[str] = 
   if workdir is not None:
     params = checkpoint_params(cfg, workdir, step)
     if cfg.lora.enabled:
-      params = lora.merge(build.lora_base(cfg), params, cfg.lora.scale)
+      params = lora.merge(build.lora_base(cfg, workdir), params, cfg.lora.scale)
     tokenizer = make_task(cfg.task).tokenizer
   else:
     params = hf.load_hf(cfg.hf_model_dir, cfg.model)

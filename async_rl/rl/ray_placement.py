@@ -27,6 +27,7 @@ The user's task and reward modules reach the actors through the `runtime_env`
 (`placement.working_dir`, `placement.py_modules`; `runtime_env`).
 """
 
+import functools
 import logging
 import os
 import queue
@@ -81,8 +82,8 @@ class _RolloutHandle:
   first actor and travels to the trainer's process, which restarts the worker.
   """
 
-  def __init__(self, cfg, server, index, actor, options, cpus):
-    self._cfg, self._server, self._index = cfg, server, index
+  def __init__(self, cfg, workdir, server, index, actor, options, cpus):
+    self._cfg, self._workdir, self._server, self._index = cfg, workdir, server, index
     self._options, self._cpus = options, cpus
     self._use(actor)
     self.restarts = 0
@@ -139,7 +140,8 @@ class _RolloutHandle:
                                f"run.max_worker_restarts={limit} times already: {error}")
     logging.warning("rollout worker %d died (%s); starting a new one", self._index, error)
     ray.kill(self._actor)
-    self._use(_rollout_actor(self._cfg, self._server, self._index, self._options))
+    self._use(_rollout_actor(self._cfg, self._workdir, self._server, self._index,
+                             self._options))
     if self._cpus is not None:
       ray.get(self._actor.__ray_call__.remote(_pin, self._cpus))
     self.restarts += 1
@@ -150,17 +152,20 @@ class RolloutWorkerActor(RolloutWorker):
   """A rollout worker built in its actor's process (whose name, `ray::RolloutWorker...`,
   says what it is)."""
 
-  def __init__(self, cfg, server, index):
-    # Every device of this actor (Ray's GPUs for it) serves its generator replicas.
+  def __init__(self, cfg, workdir, server, index):
+    # Every device of this actor (Ray's GPUs for it) serves its generator replicas, on
+    # the LoRA base read once (a warm-started one from `workdir`, where the trainer
+    # wrote it before this actor started).
     devices = build.split_devices(cfg.placement, jax.local_devices(), with_trainer=False)
+    base = functools.cache(functools.partial(build.lora_base, cfg, workdir))
     worker = build.rollout_worker(cfg, server, index=index, engines=[
-        build.make_engine(cfg, replica) for replica in devices.replicas])
+        build.make_engine(cfg, replica, base=base) for replica in devices.replicas])
     super().__init__(worker.index, worker.controller, worker.pool, worker.rewards)
 
 
-def _rollout_actor(cfg, server, index, options):
+def _rollout_actor(cfg, workdir, server, index, options):
   return ray.remote(RolloutWorkerActor).options(**options).remote(
-      cfg, _Proxy(server, "server", cfg.run.stall_timeout_s), index)
+      cfg, workdir, _Proxy(server, "server", cfg.run.stall_timeout_s), index)
 
 
 class _Trainer:
@@ -223,9 +228,9 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.
   """
   if cfg.lora.enabled and init_params is not None:
     raise ConfigError("init_params with lora.rank > 0 on Ray: every rollout actor loads the "
-                      "base from its pointer (hf_model_dir, or the seed's random init), so "
-                      "the base must be one: write it as a Hugging Face directory "
-                      "(models.hf.save_hf) and set hf_model_dir")
+                      "base from its pointer (hf_model_dir, the run's warm start or the "
+                      "seed's init), so the base must be one: write it as a Hugging Face "
+                      "directory (models.hf.save_hf) and set hf_model_dir")
   p = cfg.placement
   trainer_options = _actor_options(p, p.trainer_cpus, p.trainer_gpus)
   rollout_options = _actor_options(p, p.rollout_cpus, p.rollout_gpus)
@@ -245,13 +250,13 @@ def run_on_ray(cfg: ExperimentConfig, workdir: str, *, stop: Optional[threading.
         run_id)
     # The trainer publishes the (restored) params before the workers fetch them.
     ray.get(trainer.__ray_ready__.remote())
-    rollouts = [_rollout_actor(cfg, server, i, rollout_options)
+    rollouts = [_rollout_actor(cfg, workdir, server, i, rollout_options)
                 for i in range(p.rollout_workers)]
     pids = ray.get([a.__ray_call__.remote(_pid) for a in (server, trainer, *rollouts)])
     ray.get([a.__ray_call__.remote(_pin, cores)
              for actors, cores in (([trainer], trainer_cores), (rollouts, rollout_cores))
              if cores is not None for a in actors])
-    handles = [_RolloutHandle(cfg, server, i, a, rollout_options, rollout_cores)
+    handles = [_RolloutHandle(cfg, workdir, server, i, a, rollout_options, rollout_cores)
                for i, a in enumerate(rollouts)]
     summary = _drive(cfg, server, trainer, handles, stop, echo, progress)
     summary["pids"] = {"driver": os.getpid(), "server": pids[0], "trainer": pids[1],

@@ -17,7 +17,7 @@ pytest.importorskip("uvicorn")
 
 from async_rl import models, policy  # noqa: E402
 from async_rl.agents import wire  # noqa: E402
-from async_rl.agents.episode import reply_glue  # noqa: E402
+from async_rl.agents.episode import LOSSES, reply_glue  # noqa: E402
 from async_rl.agents.server import Endpoint  # noqa: E402
 from async_rl.agents.task import AgentWorkflow  # noqa: E402
 from async_rl.chat import compile_chat_template  # noqa: E402
@@ -260,7 +260,8 @@ def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None):
   try:
     future = runner.submit(prompt, Request("p", [1], n, SamplingParams(
         temperature=1.0, max_new_tokens=120, seed=5)))
-    return future.result(timeout=120), workflow.metrics()
+    # The runner's counters are what the rollout controller reports to the metrics log.
+    return future.result(timeout=120), runner.metrics()
   finally:
     runner.close()
     workflow.close()
@@ -272,7 +273,7 @@ def test_an_episode_trains_the_generated_tokens_with_the_environment_masked(real
   _three_turns.seen = []
   before = pool.metrics()["extended_in_slot"] + pool.metrics()["extended_reprefilled"]
   episodes, counts = _run(pool, _three_turns)
-  assert counts == {"episodes": 2}
+  assert counts == {"agent_episodes": 2, **{f"agent_lost_{r}": 0 for r in LOSSES}}
   # A turn after one that ended on a stop id continued in the slot its episode held.
   assert pool.metrics()["extended_in_slot"] + pool.metrics()["extended_reprefilled"] - before \
       == sum(held for _, held in _three_turns.seen)
@@ -338,7 +339,8 @@ def test_a_failing_agent_loses_its_episode_not_the_run(agent, reason):
   # the other agents' two requests.
   episodes, counts = _run(pool, agent, deadline_s=1.0 if reason == "deadline" else 60.0,
                           max_tokens=40)
-  assert counts == {"episodes": 2, f"lost_{reason}": 2}
+  assert counts == {"agent_episodes": 2,
+                    **{f"agent_lost_{r}": 2 if r == reason else 0 for r in LOSSES}}
   # Each comes back as an aborted sample of the prompt alone, which fails its group.
   for e in episodes:
     assert (e.finish_reason, e.reward, e.metadata["lost"], len(e)) == ("aborted", 0.0, reason, 1)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from async_rl import named
-from async_rl.agents.episode import Episode, EpisodeLost
+from async_rl.agents.episode import LOSSES, Episode, EpisodeLost
 from async_rl.agents.server import Endpoint
 from async_rl.config import TaskConfig
 from async_rl.trajectory import Trajectory
@@ -67,9 +67,11 @@ class AgentWorkflow:
     self._client = None  # one HTTP client for all agents, made and used on `_loop`
 
   def metrics(self) -> dict[str, int]:
-    """Episodes run, and those lost by reason (`agents.episode.LOSSES`)."""
+    """Episodes run (`agent_episodes`) and those lost, by reason (`agent_lost_<reason>`
+    for each of `agents.episode.LOSSES`, zeros included), for the metrics log."""
     with self._lock:
-      return dict(self._counts)
+      return {"agent_episodes": self._counts["episodes"],
+              **{f"agent_lost_{r}": self._counts[f"lost_{r}"] for r in LOSSES}}
 
   def close(self) -> None:
     """Stops the agents' event loop (agents still running are abandoned)."""

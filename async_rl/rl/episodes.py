@@ -57,6 +57,11 @@ class EpisodeRunner:
     `request.sampling.seed` is set, seeds derived from it and k."""
     return self._executor.submit(self._run, prompt, request)
 
+  def metrics(self) -> dict[str, int]:
+    """The workflow's own counters (an agent's lost episodes, say), if it keeps any."""
+    counters = getattr(self._workflow, "metrics", None)
+    return counters() if counters is not None else {}
+
   def close(self) -> None:
     """Cancels groups not yet started and fails the pool requests running ones wait on."""
     self._executor.shutdown(wait=False, cancel_futures=True)

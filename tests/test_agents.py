@@ -192,9 +192,43 @@ def test_bad_requests_are_refused_naming_the_field(scripted):
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
                                    temperature=7)
   with pytest.raises(openai.BadRequestError, match="stop"):
-    client.completions.create(model="m", prompt="x", stop=["two tokens"])
+    client.completions.create(model="m", prompt="x", stop=[""])
   with pytest.raises(openai.NotFoundError):
     _client(f"{endpoint.url}/episodes/nope/v1").completions.create(model="m", prompt="x")
+
+
+def test_stop_cut_ends_at_the_token_that_completes_the_first_stop_string():
+  vocab = ["ab", "c-", "->", "x"]
+  decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
+  assert wire.stop_cut([0, 1, 2, 3], decode, ["-->"]) == (3, "abc")
+  assert wire.stop_cut([0, 1, 2, 3], decode, ["x", "c-"]) == (2, "ab")
+  assert wire.stop_cut([0, 1, 2, 3], decode, ["yy"]) is None
+
+
+def test_a_stop_string_of_several_tokens_ends_the_reply_and_the_episode_there(scripted):
+  pool, endpoint = scripted
+  pool.replies[:] = ["ab-->cd-->e"]
+  out = _client(f"{endpoint.url}/v1").completions.create(
+      model="m", prompt="x", stop=["-->", "?"], max_tokens=20, logprobs=1)
+  assert pool.requests[-1].sampling.stop_token_ids == (TOK.eos_id, TOK.encode("?")[0])
+  assert (out.choices[0].text, out.choices[0].finish_reason) == ("ab", "stop")
+  assert out.choices[0].logprobs.tokens == list("ab-->")
+  assert out.usage.completion_tokens == 5
+
+  async def agent(client, row):
+    out = await client.completions.create(model="m", prompt="go", stop=["-->"])
+    agent.given = out.choices[0].text
+    await client.completions.create(model="m", prompt="go" + agent.given + "-->env")
+    return 1.0
+
+  episode_pool = ScriptedPool()
+  episode_pool.replies[:] = ["ab-->cd", "xy"]
+  (e,), counts = _run(episode_pool, agent, n=1)
+  assert counts["agent_episodes"] == 1 and agent.given == "ab"
+  # The tokens after the stop string, never given to the agent, are not in the episode.
+  policy = "".join(TOK._vocab[t] if m else "_" for t, m in zip(e.tokens_T, e.loss_mask_T))
+  assert TOK.decode(e.tokens_T[e.prompt_len:]) == "ab-->envxy"
+  assert policy[e.prompt_len:] == "ab-->___xy" + TOK._vocab[TOK.eos_id]
 
 
 def test_a_bearer_token_is_required_when_set():

@@ -26,6 +26,7 @@ without one).
 """
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import json
@@ -225,12 +226,15 @@ class Endpoint:
         samples = await asyncio.wrap_future(episode.turn(env, ask.max_tokens, ask.stop_ids))
       except RuntimeError as e:  # the pool or the episode runner is closing
         raise episode.lose("aborted", f"the turn was not generated: {e}") from None
-      episode.record(samples[0])
+      cut = self._stop_cut(samples[0], ask)
+      episode.record(samples[0], kept=cut and cut[0])
       episode.check()
     if any(s.finish_reason == "aborted" for s in samples):
       return _json(wire.error("generation was aborted (the run is ending)", "server_error"),
                    503)
-    choices = [self._choice(s, ask, tools) for s in samples]
+    cuts = [self._stop_cut(s, ask) for s in samples]
+    samples = [_cut(s, c[0]) if c else s for s, c in zip(samples, cuts)]
+    choices = [self._choice(s, c and c[1], ask, tools) for s, c in zip(samples, cuts)]
     if episode is not None and chat:
       reply = {"role": "assistant", "content": choices[0].text,
                "tool_calls": list(choices[0].tool_calls) or None}
@@ -267,13 +271,18 @@ class Endpoint:
     return await asyncio.wrap_future(self._pool.submit(
         Request(f"openai/{next(self._ids)}", prompt_ids, ask.n, sampling)))
 
-  def _choice(self, sample: Trajectory, ask: wire.Ask, tools) -> wire.Choice:
+  def _stop_cut(self, sample: Trajectory, ask: wire.Ask) -> Optional[tuple[int, str]]:
+    """Where `sample`'s reply ends at a stop string (`wire.stop_cut`), if it holds one."""
+    if not ask.stop:
+      return None
+    return wire.stop_cut([int(t) for t in sample.completion_C], self._tok.decode, ask.stop)
+
+  def _choice(self, sample: Trajectory, text: Optional[str], ask: wire.Ask,
+              tools) -> wire.Choice:
+    """`sample`'s reply; `text` is its text when a stop string ended it."""
     generated = [int(t) for t in sample.completion_C]
-    shown = generated
-    if (sample.finish_reason == "stop" and generated and generated[-1] in ask.stop_ids
-        and generated[-1] not in self._tok.stop_ids):
-      shown = generated[:-1]  # OpenAI leaves a stop string out of the text
-    text = self._tok.decode(shown)
+    if text is None:
+      text = self._tok.decode(generated)
     calls: list[dict[str, Any]] = []
     if tools:
       text, calls = wire.parse_tool_calls(text)
@@ -281,6 +290,16 @@ class Endpoint:
     token_texts = [self._tok.decode([t]) for t in generated] if ask.logprobs else []
     logprobs = [float(x) for x in sample.logp_T[sample.prompt_len:]] if ask.logprobs else []
     return wire.Choice(text, token_texts, logprobs, finish, tuple(calls))
+
+
+def _cut(sample: Trajectory, kept: int) -> Trajectory:
+  """`sample` ended by a stop string: its first `kept` generated tokens, finish "stop"."""
+  T = sample.prompt_len + kept
+  metadata = {k: v for k, v in sample.metadata.items() if k != "slot"}
+  return dataclasses.replace(sample, tokens_T=sample.tokens_T[:T],
+                             loss_mask_T=sample.loss_mask_T[:T], logp_T=sample.logp_T[:T],
+                             versions_T=sample.versions_T[:T], finish_reason="stop",
+                             metadata=metadata)
 
 
 def _json(body: dict, status: int = 200):

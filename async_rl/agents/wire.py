@@ -5,8 +5,9 @@ A request is checked field by field and a bad one raises `BadRequest`, whose mes
 names the field (the endpoint answers it with HTTP 400 in OpenAI's error shape).
 
 What is honoured: `n`, `temperature`, `top_p`, `seed`, `max_tokens` (or
-`max_completion_tokens`), `stop` (strings the tokenizer writes as one token each,
-since the generator stops on token ids), `logprobs` (the sampled token's log-prob,
+`max_completion_tokens`), `stop` (strings of any length, found in the decoded text as
+vLLM finds them: the reply ends with the token that completes the first stop string,
+which the text leaves out; see `stop_cut`), `logprobs` (the sampled token's log-prob,
 under the distribution it was drawn from; `top_logprobs` lists are empty), `tools`
 (handed to the chat template; tool calls are parsed from the reply, see
 `parse_tool_calls`), `stream` and `stream_options.include_usage`. Other fields
@@ -38,8 +39,10 @@ class Ask:
     n: completions of the prompt.
     max_tokens: the most tokens of each; None: the endpoint's limit.
     temperature, top_p, seed: sampling (an episode samples as the run does instead).
-    stop_ids: token ids of the request's `stop` strings (the tokenizer's own stop ids
-      come on top).
+    stop: the request's `stop` strings.
+    stop_ids: the token ids of those of `stop` that are one token each, on which the
+      generator stops (the tokenizer's own stop ids come on top); the others are found
+      in the decoded text (`stop_cut`).
     logprobs: return the sampled tokens' log-probs.
     stream: answer with server-sent events.
     include_usage: a streamed answer ends with a chunk of token counts.
@@ -49,6 +52,7 @@ class Ask:
   temperature: float = 1.0
   top_p: float = 1.0
   seed: Optional[int] = None
+  stop: tuple[str, ...] = ()
   stop_ids: tuple[int, ...] = ()
   logprobs: bool = False
   stream: bool = False
@@ -95,21 +99,41 @@ def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
   stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
-  stop_ids = []
-  for s in stops:
-    ids = encode(s)
-    if len(ids) != 1:
-      raise BadRequest(f"stop {s!r} is {len(ids)} tokens; the generator stops on single "
-                       f"tokens only")
-    stop_ids.append(ids[0])
+  stop_ids = [ids[0] for ids in map(encode, stops) if len(ids) == 1]
   # Chat asks with a bool, completions with a count of alternatives (0 included).
   logprobs = (bool(_get(body, "logprobs", bool, False)) if chat
               else _get(body, "logprobs", int) is not None)
   options = _get(body, "stream_options", dict, {})
   return Ask(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-             stop_ids=tuple(dict.fromkeys(stop_ids)), logprobs=logprobs,
+             stop=tuple(dict.fromkeys(stops)), stop_ids=tuple(dict.fromkeys(stop_ids)), logprobs=logprobs,
              stream=bool(_get(body, "stream", bool, False)),
              include_usage=bool(options.get("include_usage", False)))
+
+
+def stop_cut(generated: Sequence[int], decode, stop: Sequence[str]
+             ) -> Optional[tuple[int, str]]:
+  """Where a reply ends at its first stop string: (the tokens kept, the text), or None
+  if `decode(generated)` holds none of `stop`.
+
+  The stop string that ends first in the text is the one met first in decoding order;
+  the tokens kept run to the one that completes it (the fewest whose text holds it), and
+  the text is what comes before it, as OpenAI leaves a stop string out. Decoding a
+  prefix of the tokens must give a prefix of the text, as it does for a tokenizer that
+  decodes token by token.
+  """
+  text = decode(generated)
+  ends = [(at + len(s), at) for s in stop if (at := text.find(s)) >= 0]
+  if not ends:
+    return None
+  end, start = min(ends)
+  lo, hi = 1, len(generated)  # the fewest tokens whose text reaches `end`
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if len(decode(generated[:mid])) >= end:
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo, text[:start]
 
 
 def parse_messages(body: Mapping) -> list[dict]:

@@ -2,8 +2,10 @@
 the wire format on a scripted pool, agent episodes on a real pool, and agents that fail."""
 
 import asyncio
+import dataclasses
 import json
 import string
+import threading
 import types
 from concurrent.futures import Future
 
@@ -333,6 +335,42 @@ def test_an_episode_trains_the_generated_tokens_with_the_environment_masked(real
     env_T[:e.prompt_len] = False
     env = "".join(TOK._vocab[t] for t in e.tokens_T[env_T])
     assert env.count("<|im_start|>tool\nr") == 2 and env.endswith("<|im_start|>assistant\n")
+
+
+class FirstTokensWait:
+  """A pool whose decode thread, having handed over a request's first tokens, waits
+  until `seen` is set (the client read text) or a deadline passes."""
+
+  def __init__(self, pool):
+    self._pool, self.seen, self.waited = pool, threading.Event(), None
+
+  def submit(self, request):
+    forward = request.on_tokens
+
+    def on_tokens(index, tokens):
+      forward(index, tokens)
+      if self.waited is None:
+        self.waited = self.seen.wait(30)
+    return self._pool.submit(dataclasses.replace(request, on_tokens=forward and on_tokens))
+
+
+def test_a_streamed_reply_arrives_as_it_is_decoded(real):
+  pool = FirstTokensWait(real[0])
+  endpoint = Endpoint(TOK, pool=pool).start()
+  try:
+    client = _client(f"{endpoint.url}/v1")
+    ask = dict(model="m", prompt="Once upon a time", max_tokens=48, seed=11)
+    whole = client.completions.create(**ask)
+    texts = []
+    for chunk in client.completions.create(**ask, stream=True):
+      if chunk.choices and chunk.choices[0].text:
+        pool.seen.set()
+        texts.append(chunk.choices[0].text)
+  finally:
+    endpoint.close()
+  assert pool.waited  # the first text came while the rest of the reply waited
+  assert "".join(texts) == whole.choices[0].text and len(texts) >= 3
+  assert whole.usage.completion_tokens >= 24
 
 
 async def _crashes(client, row):

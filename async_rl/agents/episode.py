@@ -138,9 +138,11 @@ class Episode:
                       self._stop_ids)
     return glue + list(encode(text[len(rendered):]))
 
-  def turn(self, env: Sequence[int], max_tokens: Optional[int], stop_ids: Sequence[int]) -> Future:
+  def turn(self, env: Sequence[int], max_tokens: Optional[int], stop_ids: Sequence[int],
+           on_tokens: Optional[Callable] = None) -> Future:
     """Appends the environment's tokens and submits the next policy turn; the future
-    gives [its Trajectory] (whose tokens are the episode's, then the turn's)."""
+    gives [its Trajectory] (whose tokens are the episode's, then the turn's), and
+    `on_tokens` its tokens as they are decoded (`generation.Request.on_tokens`)."""
     env_E = np.asarray(env, np.int32)
     with self._lock:
       first = not self.turns
@@ -160,7 +162,8 @@ class Episode:
       self._generate.release(slot)
       slot = None
     return self._generate(self.ids, 1, max_new_tokens=min(room, max_tokens or room),
-                          stop_ids=(*self._stop_ids, *stop_ids), hold_slot=True, slot=slot)
+                          stop_ids=(*self._stop_ids, *stop_ids), hold_slot=True, slot=slot,
+                          on_tokens=on_tokens)
 
   def record(self, turn: Trajectory, kept: Optional[int] = None) -> None:
     """Appends a turn's generated tokens, from the `Trajectory` `turn` gave.

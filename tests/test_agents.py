@@ -418,6 +418,15 @@ def test_a_failing_agent_loses_its_episode_not_the_run(agent, reason):
     assert (e.finish_reason, e.reward, e.metadata["lost"], len(e)) == ("aborted", 0.0, reason, 1)
 
 
+def test_the_example_agents_pass_the_run_checks_and_score_their_calls():
+  from async_rl import cli  # noqa: PLC0415
+  from async_rl.agents import task  # noqa: PLC0415
+  from examples.agents import calculator_config, data_agent, data_config  # noqa: PLC0415
+  for example in (calculator_config, data_config):
+    task.check(cli.from_dict(example.get_config()))
+  assert data_agent.correct(["47+23=", "47+23", "4+23=", "47-23="], ["70"] * 4) == [1, 0, 0, 0]
+
+
 def test_serving_alone_refuses_an_open_address_without_a_key():
   from async_rl import cli  # noqa: PLC0415
   from async_rl.agents import serve  # noqa: PLC0415

@@ -258,8 +258,8 @@ class Endpoint:
                                  usage_=counts))
     if streams is not None:
       future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
-    return self._stream(finish, queue if streams is not None else None, streams, ask, chat,
-                        episode)
+    return self._stream(finish, future, queue if streams is not None else None, streams, ask,
+                        chat, episode)
 
   def _finish(self, samples: list[Trajectory], ask: wire.Ask, chat: bool,
               episode: Optional[Episode], messages, tools, text):
@@ -283,12 +283,14 @@ class Endpoint:
     return choices, wire.usage(samples[0].prompt_len,
                                sum(len(s.completion_C) for s in samples))
 
-  def _stream(self, finish, queue, streams, ask: wire.Ask, chat: bool,
+  def _stream(self, finish, future: Future, queue, streams, ask: wire.Ask, chat: bool,
               episode: Optional[Episode]):
     """A server-sent-event response: each choice's text as its tokens arrive (from
     `queue`, None once the pool is done; no queue: all of it at the end), then its
     finish reason, the usage if asked, and `[DONE]`. A failure after the response has
-    begun is sent as an error event, which the `openai` client raises."""
+    begun is sent as an error event, which the `openai` client raises. An agent that
+    closes the stream before the turn is recorded loses its episode; the turn is
+    recorded when it ends, which frees its slot."""
     from starlette.responses import StreamingResponse  # noqa: PLC0415 (the `agents` extra)
     chunks = wire.Chunks(chat=chat, model=self.model)
 
@@ -296,6 +298,7 @@ class Endpoint:
       return f"data: {json.dumps(chunk)}\n\n"
 
     async def events():
+      recorded = False
       try:
         for i in range(ask.n):
           if (chunk := chunks.start(i)) is not None:
@@ -304,6 +307,7 @@ class Endpoint:
           index, tokens = item
           if delta := streams[index].add(tokens):
             yield event(chunks.text(index, delta))
+        recorded = True  # `finish` records the turn, or fails
         choices, counts = await finish()
         for i, c in enumerate(choices):
           rest = streams[i].rest(c.text or "") if streams else c.text or ""
@@ -318,6 +322,10 @@ class Endpoint:
       except (ValueError, EpisodeLost) as e:
         yield event(wire.error(str(e)))
       finally:
+        if episode is not None and not recorded:
+          episode.lose("malformed", "the agent closed the stream before the turn ended")
+          future.add_done_callback(
+              lambda done: done.exception() is None and episode.record(done.result()[0]))
         if episode is not None:
           episode.busy = False
 

@@ -8,8 +8,8 @@ worked solutions (the tool task's) leaves about half the held-out problems wrong
 on the reward the agent returns (the task's step credit) then raises the training
 reward and the held-out accuracy, which counts the transcripts that are exact worked
 solutions (`eval v=0` against the last `eval`). A larger learning rate or fewer
-groups per step than here make the updates noisy enough to unlearn the warm start,
-with or without the agent.
+groups per step than here (3e-4 and 8 groups) make the updates noisy enough to
+unlearn the warm start, with or without the agent.
 """
 
 from configs import tiny
@@ -24,6 +24,7 @@ def get_config():
   c.sft.steps = 30
   c.num_steps = 60
   c.batch_groups = 16
+  c.optimizer.learning_rate = 2e-4
   c.staleness.max_concurrent = 24
   c.eval.update(num_prompts=100, every_steps=30)
   c.checkpoint.every_steps = 60

@@ -14,8 +14,8 @@ submitted at once, each a group of one:
     its episode's URL, through HTTP on localhost, uvicorn and the episode's assembly.
 The time to first token is, per request, from its submission to the first token the
 caller sees: the future's result (in process) or the first streamed chunk the agent
-reads (endpoint). The pool returns whole samples, so the first token arrives with the
-last on both paths. Each path runs once untimed first, so nothing compiles in the
+reads (endpoint). The in-process path hands back whole samples, so there the first
+token arrives with the last; the endpoint streams each decode chunk's tokens. Each path runs once untimed first, so nothing compiles in the
 timed runs; then the two alternate, --reps times each, and the best run of each is
 reported (the machine's load moves the others).
 
@@ -92,8 +92,9 @@ def main(argv):
   async def agent(client, row):
     stream = await client.completions.create(model="policy", prompt=row.tokens,
                                              max_tokens=NEW_TOKENS, stream=True)
-    async for _ in stream:
-      first_token_at.setdefault(row.id, time.perf_counter())
+    async for chunk in stream:
+      if chunk.choices and chunk.choices[0].text:
+        first_token_at.setdefault(row.id, time.perf_counter())
     return 0.0
 
   endpoint = Endpoint(TOKENIZER)

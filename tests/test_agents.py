@@ -2,8 +2,10 @@
 the wire format on a scripted pool, agent episodes on a real pool, and agents that fail."""
 
 import asyncio
+import dataclasses
 import json
 import string
+import threading
 import types
 from concurrent.futures import Future
 
@@ -17,7 +19,7 @@ pytest.importorskip("uvicorn")
 
 from async_rl import models, policy  # noqa: E402
 from async_rl.agents import wire  # noqa: E402
-from async_rl.agents.episode import reply_glue  # noqa: E402
+from async_rl.agents.episode import LOSSES, reply_glue  # noqa: E402
 from async_rl.agents.server import Endpoint  # noqa: E402
 from async_rl.agents.task import AgentWorkflow  # noqa: E402
 from async_rl.chat import compile_chat_template  # noqa: E402
@@ -192,9 +194,43 @@ def test_bad_requests_are_refused_naming_the_field(scripted):
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
                                    temperature=7)
   with pytest.raises(openai.BadRequestError, match="stop"):
-    client.completions.create(model="m", prompt="x", stop=["two tokens"])
+    client.completions.create(model="m", prompt="x", stop=[""])
   with pytest.raises(openai.NotFoundError):
     _client(f"{endpoint.url}/episodes/nope/v1").completions.create(model="m", prompt="x")
+
+
+def test_stop_cut_ends_at_the_token_that_completes_the_first_stop_string():
+  vocab = ["ab", "c-", "->", "x"]
+  decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
+  assert wire.stop_cut([0, 1, 2, 3], decode, ["-->"]) == (3, "abc")
+  assert wire.stop_cut([0, 1, 2, 3], decode, ["x", "c-"]) == (2, "ab")
+  assert wire.stop_cut([0, 1, 2, 3], decode, ["yy"]) is None
+
+
+def test_a_stop_string_of_several_tokens_ends_the_reply_and_the_episode_there(scripted):
+  pool, endpoint = scripted
+  pool.replies[:] = ["ab-->cd-->e"]
+  out = _client(f"{endpoint.url}/v1").completions.create(
+      model="m", prompt="x", stop=["-->", "?"], max_tokens=20, logprobs=1)
+  assert pool.requests[-1].sampling.stop_token_ids == (TOK.eos_id, TOK.encode("?")[0])
+  assert (out.choices[0].text, out.choices[0].finish_reason) == ("ab", "stop")
+  assert out.choices[0].logprobs.tokens == list("ab-->")
+  assert out.usage.completion_tokens == 5
+
+  async def agent(client, row):
+    out = await client.completions.create(model="m", prompt="go", stop=["-->"])
+    agent.given = out.choices[0].text
+    await client.completions.create(model="m", prompt="go" + agent.given + "-->env")
+    return 1.0
+
+  episode_pool = ScriptedPool()
+  episode_pool.replies[:] = ["ab-->cd", "xy"]
+  (e,), counts = _run(episode_pool, agent, n=1)
+  assert counts["agent_episodes"] == 1 and agent.given == "ab"
+  # The tokens after the stop string, never given to the agent, are not in the episode.
+  policy = "".join(TOK._vocab[t] if m else "_" for t, m in zip(e.tokens_T, e.loss_mask_T))
+  assert TOK.decode(e.tokens_T[e.prompt_len:]) == "ab-->envxy"
+  assert policy[e.prompt_len:] == "ab-->___xy" + TOK._vocab[TOK.eos_id]
 
 
 def test_a_bearer_token_is_required_when_set():
@@ -260,7 +296,8 @@ def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None):
   try:
     future = runner.submit(prompt, Request("p", [1], n, SamplingParams(
         temperature=1.0, max_new_tokens=120, seed=5)))
-    return future.result(timeout=120), workflow.metrics()
+    # The runner's counters are what the rollout controller reports to the metrics log.
+    return future.result(timeout=120), runner.metrics()
   finally:
     runner.close()
     workflow.close()
@@ -272,7 +309,7 @@ def test_an_episode_trains_the_generated_tokens_with_the_environment_masked(real
   _three_turns.seen = []
   before = pool.metrics()["extended_in_slot"] + pool.metrics()["extended_reprefilled"]
   episodes, counts = _run(pool, _three_turns)
-  assert counts == {"episodes": 2}
+  assert counts == {"agent_episodes": 2, **{f"agent_lost_{r}": 0 for r in LOSSES}}
   # A turn after one that ended on a stop id continued in the slot its episode held.
   assert pool.metrics()["extended_in_slot"] + pool.metrics()["extended_reprefilled"] - before \
       == sum(held for _, held in _three_turns.seen)
@@ -298,6 +335,42 @@ def test_an_episode_trains_the_generated_tokens_with_the_environment_masked(real
     env_T[:e.prompt_len] = False
     env = "".join(TOK._vocab[t] for t in e.tokens_T[env_T])
     assert env.count("<|im_start|>tool\nr") == 2 and env.endswith("<|im_start|>assistant\n")
+
+
+class FirstTokensWait:
+  """A pool whose decode thread, having handed over a request's first tokens, waits
+  until `seen` is set (the client read text) or a deadline passes."""
+
+  def __init__(self, pool):
+    self._pool, self.seen, self.waited = pool, threading.Event(), None
+
+  def submit(self, request):
+    forward = request.on_tokens
+
+    def on_tokens(index, tokens):
+      forward(index, tokens)
+      if self.waited is None:
+        self.waited = self.seen.wait(30)
+    return self._pool.submit(dataclasses.replace(request, on_tokens=forward and on_tokens))
+
+
+def test_a_streamed_reply_arrives_as_it_is_decoded(real):
+  pool = FirstTokensWait(real[0])
+  endpoint = Endpoint(TOK, pool=pool).start()
+  try:
+    client = _client(f"{endpoint.url}/v1")
+    ask = dict(model="m", prompt="Once upon a time", max_tokens=48, seed=11)
+    whole = client.completions.create(**ask)
+    texts = []
+    for chunk in client.completions.create(**ask, stream=True):
+      if chunk.choices and chunk.choices[0].text:
+        pool.seen.set()
+        texts.append(chunk.choices[0].text)
+  finally:
+    endpoint.close()
+  assert pool.waited  # the first text came while the rest of the reply waited
+  assert "".join(texts) == whole.choices[0].text and len(texts) >= 3
+  assert whole.usage.completion_tokens >= 24
 
 
 async def _crashes(client, row):
@@ -338,10 +411,20 @@ def test_a_failing_agent_loses_its_episode_not_the_run(agent, reason):
   # the other agents' two requests.
   episodes, counts = _run(pool, agent, deadline_s=1.0 if reason == "deadline" else 60.0,
                           max_tokens=40)
-  assert counts == {"episodes": 2, f"lost_{reason}": 2}
+  assert counts == {"agent_episodes": 2,
+                    **{f"agent_lost_{r}": 2 if r == reason else 0 for r in LOSSES}}
   # Each comes back as an aborted sample of the prompt alone, which fails its group.
   for e in episodes:
     assert (e.finish_reason, e.reward, e.metadata["lost"], len(e)) == ("aborted", 0.0, reason, 1)
+
+
+def test_the_example_agents_pass_the_run_checks_and_score_their_calls():
+  from async_rl import cli  # noqa: PLC0415
+  from async_rl.agents import task  # noqa: PLC0415
+  from examples.agents import calculator_config, data_agent, data_config  # noqa: PLC0415
+  for example in (calculator_config, data_config):
+    task.check(cli.from_dict(example.get_config()))
+  assert data_agent.correct(["47+23=", "47+23", "4+23=", "47-23="], ["70"] * 4) == [1, 0, 0, 0]
 
 
 def test_serving_alone_refuses_an_open_address_without_a_key():

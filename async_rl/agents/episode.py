@@ -138,9 +138,11 @@ class Episode:
                       self._stop_ids)
     return glue + list(encode(text[len(rendered):]))
 
-  def turn(self, env: Sequence[int], max_tokens: Optional[int], stop_ids: Sequence[int]) -> Future:
+  def turn(self, env: Sequence[int], max_tokens: Optional[int], stop_ids: Sequence[int],
+           on_tokens: Optional[Callable] = None) -> Future:
     """Appends the environment's tokens and submits the next policy turn; the future
-    gives [its Trajectory] (whose tokens are the episode's, then the turn's)."""
+    gives [its Trajectory] (whose tokens are the episode's, then the turn's), and
+    `on_tokens` its tokens as they are decoded (`generation.Request.on_tokens`)."""
     env_E = np.asarray(env, np.int32)
     with self._lock:
       first = not self.turns
@@ -160,22 +162,35 @@ class Episode:
       self._generate.release(slot)
       slot = None
     return self._generate(self.ids, 1, max_new_tokens=min(room, max_tokens or room),
-                          stop_ids=(*self._stop_ids, *stop_ids), hold_slot=True, slot=slot)
+                          stop_ids=(*self._stop_ids, *stop_ids), hold_slot=True, slot=slot,
+                          on_tokens=on_tokens)
 
-  def record(self, turn: Trajectory) -> None:
-    """Appends a turn's generated tokens, from the `Trajectory` `turn` gave."""
-    P = turn.prompt_len
+  def record(self, turn: Trajectory, kept: Optional[int] = None) -> None:
+    """Appends a turn's generated tokens, from the `Trajectory` `turn` gave.
+
+    Args:
+      turn: the turn's sample.
+      kept: how many of its generated tokens the agent was given, when a stop string
+        ended the reply before the generator did; the tokens after it, which the agent
+        never saw, are dropped from the episode, and the slot whose cache holds them is
+        freed (the next turn prefills the episode afresh). None: all of them.
+    """
+    P, C = turn.prompt_len, len(turn.completion_C)
+    finish = turn.finish_reason if kept is None else "stop"
+    kept = C if kept is None else kept
     with self._lock:
       slot = turn.metadata.get("slot")
+      if slot is not None and (self._closed or kept < C):
+        self._generate.release(slot)
+        slot = None
       if self._closed:
-        if slot is not None:
-          self._generate.release(slot)
         return
       self._slot = slot
-      self._last_generated = [int(t) for t in turn.completion_C]
-      self._append(turn.completion_C, turn.logp_T[P:], turn.versions_T[P:])
+      self._last_generated = [int(t) for t in turn.completion_C[:kept]]
+      self._append(turn.completion_C[:kept], turn.logp_T[P:P + kept],
+                   turn.versions_T[P:P + kept])
       self.turns += 1
-      self.finish = turn.finish_reason
+      self.finish = finish
     if turn.finish_reason == "aborted":
       self.lose("aborted", "a turn was aborted")
 

@@ -17,8 +17,10 @@ Two kinds of request:
 A prompt is the conversation as the tokenizer's own chat template renders it (chat), or
 the prompt's text (after BOS with `add_bos`) or token ids (completions). A
 tokenizer without a chat template renders a conversation as its messages' contents,
-one after another. Streaming sends the reply once the pool returns it (the pool
-returns whole samples), as OpenAI's chunks followed by `data: [DONE]`.
+one after another. Streaming sends each choice's text as the pool reads its tokens
+(a decode chunk at a time, `Request.on_tokens`), as OpenAI's chunks followed by
+`data: [DONE]`; text a stop string could still take back waits (`wire.TextStream`),
+and so does a reply with tools, whose calls are parsed from the whole reply.
 
 Binds 127.0.0.1 by default; with `api_key`, every request needs the header
 `Authorization: Bearer <api_key>` (`config.AgentConfig` refuses another address
@@ -26,6 +28,7 @@ without one).
 """
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import json
@@ -34,6 +37,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Any, Optional
 
 from async_rl.agents import wire
@@ -181,18 +185,22 @@ class Endpoint:
     elif self._pool is None:
       return _json(wire.error("this endpoint serves the run's episodes only "
                               "(/episodes/<key>/v1/...)", "not_found_error"), 404)
+    response = None
     try:
       try:
         body = await request.json()
       except ValueError:
         raise wire.BadRequest("the request body is not JSON") from None
-      return await self._answer(body, chat, episode)
+      response = await self._answer(body, chat, episode)
+      return response
     except ValueError as e:  # `wire.BadRequest`, or what the tokenizer or the pool refuses
       return self._bad(episode, str(e))
     except EpisodeLost as e:
       return _json(wire.error(str(e)), 503 if e.reason == "aborted" else 400)
+    except _Aborted:
+      return _json(wire.error(_Aborted.MESSAGE, "server_error"), 503)
     finally:
-      if episode is not None:
+      if episode is not None and not getattr(response, "ends_turn", False):
         episode.busy = False
 
   @staticmethod
@@ -213,8 +221,17 @@ class Endpoint:
       prompt_ids = None
     else:
       prompt_ids = wire.parse_prompt(body, self._tok.encode, self._bos_id)
+    # A streamed reply's text is sent as the pool reads its tokens, except with tools,
+    # whose calls are parsed from the whole reply.
+    streams, on_tokens = None, None
+    if ask.stream and not tools:
+      loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+      streams = [wire.TextStream(self._tok.decode, ask.stop) for _ in range(ask.n)]
+
+      def on_tokens(index, tokens):  # on the pool's decode thread
+        loop.call_soon_threadsafe(queue.put_nowait, (index, tokens))
     if episode is None:
-      samples = await self._sample(prompt_ids or self._tok.encode(text), ask)
+      future = self._submit(prompt_ids or self._tok.encode(text), ask, on_tokens)
     else:
       episode.check()
       if ask.n != 1:
@@ -222,15 +239,40 @@ class Endpoint:
       env = (episode.env_of_chat(messages, tools, text, self._tok.encode) if chat
              else episode.env_of_tokens(prompt_ids))
       try:
-        samples = await asyncio.wrap_future(episode.turn(env, ask.max_tokens, ask.stop_ids))
+        future = episode.turn(env, ask.max_tokens, ask.stop_ids, on_tokens=on_tokens)
       except RuntimeError as e:  # the pool or the episode runner is closing
         raise episode.lose("aborted", f"the turn was not generated: {e}") from None
-      episode.record(samples[0])
+
+    async def finish():
+      try:
+        samples = await asyncio.wrap_future(future)
+      except RuntimeError as e:  # the pool or the episode runner is closing
+        if episode is None:
+          raise
+        raise episode.lose("aborted", f"the turn was not generated: {e}") from None
+      return self._finish(samples, ask, chat, episode, messages, tools, text)
+
+    if not ask.stream:
+      choices, counts = await finish()
+      return _json(wire.response(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
+                                 usage_=counts))
+    if streams is not None:
+      future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+    return self._stream(finish, future, queue if streams is not None else None, streams, ask,
+                        chat, episode)
+
+  def _finish(self, samples: list[Trajectory], ask: wire.Ask, chat: bool,
+              episode: Optional[Episode], messages, tools, text):
+    """The choices and usage of finished `samples`, recorded in `episode` if any."""
+    if episode is not None:
+      cut = self._stop_cut(samples[0], ask)
+      episode.record(samples[0], kept=cut and cut[0])
       episode.check()
     if any(s.finish_reason == "aborted" for s in samples):
-      return _json(wire.error("generation was aborted (the run is ending)", "server_error"),
-                   503)
-    choices = [self._choice(s, ask, tools) for s in samples]
+      raise _Aborted()
+    cuts = [self._stop_cut(s, ask) for s in samples]
+    samples = [_cut(s, c[0]) if c else s for s, c in zip(samples, cuts)]
+    choices = [self._choice(s, c and c[1], ask, tools) for s, c in zip(samples, cuts)]
     if episode is not None and chat:
       reply = {"role": "assistant", "content": choices[0].text,
                "tool_calls": list(choices[0].tool_calls) or None}
@@ -238,20 +280,58 @@ class Endpoint:
       episode.replied(history, tools, text, self._render(history, tools, False))
     elif episode is not None:
       episode.completed()
-    counts = wire.usage(samples[0].prompt_len,
-                        sum(len(s.completion_C) for s in samples))
-    if ask.stream:
-      from starlette.responses import StreamingResponse  # noqa: PLC0415 (the `agents` extra)
-      chunks = wire.stream_chunks(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
-                                  usage_=counts if ask.include_usage else None)
+    return choices, wire.usage(samples[0].prompt_len,
+                               sum(len(s.completion_C) for s in samples))
 
-      async def events():
-        for chunk in chunks:
-          yield f"data: {json.dumps(chunk)}\n\n"
+  def _stream(self, finish, future: Future, queue, streams, ask: wire.Ask, chat: bool,
+              episode: Optional[Episode]):
+    """A server-sent-event response: each choice's text as its tokens arrive (from
+    `queue`, None once the pool is done; no queue: all of it at the end), then its
+    finish reason, the usage if asked, and `[DONE]`. A failure after the response has
+    begun is sent as an error event, which the `openai` client raises. An agent that
+    closes the stream before the turn is recorded loses its episode; the turn is
+    recorded when it ends, which frees its slot."""
+    from starlette.responses import StreamingResponse  # noqa: PLC0415 (the `agents` extra)
+    chunks = wire.Chunks(chat=chat, model=self.model)
+
+    def event(chunk):
+      return f"data: {json.dumps(chunk)}\n\n"
+
+    async def events():
+      recorded = False
+      try:
+        for i in range(ask.n):
+          if (chunk := chunks.start(i)) is not None:
+            yield event(chunk)
+        while queue is not None and (item := await queue.get()) is not None:
+          index, tokens = item
+          if delta := streams[index].add(tokens):
+            yield event(chunks.text(index, delta))
+        recorded = True  # `finish` records the turn, or fails
+        choices, counts = await finish()
+        for i, c in enumerate(choices):
+          rest = streams[i].rest(c.text or "") if streams else c.text or ""
+          if rest or c.tool_calls or ask.logprobs:
+            yield event(chunks.text(i, rest, c, ask.logprobs))
+          yield event(chunks.finish(i, c.finish_reason))
+        if ask.include_usage:
+          yield event(chunks.usage(counts))
         yield "data: [DONE]\n\n"
-      return StreamingResponse(events(), media_type="text/event-stream")
-    return _json(wire.response(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
-                               usage_=counts))
+      except _Aborted:
+        yield event(wire.error(_Aborted.MESSAGE, "server_error"))
+      except (ValueError, EpisodeLost) as e:
+        yield event(wire.error(str(e)))
+      finally:
+        if episode is not None and not recorded:
+          episode.lose("malformed", "the agent closed the stream before the turn ended")
+          future.add_done_callback(
+              lambda done: done.exception() is None and episode.record(done.result()[0]))
+        if episode is not None:
+          episode.busy = False
+
+    response = StreamingResponse(events(), media_type="text/event-stream")
+    response.ends_turn = True  # `events` frees the episode for its next request
+    return response
 
   def _render(self, messages: list, tools, add_generation_prompt: bool) -> str:
     render = getattr(self._tok, "render_chat", None)
@@ -260,20 +340,25 @@ class Endpoint:
     return render(messages, add_generation_prompt=add_generation_prompt,
                   **({"tools": tools} if tools else {}))
 
-  async def _sample(self, prompt_ids, ask: wire.Ask) -> list[Trajectory]:
+  def _submit(self, prompt_ids, ask: wire.Ask, on_tokens) -> Future:
     sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p,
                               max_new_tokens=ask.max_tokens or self._max_tokens,
                               stop_token_ids=(*self._tok.stop_ids, *ask.stop_ids), seed=ask.seed)
-    return await asyncio.wrap_future(self._pool.submit(
-        Request(f"openai/{next(self._ids)}", prompt_ids, ask.n, sampling)))
+    return self._pool.submit(Request(f"openai/{next(self._ids)}", prompt_ids, ask.n, sampling,
+                                     on_tokens=on_tokens))
 
-  def _choice(self, sample: Trajectory, ask: wire.Ask, tools) -> wire.Choice:
+  def _stop_cut(self, sample: Trajectory, ask: wire.Ask) -> Optional[tuple[int, str]]:
+    """Where `sample`'s reply ends at a stop string (`wire.stop_cut`), if it holds one."""
+    if not ask.stop:
+      return None
+    return wire.stop_cut([int(t) for t in sample.completion_C], self._tok.decode, ask.stop)
+
+  def _choice(self, sample: Trajectory, text: Optional[str], ask: wire.Ask,
+              tools) -> wire.Choice:
+    """`sample`'s reply; `text` is its text when a stop string ended it."""
     generated = [int(t) for t in sample.completion_C]
-    shown = generated
-    if (sample.finish_reason == "stop" and generated and generated[-1] in ask.stop_ids
-        and generated[-1] not in self._tok.stop_ids):
-      shown = generated[:-1]  # OpenAI leaves a stop string out of the text
-    text = self._tok.decode(shown)
+    if text is None:
+      text = self._tok.decode(generated)
     calls: list[dict[str, Any]] = []
     if tools:
       text, calls = wire.parse_tool_calls(text)
@@ -281,6 +366,21 @@ class Endpoint:
     token_texts = [self._tok.decode([t]) for t in generated] if ask.logprobs else []
     logprobs = [float(x) for x in sample.logp_T[sample.prompt_len:]] if ask.logprobs else []
     return wire.Choice(text, token_texts, logprobs, finish, tuple(calls))
+
+
+class _Aborted(Exception):
+  """The pool aborted a sample of the request."""
+  MESSAGE = "generation was aborted (the run is ending)"
+
+
+def _cut(sample: Trajectory, kept: int) -> Trajectory:
+  """`sample` ended by a stop string: its first `kept` generated tokens, finish "stop"."""
+  T = sample.prompt_len + kept
+  metadata = {k: v for k, v in sample.metadata.items() if k != "slot"}
+  return dataclasses.replace(sample, tokens_T=sample.tokens_T[:T],
+                             loss_mask_T=sample.loss_mask_T[:T], logp_T=sample.logp_T[:T],
+                             versions_T=sample.versions_T[:T], finish_reason="stop",
+                             metadata=metadata)
 
 
 def _json(body: dict, status: int = 200):

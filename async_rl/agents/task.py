@@ -37,10 +37,12 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from async_rl import named
-from async_rl.agents.episode import Episode, EpisodeLost
+from async_rl.agents.episode import LOSSES, Episode, EpisodeLost
 from async_rl.agents.server import Endpoint
 from async_rl.config import TaskConfig
 from async_rl.trajectory import Trajectory
+
+_CLOSE_TIMEOUT_S = 10.0
 
 
 class AgentWorkflow:
@@ -64,19 +66,44 @@ class AgentWorkflow:
     self._lock = threading.Lock()
     self._counts: collections.Counter = collections.Counter()
     self._loop: Optional[asyncio.AbstractEventLoop] = None
+    self._thread: Optional[threading.Thread] = None
     self._client = None  # one HTTP client for all agents, made and used on `_loop`
 
   def metrics(self) -> dict[str, int]:
-    """Episodes run, and those lost by reason (`agents.episode.LOSSES`)."""
+    """Episodes run (`agent_episodes`) and those lost, by reason (`agent_lost_<reason>`
+    for each of `agents.episode.LOSSES`, zeros included), for the metrics log."""
     with self._lock:
-      return dict(self._counts)
+      return {"agent_episodes": self._counts["episodes"],
+              **{f"agent_lost_{r}": self._counts[f"lost_{r}"] for r in LOSSES}}
 
   def close(self) -> None:
-    """Stops the agents' event loop (agents still running are abandoned)."""
+    """Cancels the agents still running, closes the HTTP client and stops the agents'
+    event loop, within `_CLOSE_TIMEOUT_S`."""
     with self._lock:
-      loop, self._loop = self._loop, None
-    if loop is not None:
-      loop.call_soon_threadsafe(loop.stop)
+      loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+    if loop is None:
+      return
+    try:
+      asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(_CLOSE_TIMEOUT_S)
+    except (TimeoutError, RuntimeError) as e:  # an agent that ignores its cancellation
+      logging.warning("the agents' event loop did not shut down cleanly: %r", e)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(_CLOSE_TIMEOUT_S)
+    if not thread.is_alive():
+      loop.close()
+
+  async def _shutdown(self) -> None:
+    # A task still pending when the loop stops is destroyed with a warning, and so is
+    # the task that finalizes an async generator (a stream's) collected after it: cancel
+    # and await the agents, close the client's connections and the generators, first.
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+      t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    client, self._client = self._client, None
+    if client is not None:
+      await client.close()
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
   def _agents_loop(self) -> asyncio.AbstractEventLoop:
     # One loop for every group's agents: a client per loop shares its connections, and
@@ -84,7 +111,9 @@ class AgentWorkflow:
     with self._lock:
       if self._loop is None:
         self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="agents", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="agents",
+                                        daemon=True)
+        self._thread.start()
       return self._loop
 
   def run(self, prompt, n: int, generate) -> list:

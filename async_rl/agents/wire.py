@@ -5,12 +5,14 @@ A request is checked field by field and a bad one raises `BadRequest`, whose mes
 names the field (the endpoint answers it with HTTP 400 in OpenAI's error shape).
 
 What is honoured: `n`, `temperature`, `top_p`, `seed`, `max_tokens` (or
-`max_completion_tokens`), `stop` (strings the tokenizer writes as one token each,
-since the generator stops on token ids), `logprobs` (the sampled token's log-prob,
+`max_completion_tokens`), `stop` (strings of any length, found in the decoded text as
+vLLM finds them: the reply ends with the token that completes the first stop string,
+which the text leaves out; see `stop_cut`), `logprobs` (the sampled token's log-prob,
 under the distribution it was drawn from; `top_logprobs` lists are empty), `tools`
 (handed to the chat template; tool calls are parsed from the reply, see
-`parse_tool_calls`), `stream` and `stream_options.include_usage`. Other fields
-(`presence_penalty`, `user`, ...) are accepted and ignored, as vLLM does.
+`parse_tool_calls`), `stream` (`TextStream`, `Chunks`) and
+`stream_options.include_usage`. Other fields (`presence_penalty`, `user`, ...) are
+accepted and ignored, as vLLM does.
 """
 
 import dataclasses
@@ -38,8 +40,10 @@ class Ask:
     n: completions of the prompt.
     max_tokens: the most tokens of each; None: the endpoint's limit.
     temperature, top_p, seed: sampling (an episode samples as the run does instead).
-    stop_ids: token ids of the request's `stop` strings (the tokenizer's own stop ids
-      come on top).
+    stop: the request's `stop` strings.
+    stop_ids: the token ids of those of `stop` that are one token each, on which the
+      generator stops (the tokenizer's own stop ids come on top); the others are found
+      in the decoded text (`stop_cut`).
     logprobs: return the sampled tokens' log-probs.
     stream: answer with server-sent events.
     include_usage: a streamed answer ends with a chunk of token counts.
@@ -49,6 +53,7 @@ class Ask:
   temperature: float = 1.0
   top_p: float = 1.0
   seed: Optional[int] = None
+  stop: tuple[str, ...] = ()
   stop_ids: tuple[int, ...] = ()
   logprobs: bool = False
   stream: bool = False
@@ -95,21 +100,42 @@ def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
   stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
-  stop_ids = []
-  for s in stops:
-    ids = encode(s)
-    if len(ids) != 1:
-      raise BadRequest(f"stop {s!r} is {len(ids)} tokens; the generator stops on single "
-                       f"tokens only")
-    stop_ids.append(ids[0])
+  stop_ids = [ids[0] for ids in map(encode, stops) if len(ids) == 1]
   # Chat asks with a bool, completions with a count of alternatives (0 included).
   logprobs = (bool(_get(body, "logprobs", bool, False)) if chat
               else _get(body, "logprobs", int) is not None)
   options = _get(body, "stream_options", dict, {})
   return Ask(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-             stop_ids=tuple(dict.fromkeys(stop_ids)), logprobs=logprobs,
+             stop=tuple(dict.fromkeys(stops)), stop_ids=tuple(dict.fromkeys(stop_ids)),
+             logprobs=logprobs,
              stream=bool(_get(body, "stream", bool, False)),
              include_usage=bool(options.get("include_usage", False)))
+
+
+def stop_cut(generated: Sequence[int], decode, stop: Sequence[str]
+             ) -> Optional[tuple[int, str]]:
+  """Where a reply ends at its first stop string: (the tokens kept, the text), or None
+  if `decode(generated)` holds none of `stop`.
+
+  The stop string that ends first in the text is the one met first in decoding order;
+  the tokens kept run to the one that completes it (the fewest whose text holds it), and
+  the text is what comes before it, as OpenAI leaves a stop string out. Decoding a
+  prefix of the tokens must give a prefix of the text, as it does for a tokenizer that
+  decodes token by token.
+  """
+  text = decode(generated)
+  ends = [(at + len(s), at) for s in stop if (at := text.find(s)) >= 0]
+  if not ends:
+    return None
+  end, start = min(ends)
+  lo, hi = 1, len(generated)  # the fewest tokens whose text reaches `end`
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if len(decode(generated[:mid])) >= end:
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo, text[:start]
 
 
 def parse_messages(body: Mapping) -> list[dict]:
@@ -251,37 +277,80 @@ def response(choices: Sequence[Choice], *, chat: bool, model: str, logprobs: boo
           "created": int(time.time()), "model": model, "choices": out, "usage": usage_}
 
 
-def stream_chunks(choices: Sequence[Choice], *, chat: bool, model: str, logprobs: bool,
-                  usage_: Optional[dict]) -> list[dict]:
-  """The chunks of a streamed answer, in order: per choice its text (and tool calls),
-  then its finish reason; then the usage chunk if `usage_` is given."""
-  rid, created = _id(chat), int(time.time())
-  kind = "chat.completion.chunk" if chat else "text_completion"
+class Chunks:
+  """The chunks of one streamed answer (OpenAI's `chat.completion.chunk`s or streamed
+  `text_completion`s), sharing its id and creation time."""
 
-  def chunk(choice: dict, **extra):
-    return {"id": rid, "object": kind, "created": created, "model": model,
+  def __init__(self, *, chat: bool, model: str):
+    self._chat, self._model = chat, model
+    self._id, self._created = _id(chat), int(time.time())
+
+  def _chunk(self, choice: Optional[dict], **extra) -> dict:
+    return {"id": self._id, "object": "chat.completion.chunk" if self._chat
+            else "text_completion", "created": self._created, "model": self._model,
             "choices": [choice] if choice else [], **extra}
 
-  chunks = []
-  for i, c in enumerate(choices):
+  def start(self, index: int) -> Optional[dict]:
+    """The chunk that opens choice `index` (a chat reply's role), or None."""
+    if not self._chat:
+      return None
+    return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None})
+
+  def text(self, index: int, text: str, choice: Optional[Choice] = None,
+           logprobs: bool = False) -> dict:
+    """More text of choice `index`; with the finished `choice`, its tool calls and, if
+    asked, its log-probs."""
     lp = None
-    if logprobs:
-      lp = _chat_logprobs(c) if chat else _completion_logprobs(c)
-    if chat:
-      delta: dict[str, Any] = {"role": "assistant", "content": c.text or ""}
-      if c.tool_calls:
-        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
-      chunks.append(chunk({"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}))
-      chunks.append(chunk({"index": i, "delta": {}, "logprobs": None,
-                           "finish_reason": c.finish_reason}))
-    else:
-      chunks.append(chunk({"index": i, "text": c.text or "", "logprobs": lp,
-                           "finish_reason": None}))
-      chunks.append(chunk({"index": i, "text": "", "logprobs": None,
-                           "finish_reason": c.finish_reason}))
-  if usage_ is not None:
-    chunks.append(chunk({}, usage=usage_))
-  return chunks
+    if logprobs and choice is not None:
+      lp = _chat_logprobs(choice) if self._chat else _completion_logprobs(choice)
+    if not self._chat:
+      return self._chunk({"index": index, "text": text, "logprobs": lp,
+                          "finish_reason": None})
+    delta: dict[str, Any] = {"content": text}
+    if choice is not None and choice.tool_calls:
+      delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(choice.tool_calls)]
+    return self._chunk({"index": index, "delta": delta, "logprobs": lp, "finish_reason": None})
+
+  def finish(self, index: int, reason: str) -> dict:
+    if self._chat:
+      return self._chunk({"index": index, "delta": {}, "logprobs": None,
+                          "finish_reason": reason})
+    return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": reason})
+
+  def usage(self, usage_: dict) -> dict:
+    return self._chunk(None, usage=usage_)
+
+
+class TextStream:
+  """A reply's text as its tokens arrive, for streaming: `add` returns the text that
+  may be sent now, never any that a stop string (`stop`) could take back: the text
+  stops short of a stop string found in it, and of a tail as long as the longest stop
+  string but one, which could begin one; a trailing U+FFFD (a character whose bytes
+  are still to come) waits too. `rest` is what the finished reply adds to it.
+
+  Decoding a prefix of the tokens must give a prefix of the text (`stop_cut`)."""
+
+  def __init__(self, decode, stop: Sequence[str]):
+    self._decode, self._stop = decode, tuple(stop)
+    self._hold = max((len(x) for x in self._stop), default=1) - 1
+    self._tokens: list[int] = []
+    self.sent = ""
+
+  def add(self, tokens: Sequence[int]) -> str:
+    self._tokens += tokens
+    text = self._decode(self._tokens)
+    end = min([len(text) - self._hold] + [at for x in self._stop if (at := text.find(x)) >= 0])
+    while end > 0 and text[end - 1] == "\ufffd":
+      end -= 1
+    if end <= len(self.sent) or not text.startswith(self.sent):
+      return ""
+    delta, self.sent = text[len(self.sent):end], text[:end]
+    return delta
+
+  def rest(self, text: str) -> str:
+    """What the finished reply's `text` adds to the text sent."""
+    return text[len(self.sent):] if text.startswith(self.sent) else ""
 
 
 def error(message: str, kind: str = "invalid_request_error") -> dict:

@@ -293,6 +293,8 @@ class HostBatch:
     s.versions.extend([version] * len(tokens))
     s.position = s.length - 1
     self.generated_tokens += len(tokens)
+    if s.job.request.on_tokens is not None:
+      s.job.request.on_tokens(s.index, tokens)
     params = s.job.request.sampling
     if tokens[-1] in params.stop_token_ids:
       self._finish(slot, "stop")

@@ -1,7 +1,8 @@
 """What goes into the generator pool (`Request`); what comes out is a `Trajectory`."""
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -23,12 +24,18 @@ class Request:
     hold_slot: a sample that ends on a stop id keeps its slot and KV cache, and its
       trajectory's metadata carries the `SlotHandle` that `GeneratorPool.extend`
       continues it with (or `release` frees it with).
+    on_tokens: called as `on_tokens(index, token_ids)` with each sample's new tokens
+      as the pool reads them (a decode chunk's worth at a time), before its future
+      resolves: a server streams with it. It runs on the decode thread, so it must be
+      quick and must not call the pool.
   """
   request_id: Hashable
   prompt: Sequence[int]
   n: int = 1
   sampling: SamplingParams = SamplingParams()
   hold_slot: bool = False
+  on_tokens: Optional[Callable[[int, list[int]], None]] = dataclasses.field(
+      default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

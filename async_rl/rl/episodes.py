@@ -57,6 +57,11 @@ class EpisodeRunner:
     `request.sampling.seed` is set, seeds derived from it and k."""
     return self._executor.submit(self._run, prompt, request)
 
+  def metrics(self) -> dict[str, int]:
+    """The workflow's own counters (an agent's lost episodes, say), if it keeps any."""
+    counters = getattr(self._workflow, "metrics", None)
+    return counters() if counters is not None else {}
+
   def close(self) -> None:
     """Cancels groups not yet started and fails the pool requests running ones wait on."""
     self._executor.shutdown(wait=False, cancel_futures=True)
@@ -124,7 +129,7 @@ class _Generate:
     self.max_new_tokens = request.sampling.max_new_tokens
 
   def __call__(self, tokens, n=1, *, max_new_tokens=None, stop_ids=None, hold_slot=False,
-               slot=None) -> Future:
+               slot=None, on_tokens=None) -> Future:
     k, sampling = next(self._calls), self._request.sampling
     changes = {}
     if max_new_tokens is not None:
@@ -134,7 +139,8 @@ class _Generate:
     if k and sampling.seed is not None:
       changes["seed"] = int(np.random.SeedSequence([sampling.seed, k]).generate_state(1)[0])
     request = Request((self._request.request_id, k) if k else self._request.request_id,
-                      list(tokens), n, dataclasses.replace(sampling, **changes), hold_slot)
+                      list(tokens), n, dataclasses.replace(sampling, **changes), hold_slot,
+                      on_tokens)
     if slot is None:
       return self._follow(self._pool.submit(request))
     return self._follow(self._pool.extend(slot, request), lambda: self._pool.submit(request))

@@ -177,8 +177,10 @@ class RolloutController:
     self._episodes.close()
 
   def metrics(self) -> dict[str, Any]:
+    """The controller's counters (`RolloutStats`) and its workflow's (`EpisodeRunner.metrics`)."""
     with self._lock:
-      return dataclasses.asdict(self.stats)
+      stats = dataclasses.asdict(self.stats)
+    return {**stats, **self._episodes.metrics()}
 
   def waits(self) -> dict[str, float]:
     """What this controller awaits, and for how many seconds without progress.

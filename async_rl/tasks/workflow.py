@@ -9,8 +9,9 @@ the run's sampling parameters. With `hold_slot`, a sample that ends on a stop id
 its slot and KV cache, and its trajectory's `metadata["slot"]` is the handle; a later
 `generate(tokens, slot=handle)`, whose `tokens` continue that sample, decodes there
 (or, if the pool evicted the slot, as a new request: the result is the same), and
-`generate.release(handle)` frees a slot not continued. What `run` returns is
-validated once, by the runner (`trajectory.validate`).
+`generate.release(handle)` frees a slot not continued; `on_tokens` receives the
+new tokens as they are decoded (`generation.Request.on_tokens`). What `run` returns
+is validated once, by the runner (`trajectory.validate`).
 
 `SingleTurn` (the default) is one request of n samples. `MultiTurn` alternates policy
 turns with environment turns: a policy turn that ends in one of `turn_stop_ids` (a tool
@@ -46,7 +47,7 @@ class Generate(Protocol):
 
   def __call__(self, tokens: Sequence[int], n: int = 1, *, max_new_tokens: Optional[int] = None,
                stop_ids: Optional[Sequence[int]] = None, hold_slot: bool = False,
-               slot: Any = None) -> Future: ...
+               slot: Any = None, on_tokens: Optional[Callable] = None) -> Future: ...
 
   def release(self, slot: Any) -> None: ...
 

@@ -1,7 +1,7 @@
 r"""What the OpenAI-compatible endpoint costs: requests/s and time to first token through
 it, against the in-process workflow path, on one pool.
 
-  python -m benchmarks.agent_endpoint                 # a few minutes on a 2-core CPU
+  python -m benchmarks.agent_endpoint                 # about 20 s on a 2-core CPU
   python -m benchmarks.agent_endpoint --requests=32   # the fast mode
 
 Both paths run the same single-turn requests (a 16-token prompt, 16 new tokens at
@@ -15,8 +15,8 @@ submitted at once, each a group of one:
 The time to first token is, per request, from its submission to the first token the
 caller sees: the future's result (in process) or the first streamed chunk the agent
 reads (endpoint). The in-process path hands back whole samples, so there the first
-token arrives with the last; the endpoint streams each decode chunk's tokens. Each path runs once untimed first, so nothing compiles in the
-timed runs; then the two alternate, --reps times each, and the best run of each is
+token arrives with the last; the endpoint streams each decode chunk's tokens. Each
+path runs once untimed first, so nothing compiles in the timed runs; then the two alternate, --reps times each, and the best run of each is
 reported (the machine's load moves the others).
 
 Prints a table, then, as the last line, one JSON object.

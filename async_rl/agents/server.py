@@ -229,7 +229,10 @@ class Endpoint:
       streams = [wire.TextStream(self._tok.decode, ask.stop) for _ in range(ask.n)]
 
       def on_tokens(index, tokens):  # on the pool's decode thread
-        loop.call_soon_threadsafe(queue.put_nowait, (index, tokens))
+        try:
+          loop.call_soon_threadsafe(queue.put_nowait, (index, tokens))
+        except RuntimeError:  # the server's loop has closed: no one reads this stream
+          pass
     if episode is None:
       future = self._submit(prompt_ids or self._tok.encode(text), ask, on_tokens)
     else:

@@ -295,12 +295,13 @@ class RolloutController:
       try:
         callback(ticket, *args, future)
       except BaseException as e:  # noqa: BLE001 - reported, and the run stops.
-        if self._stop.is_set():
+        ending = self._stop.is_set()
+        self._release(ticket)  # before the report: whoever sees the error sees it freed
+        if ending:
           logging.debug("rollout controller of worker %d: group %d ended with the run: %r",
                         self._worker, ticket, e)
         else:
           self._fail(e)
-        self._release(ticket)
     return run
 
   def _release(self, ticket):

@@ -9,10 +9,6 @@ cache in a fresh temporary directory, set through the environment before jax is
 imported, lets the later ones load what an earlier one compiled. Nothing is read
 from outside this session's own cache.
 
-The slowest test files run first (`SLOWEST_FIRST`): pytest-xdist hands each worker one
-file at a time in collection order, so a long file handed out last would keep one
-worker busy while the others sit idle.
-
 Shared (`from conftest import ...`): the tiny models (`two_layer_model`,
 `one_layer_model`), `wait_until`, which polls a condition and fails the test when it
 does not come true in time, and `compiles`, which counts a jitted function's programs.
@@ -45,17 +41,6 @@ os.environ["XLA_FLAGS"] = " ".join(
 import jax  # noqa: E402
 
 from async_rl.config import ModelConfig  # noqa: E402
-
-# Each takes a minute or more of a worker's time (subprocesses, Ray, whole runs).
-SLOWEST_FIRST = ("test_benchmarks.py", "test_ray_placement.py", "test_notebook.py",
-                 "test_train_step.py", "test_multihost.py", "test_first_day.py",
-                 "test_train_binary.py", "test_truncation.py", "test_gpu_check.py",
-                 "test_placement.py", "test_replay.py", "test_kv_budget.py", "test_lora.py")
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
 
 
 def two_layer_model(vocab_size: int, **overrides) -> ModelConfig:

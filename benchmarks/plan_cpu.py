@@ -5,29 +5,35 @@ r"""The capacity planner's sync-vs-async prediction for this machine, beside the
   python -m benchmarks.plan_cpu --steps=4 --rounds=1   # the smallest measured mode
 
 The planner predicts `benchmarks/sync_vs_async.py`'s two placements of --config
-(default configs/tiny.py) from the config's shapes, the task's output lengths, and
-the model's own decode, prefill and training programs timed on the cores each
-placement gives them (`plan.host`: in a process pinned to those cores, dispatched from
-as many threads as the placement runs them from, under whatever else runs on the
-machine). A tiny model's steps on a CPU are bound by dispatch and by how its small
-matmuls spread over the cores, which a matmul peak and the FLOPs do not tell.
+(default configs/tiny.py) from the config's shapes, the task's output lengths, and the
+run's own engine, generator pool and trainer, built from each placement's config and
+timed on synthetic work of the workload's shapes on the cores the placement gives them
+(`plan.host`: in a process pinned to those cores, under whatever else runs on the
+machine). A tiny model's steps on a CPU are bound by dispatch, host work and how its
+small matmuls spread over the cores, which a matmul peak and the FLOPs do not tell.
 
   sync   one device of every core: an engine, then a trainer (η = 0, drain), each
          phase with every core (as many decode groups and gradient threads as cores);
   async  two devices of one core each (taken alike: --generator_cpus's is measured), an
          engine on one and a trainer on the other, one thread each, η = --eta, retract.
 
-Then both run, as `benchmarks.sync_vs_async` does (same warm start, same steps), with
-every training micro-batch one row of `batching.max_tokens_per_mb` tokens, so that after
+Then both run, as `benchmarks.sync_vs_async --frozen` does (same warm start, same
+steps, learning rate 0), with every training micro-batch one row of
+`batching.max_tokens_per_mb` tokens. At learning rate 0 both runs sample the warm
+start's policy, so both generate the length distribution the planner was given; runs
+that learn drift to other lengths, and differently under each placement (stale samples
+make another run), which no cost model predicts. One row per micro-batch, so that after
 the first step a step compiles only when its batch needs more micro-batches than any
 before it (the planner predicts a steady state, and a CPU compile costs several steps;
-what compiles is left in the measurement, and longer runs dilute it). The runs are interleaved over --rounds rounds, each round timing the
-programs again, predicting again and running both (sync first in even rounds, async
-first in odd ones, so that a load that rises or falls through the benchmark weighs on
-both alike). Each round gives a predicted and a measured async/sync throughput ratio
-from runs minutes apart; the headline is their medians (the target: within 15%) and the
-measured ratio's spread over the rounds, which says how far the machine's load moved
-the measurement. Beside each run's samples/s the table sets the two costs that make it,
+what compiles is left in the measurement, and longer runs dilute it).
+
+The runs are interleaved over --rounds rounds, each round timing the engine and trainer
+again, predicting again and running both (sync first in even rounds, async first in odd
+ones, so that a load that rises or falls through the benchmark weighs on both alike).
+Each round gives a predicted and a measured async/sync throughput ratio from runs
+minutes apart; the headline is their medians (the target: within 15%) and the measured
+ratio's spread over the rounds, which says how far the machine's load moved the
+measurement. Beside each run's samples/s the table sets the two costs that make it,
 predicted and measured: the decode step at full slots (measured: the run's mean decode
 step, its prefills included) and the trainer's seconds per trained token. Last line:
 one JSON object.
@@ -78,22 +84,20 @@ def placements(cfg, eta: int) -> dict[str, search.Placement]:
 
 
 def predict_now(cfg, workload: search.Workload, steps: int) -> dict:
-  """Times the model's programs on the cores each placement gives them (`plan.host`), and
-  predicts both placements."""
+  """Times the run's engine and trainer on the cores each placement gives them, built
+  from that placement's config (`plan.host`), and predicts both placements."""
   every = set(range(cpu.cores()))
-  shape = dict(model=cfg.model, slots=cfg.generation.num_slots,
-               context=round(workload.mean_live_tokens()), prompt_tokens=workload.prompt_tokens,
-               sequence_tokens=round(workload.prompt_tokens + workload.mean_length()),
-               tokens_per_mb=cfg.batching.max_tokens_per_mb,
-               recompute_logp=cfg.ppo.prox_logp == "recompute")
+  shape = dict(prompt_tokens=workload.prompt_tokens, lengths=list(workload.length_samples))
   measured = {
       # One process, every core for each phase: as many decode groups and gradient
       # threads as cores (`sync_vs_async.variant_config`).
-      "sync": host.measure_on_cores(every, threads=len(every), **shape),
+      "sync": host.measure_on_cores(every, sva.variant_config(sva.named_variant("sync"), cfg),
+                                    **shape),
       # A pinned actor of one core decodes its slots as one group and trains from one
       # thread; both sides' cores are taken alike: --generator_cpus's is measured.
-      "async_retract": host.measure_on_cores({int(sva._GENERATOR_CPUS.value[0])}, threads=1,
-                                             **shape)}
+      "async_retract": host.measure_on_cores(
+          {int(sva._GENERATOR_CPUS.value[0])},
+          sva.variant_config(sva.named_variant("async_retract"), cfg), **shape)}
   machine = hardware.measure_cores(every)  # the weights' copy to the generator
   clusters = {"sync": search.Cluster(machine, 1, 1), "async_retract": search.Cluster(machine, 1, 2)}
   predicted = {name: search.predict(workload, clusters[name], p, steps=max(steps, 4),
@@ -180,7 +184,7 @@ def main(argv):
     order = () if _PREDICT_ONLY.value else _RUNS if r % 2 == 0 else _RUNS[::-1]
     for name in order:
       t0 = time.perf_counter()
-      v = sva.named_variant(name)._replace(name=f"{name}_r{r}")
+      v = sva.named_variant(name)._replace(name=f"{name}_r{r}", frozen=True)
       row, run_cfg, summary = sva.run_variant(v, cfg, params, steps, prompt_tokens, lengths)
       measured[name] = row["samples_per_s"]
       parts[name] = measured_components(run_cfg, summary, prompt_tokens, lengths)

@@ -100,28 +100,30 @@ def test_prefill_train_publish_by_hand():
 
 
 def test_measured_host_costs_by_hand():
-  # A step of 1 ms at one slot a group and 1.7 ms at 8, two groups stepping at once:
-  # 0.1 ms a slot within a group, so 0.05 ms a slot of the engine, 0.9 ms fixed.
-  base, per_slot = host.decode_line(1e-3, 1.7e-3, 8, 2)
-  assert (base, per_slot) == (pytest.approx(0.9e-3), pytest.approx(0.05e-3))
-  assert host.decode_line(2e-3, 1.9e-3, 8, 1) == (pytest.approx(1.9e-3), 0.0)  # noise: flat
-  assert host.group_sizes(16, 2) == [8, 8] and host.group_sizes(5, 2) == [3, 2]
-  assert host.group_sizes(3, 8) == [1, 1, 1]
+  # A step of 1 ms at one slot and 1.7 ms at 8: 0.1 ms a slot, 0.9 ms fixed.
+  base, per_slot = host.decode_line(1e-3, 1.7e-3, 8)
+  assert (base, per_slot) == (pytest.approx(0.9e-3), pytest.approx(0.1e-3))
+  assert host.decode_line(2e-3, 1.9e-3, 8) == (pytest.approx(1.9e-3), 0.0)  # noise: flat
+  assert host.decode_line(0.1e-3, 1.7e-3, 8) == (0.0, pytest.approx(1.7e-3 / 8))  # too steep
+  # 16 tokens in 50 ms, 32 in 90 ms: 2.5 ms a step, 10 ms of prefill.
+  assert host.step_and_rest(0.05, 0.09, 16, 32) == (pytest.approx(2.5e-3), pytest.approx(0.01))
+  with pytest.raises(ValueError, match="longer"):
+    host.step_and_rest(0.05, 0.09, 16, 16)
+  # Quantiles: a batch of 4 from 1..100 takes the 13th, 38th, 63rd and 88th.
+  assert host.quantile_lengths(range(100, 0, -1), 4) == [13, 38, 63, 88]
+  assert host.quantile_lengths([7], 3) == [7, 7, 7]
   m = host.MeasuredCosts(decode_base=1e-3, decode_per_slot=1e-4, prefill_per_token=1e-5,
-                         train_mb_s=0.5, tokens_per_mb=1000, threads=2, source="by hand")
-  # 6,001 tokens: 7 micro-batches, in 4 rounds of two threads; one thread: 7 rounds.
-  assert host.train_step_s(m, 6001) == pytest.approx(2.0)
-  assert host.train_step_s(dataclasses.replace(m, threads=1), 6001) == pytest.approx(3.5)
+                         train_per_token=2e-4, source="by hand")
   w = search.Workload(_TINY, batch_groups=4, group_size=2, prompt_tokens=10,
                       max_new_tokens=40, length_dist="constant", length_median=40)
   p = search.Placement("sync", 1, 1, 1, 1, 8, 400, 0, "drain")
   cfg = search.sim_config(w, search.Cluster(_HW, 1, 1), p, m)
-  # 8 sequences of 50 tokens: one micro-batch, one round.
-  assert cfg.trainer_per_token == pytest.approx(0.5 / 400)
+  assert (cfg.trainer_per_token, cfg.trainer_step_base) == (2e-4, 0.0)
   assert (cfg.decode_step_base, cfg.decode_step_per_slot, cfg.prefill_per_token) == (
       1e-3, 1e-4, 1e-5)
   assert cfg.decode_compute_per_slot == cfg.decode_step_per_context_token == 0.0
   assert cfg.weight_sync == search.sim_config(w, search.Cluster(_HW, 1, 1), p).weight_sync
+
 
 def test_memory_uses_the_memory_module_counts():
   gen = config.GenerationConfig(kv_blocks=64, kv_block_size=16, max_prompt_len=1,
@@ -244,3 +246,16 @@ def test_estimate_ranks_splits_as_the_simulator_does():
   assert sorted(range(3), key=est.__getitem__) == sorted(range(3), key=sim.__getitem__)
   # At or above the simulation: it takes the slots as full and leaves out the pipeline's stalls.
   assert all(s <= e <= 1.5 * s for e, s in zip(est, sim))
+
+
+def test_measure_times_the_runs_own_engine_and_trainer():
+  # The micro config's engine and trainer, in this process: every cost a positive time,
+  # the prefill below a decode step's per token (a prompt's tokens at once), and the
+  # trainer's per token below a whole step's (a step holds many tokens).
+  from rl_test_utils import small_config  # noqa: PLC0415
+  cfg = small_config()
+  m = host.measure(cfg, prompt_tokens=4, lengths=[1, 3, 6, 6, 9], reps=1)
+  full_step = m.decode_base + m.decode_per_slot * cfg.generation.num_slots
+  assert m.decode_base >= 0 and m.decode_per_slot >= 0 and full_step > 0
+  assert 0 < m.prefill_per_token and 0 < m.train_per_token < 1
+  assert "engine" in m.source and "trainer" in m.source

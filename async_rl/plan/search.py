@@ -181,8 +181,8 @@ def max_kv_tokens(workload: Workload, cluster: Cluster, *, tp: int, fsdp: int,
 def sim_config(workload: Workload, cluster: Cluster, p: Placement,
                measured: Optional[host.MeasuredCosts] = None) -> SimConfig:
   """The placement as the simulator takes it, its costs from `plan.costs`; with
-  `measured` (`plan.host`: the model's own programs timed on the devices), its decode,
-  prefill and training costs are those instead (the trainer's per device)."""
+  `measured` (`plan.host`: the run's own engine and trainer timed on the devices), its
+  decode, prefill and training costs are those instead."""
   model, hw = workload.model, cluster.hardware
   dc = costs.decode_cost(model, hw, tp=p.tp)
   multi_node = cluster.nodes > 1
@@ -204,12 +204,11 @@ def sim_config(workload: Workload, cluster: Cluster, p: Placement,
       group_size=workload.group_size, update_mode=p.update_mode, **workload.length_fields())
   if measured is None:
     return cfg
-  step_tokens = workload.batch_groups * workload.group_size * sequence
   return dataclasses.replace(
       cfg, decode_step_base=measured.decode_base, decode_step_per_slot=measured.decode_per_slot,
       decode_step_per_context_token=0.0, decode_compute_per_slot=0.0,
       decode_compute_per_context_token=0.0, prefill_per_token=measured.prefill_per_token,
-      trainer_per_token=host.train_step_s(measured, step_tokens) / step_tokens)
+      trainer_per_token=measured.train_per_token, trainer_step_base=0.0)
 
 
 def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 6,

@@ -34,8 +34,8 @@ Each round gives a predicted and a measured async/sync throughput ratio from run
 minutes apart; the headline is their medians (the target: within 15%) and the measured
 ratio's spread over the rounds, which says how far the machine's load moved the
 measurement. Beside each run's samples/s the table sets the two costs that make it,
-predicted and measured: the decode step at full slots (measured: the run's mean decode
-step, its prefills included) and the trainer's seconds per trained token. Last line:
+predicted and measured: the generator's busy seconds per step (decoding, prefills and
+weight swaps) and the trainer's seconds per token. Last line:
 one JSON object.
 """
 
@@ -108,26 +108,26 @@ def predict_now(cfg, workload: search.Workload, steps: int) -> dict:
   return dict(
       samples_per_s={k: v.samples_per_s for k, v in predicted.items()},
       ratio=predicted["async_retract"].samples_per_s / predicted["sync"].samples_per_s,
-      components={k: _components(sim, cfg.generation.num_slots) for k, sim in sims.items()})
+      components={k: _components(predicted[k], sim) for k, sim in sims.items()})
 
 
-def _components(sim, slots: int) -> dict:
-  """A simulated system's decode step at full slots and trainer seconds per token."""
-  return dict(decode_step_ms=1e3 * (sim.decode_step_base + sim.decode_step_per_slot * slots),
+def _components(prediction: search.Prediction, sim) -> dict:
+  """A simulated system's generator seconds per step (decoding, prefills and weight
+  swaps) and trainer seconds per token."""
+  busy = 1.0 - prediction.generator_shares.get("idle", 0.0)
+  return dict(generator_s_per_step=busy * prediction.step_s,
               train_us_per_token=1e6 * sim.trainer_per_token)
 
 
 def measured_components(run_cfg, summary, prompt_tokens, lengths) -> dict:
-  """A run's mean decode step from step 2 on (its prefills, and any compile of a new
-  prompt length, included) and its trainer's seconds per token."""
+  """A run's generator seconds per step from step 2 on (decoding, prefills, weight
+  swaps and any compile of a new prompt length) and its trainer's seconds per token."""
   spans, history = summary["timeline"], summary["history"]
   start, _ = rl_window(spans)
-  first, last = history[0]["workers"]["0"]["pool"], history[-1]["workers"]["0"]["pool"]
-  decoding = sum(s.end - s.start for s in spans
-                 if s.lane == "generator" and s.name == "decode" and s.start >= start)
-  steps = last["decode_steps"] - first["decode_steps"]
+  busy = sum(s.end - s.start for s in spans
+             if s.lane == "generator" and s.name in ("decode", "swap") and s.start >= start)
   sim = sva.calibrate(run_cfg, summary, prompt_tokens, lengths)
-  return dict(decode_step_ms=1e3 * decoding / steps if steps else float("nan"),
+  return dict(generator_s_per_step=busy / max(1, len(history) - 1),
               train_us_per_token=1e6 * sim.trainer_per_token)
 
 
@@ -192,13 +192,14 @@ def main(argv):
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
     per_round.append(dict(predicted=pred, measured=measured, components=parts))
   print(f"{'round':>5} {'run':14} {'samples/s: predicted':>20} {'measured':>9} "
-        f"{'decode step ms: predicted':>25} {'measured':>9} "
+        f"{'generator s/step: predicted':>27} {'measured':>9} "
         f"{'train us/token: predicted':>25} {'measured':>9}")
   for r, got in enumerate(per_round):
     for name in _RUNS:
       pred, meas = got["predicted"]["components"][name], got["components"].get(name, {})
       cells = [(got["predicted"]["samples_per_s"][name], got["measured"].get(name), 20)] + [
-          (pred[k], meas.get(k), 25) for k in ("decode_step_ms", "train_us_per_token")]
+          (pred[k], meas.get(k), 27 if k == "generator_s_per_step" else 25)
+          for k in ("generator_s_per_step", "train_us_per_token")]
       print(f"{r:>5} {name:14} " + " ".join(
           f"{p:>{w}.2f} " + (f"{m:>9.2f}" if m is not None else f"{'-':>9}")
           for p, m, w in cells))

@@ -62,10 +62,14 @@ def decode_line(one_s: float, full_s: float, slots: int) -> tuple[float, float]:
 
 def step_and_rest(short_s: float, long_s: float, short: int, long: int) -> tuple[float, float]:
   """(time per decode step, the rest) of requests timed at `short_s` and `long_s` for
-  `short` and `long` new tokens: each request is a prefill, then one step per token."""
+  `short` and `long` new tokens: each request is a prefill, then one step per token.
+  Where noise makes the long request no slower than the short one, all of its time
+  counts as steps (a step's upper bound)."""
   if long <= short:
     raise ValueError(f"the long request ({long} tokens) must be longer than the short ({short})")
   step = (long_s - short_s) / (long - short)
+  if step <= 0:
+    return long_s / long, 0.0
   return step, max(0.0, long_s - step * long)
 
 

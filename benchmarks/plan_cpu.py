@@ -77,7 +77,7 @@ def workload_of(cfg) -> search.Workload:
 def placements(cfg, eta: int) -> dict[str, search.Placement]:
   kv = cfg.generation.kv_cache_blocks * cfg.generation.kv_block_size
   one = dict(gen_devices=1, tp=1, train_devices=1, fsdp=1, slots=cfg.generation.num_slots,
-             kv_tokens=kv)
+             kv_tokens=kv, steps_per_call=cfg.generation.steps_per_call)
   return {"sync": search.Placement("sync", max_staleness=0, update_mode="drain", **one),
           "async_retract": search.Placement("async", max_staleness=eta,
                                             update_mode="retract", **one)}

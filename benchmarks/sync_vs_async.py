@@ -174,7 +174,8 @@ def calibrate(cfg: ExperimentConfig, summary: dict, prompt_tokens: float,
       trainer_per_token=trainer_busy / seq_tokens,
       weight_sync=float(np.mean(swaps)) if swaps else 0.0, max_staleness=eta,
       batch_groups=cfg.batch_groups, group_size=cfg.generation.group_size,
-      update_mode=update_mode, length_dist="empirical",
+      update_mode=update_mode, steps_per_call=cfg.generation.steps_per_call,
+      length_dist="empirical",
       # The generator truncates at max_new_tokens.
       length_samples=tuple(int(min(n, cfg.generation.max_new_tokens)) for n in lengths),
       max_length=cfg.generation.max_new_tokens)

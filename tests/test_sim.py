@@ -201,3 +201,21 @@ def test_decode_step_is_a_roofline_of_reads_and_compute():
   low = 50 * (0.02 + 0.0005 * 8 + 1e-5 * 8 * 128) + 1e-4 * 128 * 8
   high = 50 * (0.02 + 0.0005 * 8 + 1e-5 * 8 * 178) + 1e-4 * 128 * 8
   assert low < grown.step_end_times[0] < high
+
+
+def test_chunks_hold_a_finished_samples_slot_to_the_chunks_end():
+  # One slot, two samples of 50 tokens each, chunks of 8: each sample runs 56 steps
+  # (7 chunks), keeps its 50 tokens, and the next joins only after its chunk ends.
+  kw = dict(mode="sync", num_generators=1, trainer_accelerators=1, max_staleness=0, slots=1,
+            batch_groups=1, group_size=2, prompt_tokens=10, length_dist="constant",
+            length_median=50, max_length=50, trainer_per_token=0.0, prefill_per_token=0.0,
+            decode_step_base=0.01, decode_step_per_slot=0.0)
+  every_step = simulate(SimConfig(**kw), 2)
+  chunked = simulate(SimConfig(steps_per_call=8, **kw), 2)
+  np.testing.assert_allclose(every_step.step_end_times, [1.0, 2.0], rtol=_REL)
+  np.testing.assert_allclose(chunked.step_end_times, [1.12, 2.24], rtol=_REL)
+  assert chunked.trained_tokens == every_step.trained_tokens == 200
+  assert chunked.generated_tokens == every_step.generated_tokens == 200
+  # Chunks of 5 divide 50: no slot is held past its sample's end.
+  exact = simulate(SimConfig(steps_per_call=5, **kw), 2)
+  np.testing.assert_allclose(exact.step_end_times, [1.0, 2.0], rtol=_REL)

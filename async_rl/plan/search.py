@@ -104,6 +104,9 @@ class Placement:
     kv_tokens: each engine's KV budget in tokens.
     max_staleness: η (0 in sync mode).
     update_mode: how new weights reach in-flight samples.
+    steps_per_call: decode steps per host round trip of an engine (a slot whose sample
+      ends within one waits for its end); 1 by default, where it costs reasoning-length
+      samples next to nothing.
   """
   mode: str
   gen_devices: int
@@ -114,6 +117,7 @@ class Placement:
   kv_tokens: int
   max_staleness: Optional[int]
   update_mode: str
+  steps_per_call: int = 1
 
   @property
   def engines(self) -> int:
@@ -201,7 +205,8 @@ def sim_config(workload: Workload, cluster: Cluster, p: Placement,
                                            crosses_nodes=trainer_multi_node),
       weight_sync=costs.publish_s(model, hw, crosses_nodes=multi_node),
       max_staleness=p.max_staleness, batch_groups=workload.batch_groups,
-      group_size=workload.group_size, update_mode=p.update_mode, **workload.length_fields())
+      group_size=workload.group_size, update_mode=p.update_mode,
+      steps_per_call=p.steps_per_call, **workload.length_fields())
   if measured is None:
     return cfg
   return dataclasses.replace(

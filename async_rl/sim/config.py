@@ -32,6 +32,9 @@ class SimConfig:
   so far) at each weight update; with `kv_tokens` > 0 a generator's live tokens may
   not exceed it: a sample that finds no room waits, and when the slots' growth fills
   it the newest sample is preempted back to the queue and re-prefilled when it resumes;
+  a generator runs its decode steps in chunks of `steps_per_call` (one host round trip
+  each): a sample that ends within a chunk holds its slot to the chunk's end, and
+  samples join, and new weights apply, only between chunks;
   applying new weights costs a generator `weight_sync`; a finished group is scored
   `reward_latency` later; a training step costs `trainer_step_base +
   trainer_per_token * (prompt + output tokens) / trainer_accelerators`.
@@ -58,6 +61,7 @@ class SimConfig:
   trainer_per_token: float = 3e-4
   trainer_step_base: float = 0.0
   weight_sync: float = 0.0
+  steps_per_call: int = 1
   max_staleness: Optional[int] = 4
   batch_groups: int = 8
   group_size: int = 8
@@ -74,7 +78,7 @@ class SimConfig:
     _check_choice("update_mode", self.update_mode, UPDATE_MODES)
     _check_choice("length_dist", self.length_dist, LENGTH_DISTS)
     for name in ("num_generators", "trainer_accelerators", "slots", "prompt_tokens",
-                 "batch_groups", "group_size", "max_length"):
+                 "batch_groups", "group_size", "max_length", "steps_per_call"):
       _check(name, isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
              "an int >= 1")
     for name in ("decode_step_per_slot", "decode_step_per_context_token",

@@ -118,10 +118,15 @@ class _Generator:
     self.live += self.prompt_tokens + sample.done
     heapq.heappush(self.ends, (self.clock + sample.length - sample.done, seq, sample))
 
-  def leave(self, sample):
-    """Settles the sample's tokens and versions up to the clock, and frees its slot."""
+  def leave(self, sample) -> int:
+    """Settles the sample's tokens and versions up to the clock (or its length, when it
+    ended within the chunk), and frees its slot; returns the steps its slot ran past
+    its end."""
     del self.active[sample]
-    start, end, log = sample.joined, self.clock, self.log
+    ran = self.clock - sample.joined
+    kept = min(ran, sample.length - sample.done)
+    self.live -= self.prompt_tokens + sample.done + ran
+    start, end, log = sample.joined, sample.joined + kept, self.log
     k = len(log) - 1
     while log[k][0] > start:
       k -= 1
@@ -134,8 +139,8 @@ class _Generator:
         runs[-1][1] += tokens
       else:
         runs.append([log[i][1], tokens])
-    sample.done += end - start
-    self.live -= self.prompt_tokens + sample.done
+    sample.done += kept
+    return ran - kept
 
   def finished(self) -> list:
     """The active samples that have reached their length, in the order they joined."""
@@ -223,7 +228,7 @@ class _Simulation:
       return
     if not gen.active or now >= gen.seg_end:
       return
-    steps = math.ceil(max(0.0, now - gen.seg_start) / gen.dt - 1e-9)
+    steps = self._whole_chunks(math.ceil(max(0.0, now - gen.seg_start) / gen.dt - 1e-9))
     boundary = gen.seg_start + steps * gen.dt
     if boundary < gen.seg_end:
       self._wake(gen, boundary)
@@ -238,7 +243,7 @@ class _Simulation:
       gen.live += steps * len(gen.active)
       self.generated += steps * len(gen.active)
       for sample in gen.finished():
-        gen.leave(sample)
+        self.generated -= gen.leave(sample)
         group = sample.group
         group.finished += 1
         if group.finished == cfg.group_size:
@@ -299,8 +304,14 @@ class _Simulation:
       steps = min(steps, max(1, math.ceil(_GROWTH * live / a)))
     if cfg.kv_tokens:
       steps = min(steps, max(1, (cfg.kv_tokens - live) // a))
+    steps = self._whole_chunks(steps)
     gen.seg_end = start + steps * gen.dt
     self._wake(gen, gen.seg_end)
+
+  def _whole_chunks(self, steps: int) -> int:
+    """`steps` rounded up to whole chunks of decode steps (`steps_per_call`)."""
+    k = self.cfg.steps_per_call
+    return -(-steps // k) * k
 
   def _offer(self, group, now):
     if self.buffer.offer(group.scored(), self.published, ticket=next(self.order)):

@@ -70,8 +70,8 @@ def test_wheel_list_pins_packages_the_image_lacks():
 
 # Imports the check, the binary it runs and the builder with every third-party
 # distribution outside the image and the wheel list hidden, as on the lent machine:
-# an optional import (tensorboardX tries boto3) falls back as it would there, and a
-# needed one fails the import, naming the module.
+# an optional import falls back as it would there, and a needed one fails the import,
+# naming the module.
 _IMPORT_AS_ON_THE_IMAGE = """
 import importlib.metadata as md, json, re, sys
 allowed = set(json.loads(sys.argv[1]))

@@ -11,8 +11,9 @@ import types
 
 import pytest
 from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
 
-from async_rl.rl import metrics_log
+from async_rl.rl import metrics_log, tensorboard
 from async_rl.rl.metrics_log import FILE, SAMPLES_FILE, MetricsLog
 
 
@@ -21,13 +22,22 @@ def _lines(workdir):
 
 
 def _events(path):
-  """The events of a TensorBoard file (TFRecords: length, its crc, data, its crc)."""
+  """The events of a TensorBoard file (TFRecords: length, its crc, data, its crc),
+  each checksum checked with tensorboardX's own."""
   data, events = path.read_bytes(), []
   while data:
     (n,) = struct.unpack("<Q", data[:8])
-    events.append(event_pb2.Event.FromString(data[12:12 + n]))
+    body = data[12:12 + n]
+    assert struct.unpack("<II", data[8:12] + data[12 + n:16 + n]) == (
+        masked_crc32c(data[:8]), masked_crc32c(body))
+    events.append(event_pb2.Event.FromString(body))
     data = data[12 + n + 4:]
   return events
+
+
+def test_crc32c_is_castagnolis():
+  assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the standard check value
+  assert tensorboard.crc32c(b"") == 0
 
 
 def _first_run(workdir):

@@ -19,7 +19,7 @@ The warm start's lines sit before RL (`step` 0, their own step under `sft`), so 
 resume supersedes them; TensorBoard plots them as a run of their own
 (`tensorboard/sft`), whose steps a resumed run's purge cannot reach.
 
-TensorBoard files are written with tensorboardX, which needs no TensorFlow.
+TensorBoard's event files are written by `rl.tensorboard`, which needs no TensorFlow.
 """
 
 import importlib
@@ -29,7 +29,8 @@ import os
 import time
 from typing import Any, Iterator, Optional
 
-from tensorboardX import SummaryWriter
+from async_rl.rl.tensorboard import EventWriter
+
 
 FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -80,8 +81,8 @@ class MetricsLog:
     self._workdir = workdir
     self._jsonl = open(path, "a", buffering=1)
     self._samples = None
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                             purge_step=through + 1, filename_suffix=f".{run_id}")
+    self._tb = EventWriter(os.path.join(workdir, "tensorboard"), purge_step=through + 1,
+                           suffix=f".{run_id}")
     self._tb_sft = None
     self._wandb = None
     if wandb_project is not None:
@@ -106,8 +107,8 @@ class MetricsLog:
     taken at time `at` (default: now; the warm start runs before the log exists)."""
     self._line(self._jsonl, {"step": 0, "sft": {"step": sft_step, **metrics}}, at)
     if self._tb_sft is None:  # a warm start runs only in a run that starts afresh
-      self._tb_sft = SummaryWriter(os.path.join(self._workdir, "tensorboard", "sft"),
-                                   purge_step=0, filename_suffix=f".{self.run_id}")
+      self._tb_sft = EventWriter(os.path.join(self._workdir, "tensorboard", "sft"),
+                                 purge_step=0, suffix=f".{self.run_id}")
     scalars = dict(tags({"sft": metrics}))
     for name, value in scalars.items():
       self._tb_sft.add_scalar(name, value, sft_step)

@@ -262,8 +262,10 @@ def main(argv):
       raise app.UsageError(f"{_OUT_DIR.value}/{v.name} exists: pass an empty --out_dir")
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   # Every run compiles the same programs; from disk the later ones compile less. The
-  # Ray actors read the directory from the environment they inherit.
-  cache = os.path.join(_OUT_DIR.value, "jax_cache")
+  # Ray actors read the directory from the environment they inherit (a cache directory
+  # already set there, a test session's, is kept).
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(_OUT_DIR.value,
+                                                                      "jax_cache")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=cache,
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   jax.config.update("jax_compilation_cache_dir", cache)

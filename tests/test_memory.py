@@ -15,6 +15,7 @@ import pytest
 
 from async_rl.cli import from_dict
 from async_rl.models.memory import GIB, describe, estimate_memory
+from rl_test_utils import fake_devices
 
 ROOT = Path(__file__).parents[1]
 QWEN = ROOT / "configs" / "qwen2_5.py"
@@ -58,7 +59,7 @@ def test_docstring_quotes_the_estimate(variant):
 
 
 def _json_of(*command):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=fake_devices(8),
              PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
   out = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)

@@ -1,7 +1,7 @@
 """notebooks/quickstart.ipynb runs headless from top to bottom, with a reward function
-defined in one of its cells: every cell as written, but for the run lengths, which the
-test shortens (the whole notebook takes minutes on a 2-core CPU; the code paths are the
-same at any length).
+defined in one of its cells: every cell as written, but for the run lengths and the
+batch, which the test shortens (the whole notebook takes minutes on a 2-core CPU; the code
+paths are the same at any length).
 
 Needs the `notebook` extra (nbclient, nbformat, ipykernel, matplotlib); skipped without it.
 """
@@ -28,11 +28,14 @@ def test_notebook_is_saved_without_outputs():
   assert not _outputs(nb), "clear the notebook's outputs before saving it"
 
 
-# The notebook's run lengths, and the shorter ones the test runs.
-SHORTER = {"c.sft.steps = 100": "c.sft.steps = 20", "c.num_steps = 40": "c.num_steps = 6",
+# The notebook's run lengths, and the shorter ones the test runs: a batch of 4 prompts
+# (the tiny config's 32 otherwise), one evaluation and one checkpoint between the first
+# and the last.
+SHORTER = {"c = tiny.get_config()": "c = tiny.get_config()\nc.batch_groups = 4",
+           "c.sft.steps = 100": "c.sft.steps = 4", "c.num_steps = 40": "c.num_steps = 4",
            "c.num_steps = 20": "c.num_steps = 2",
-           "num_prompts=100, every_steps=20": "num_prompts=20, every_steps=3",
-           "c.checkpoint.every_steps = 20": "c.checkpoint.every_steps = 3"}
+           "num_prompts=100, every_steps=20": "num_prompts=4, every_steps=2",
+           "c.checkpoint.every_steps = 20": "c.checkpoint.every_steps = 2"}
 
 
 def _shortened(nb):

@@ -20,13 +20,18 @@ from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def shared_ray():
+def shared_ray(tmp_path_factory):
   """One local Ray instance, started as `run_on_ray` starts its own, for the runs that
   need nothing of their own from it: `run_on_ray` uses it and leaves it up (starting
-  and stopping one takes seconds)."""
-  if not ray.is_initialized():
-    ray_placement._init_ray(config.PlacementConfig(kind="ray"))
-  yield
+  and stopping one takes seconds). Its actors take the environment it starts with: that
+  of `reward_fns_for_tests.kills_its_rollout_worker`, which only that reward reads."""
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv(reward_fns_for_tests.KILL_COUNT_ENV,
+               str(tmp_path_factory.mktemp("kill") / "calls"))
+    env.setenv(reward_fns_for_tests.KILL_AT_ENV, "13")
+    if not ray.is_initialized():
+      ray_placement._init_ray(config.PlacementConfig(kind="ray"))
+    yield
   ray.shutdown()
 
 
@@ -68,11 +73,11 @@ def test_actors_train_within_the_bound_and_resume(tmp_path, request):
     assert s["rewards"]["errors"] == 0 and s["reward_mean"] > 0
   assert _checkpoints(tmp_path)[-1] == 3
 
-  summary = _run(tmp_path, num_steps=5, **{"placement.pin_trainer_cores": (0,),
+  summary = _run(tmp_path, num_steps=4, **{"placement.pin_trainer_cores": (0,),
                                            "placement.pin_rollout_cores": (os.cpu_count() - 1,)})
-  assert summary["start_version"] == 3 and summary["end_version"] == 5
-  assert [s["step"] for s in _steps(tmp_path)] == [1, 2, 3, 4, 5]
-  assert _checkpoints(tmp_path)[-1] == 5
+  assert summary["start_version"] == 3 and summary["end_version"] == 4
+  assert [s["step"] for s in _steps(tmp_path)] == [1, 2, 3, 4]
+  assert _checkpoints(tmp_path)[-1] == 4
 
 
 def test_stop_checkpoints_and_returns(tmp_path, shared_ray):
@@ -90,15 +95,11 @@ def test_stop_checkpoints_and_returns(tmp_path, shared_ray):
 
 
 def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_path,
-                                                                        monkeypatch):
+                                                                        shared_ray):
   # The rollout worker's reward subprocess SIGKILLs it while scoring its 7th group (2
   # samples each), which is running then; with η = 1 and B = 2 that group can start
-  # only once version 2 is published, after step 1 is logged.
-  # Its own Ray instance: the actors take the environment of the one that starts them.
-  if ray.is_initialized():
-    ray.shutdown()
-  monkeypatch.setenv(reward_fns_for_tests.KILL_COUNT_ENV, str(tmp_path / "calls"))
-  monkeypatch.setenv(reward_fns_for_tests.KILL_AT_ENV, "13")
+  # only once version 2 is published, after step 1 is logged. The shared Ray instance
+  # gives its actors the reward's environment (its one use of the reward).
   summary = _run(tmp_path, num_steps=5,
                  **{"rollout.reward_fn": "reward_fns_for_tests:kills_its_rollout_worker"})
   assert summary["end_version"] == 5

@@ -271,9 +271,9 @@ def test_sigterm_saves_and_exits_143_at_startup_and_mid_run_and_the_same_command
   assert 2 <= stopped < 200 and _checkpoints(tmp_path)[-1] == stopped
 
   # The same command resumes (here to a nearer end).
-  out = _Output(_train(tmp_path, f"--config.num_steps={stopped + 2}"))
+  out = _Output(_train(tmp_path, f"--config.num_steps={stopped + 1}"))
   text = out.wait()
   assert out.proc.returncode == 0, text[-3000:]
   assert f"resumed from checkpoint {stopped}" in text
-  assert [s["step"] for s in _steps(tmp_path)] == list(range(1, stopped + 3))
+  assert [s["step"] for s in _steps(tmp_path)] == list(range(1, stopped + 2))
   check_prompt_accounting(tmp_path)

@@ -436,3 +436,41 @@ def test_serving_alone_refuses_an_open_address_without_a_key():
   with pytest.raises(ValueError, match="api_key"):
     with serve.serve(cli.from_dict(c), host="0.0.0.0"):
       pass
+
+
+class PendingGenerate:
+  """An episode's `generate` whose turns wait until the test resolves them."""
+
+  def __init__(self):
+    self.futures, self.released = [], []
+
+  def __call__(self, tokens, n=1, **kw):
+    self.futures.append(Future())
+    return self.futures[-1]
+
+  def release(self, slot):
+    self.released.append(slot)
+
+
+def test_an_agent_that_closes_a_streamed_tool_turn_loses_its_episode_and_the_turn_is_recorded(
+    scripted):
+  import httpx  # noqa: PLC0415 (the `openai` client's)
+  from conftest import wait_until  # noqa: PLC0415
+  _, endpoint = scripted
+  generate = PendingGenerate()
+  episode = endpoint.open(generate, budget=100)
+  tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+  body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+          "stream": True}
+  with httpx.stream("POST", f"{endpoint.episode_url(episode)}/chat/completions", json=body,
+                    timeout=30) as r:
+    next(r.iter_lines())  # the role chunk; then the agent goes away
+  wait_until(lambda: episode.lost is not None, timeout=10)
+  assert episode.lost.reason == "malformed"
+  prompt = episode.ids
+  ids = TOK.encode("ok") + [TOK.eos_id]
+  generate.futures[0].set_result([Trajectory.from_completion(
+      prompt, ids, np.full(3, -0.5), np.full(3, 3), "stop", metadata={"slot": 7})])
+  wait_until(lambda: episode.turns == 1)  # the turn is recorded, so its slot is freed
+  endpoint.finish(episode)
+  assert generate.released == [7]

@@ -246,13 +246,18 @@ class Endpoint:
       except RuntimeError as e:  # the pool or the episode runner is closing
         raise episode.lose("aborted", f"the turn was not generated: {e}") from None
 
-    async def finish():
+    async def finish(recording=lambda: None):
+      """The turn's choices and usage; `recording()` runs when the turn is about to be
+      recorded, after the last await, so a disconnect before it leaves the turn to
+      `_stream`'s cleanup."""
       try:
-        samples = await asyncio.wrap_future(future)
+        # Shielded: a disconnect cancels this wait, and must not cancel the turn.
+        samples = await asyncio.shield(asyncio.wrap_future(future))
       except RuntimeError as e:  # the pool or the episode runner is closing
         if episode is None:
           raise
         raise episode.lose("aborted", f"the turn was not generated: {e}") from None
+      recording()
       return self._finish(samples, ask, chat, episode, messages, tools, text)
 
     if not ask.stream:
@@ -302,6 +307,11 @@ class Endpoint:
 
     async def events():
       recorded = False
+
+      def recording():
+        nonlocal recorded
+        recorded = True
+
       try:
         for i in range(ask.n):
           if (chunk := chunks.start(i)) is not None:
@@ -310,8 +320,7 @@ class Endpoint:
           index, tokens = item
           if delta := streams[index].add(tokens):
             yield event(chunks.text(index, delta))
-        recorded = True  # `finish` records the turn, or fails
-        choices, counts = await finish()
+        choices, counts = await finish(recording)
         for i, c in enumerate(choices):
           rest = streams[i].rest(c.text or "") if streams else c.text or ""
           if rest or c.tool_calls or ask.logprobs:

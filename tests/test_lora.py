@@ -278,3 +278,33 @@ def test_the_24gb_config_quotes_its_estimate_and_leaves_room_for_temporaries():
   assert m["optimizer"] < m["params"] / 10  # the moments are the adapters'
   resident = m["trainer"] + 2 * m["generator"] + m["generator_base"]
   assert 24e9 - resident > 7 * GIB
+
+
+def test_scoring_a_warm_started_run_serves_its_adapters_on_the_base_in_its_workdir(
+    tmp_path, monkeypatch):
+  from async_rl.rl import export  # noqa: PLC0415
+  cfg = small_config(**{"lora.rank": 4, "sft.steps": 2})
+  # Not the seed's init, which a base read from elsewhere would be.
+  base = jax.tree.map(lambda x: x + 1, build.lora_base(small_config(**{"lora.rank": 4})))
+  checkpoint.save_base(str(tmp_path / checkpoint.BASE_FILE), base)
+  adapters = _random_adapters(cfg.model, cfg.lora, jax.random.key(1))
+  served = []
+
+  class Evaluator:
+    rewards = None
+
+    def evaluate(self):
+      raise StopIteration  # what the engine served is all this test checks
+
+    def close(self):
+      pass
+
+  def make_evaluator(cfg, task, params, *, engines=None, **kw):
+    served.append(jax.device_get(engines[0].load_params(params)))
+    return Evaluator()
+
+  monkeypatch.setattr(build, "make_evaluator", make_evaluator)
+  with pytest.raises(StopIteration):
+    export.score(cfg, adapters, workdir=str(tmp_path))
+  want = jax.device_get(lora.merge(base, adapters, cfg.lora.scale))
+  np.testing.assert_array_equal(served[0]["embed"], want["embed"])

@@ -3,6 +3,7 @@ Hugging Face directory (the way back from `hf_model_dir`), or served, like a Hug
 Face model, by JetStream's orchestrator."""
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -48,17 +49,23 @@ def checkpoint_params(cfg: ExperimentConfig, workdir: str, step: Optional[int] =
                         abstract=abstract)
 
 
-def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
-          pass_k: Optional[int] = None) -> dict:
+def score(cfg: ExperimentConfig, params, *, workdir: Optional[str] = None,
+          num_prompts: Optional[int] = None, pass_k: Optional[int] = None) -> dict:
   """Held-out metrics of `params` (`checkpoint_params`'s) on `cfg`'s task
   (`build.make_evaluator`, its reward service of `rollout.reward_workers` processes):
-  greedy accuracy, pass@k, mean completion length, and the reward calls that failed."""
+  greedy accuracy, pass@k, mean completion length, and the reward calls that failed.
+  A LoRA run's adapters are served on the base its pointer names (`build.lora_base`):
+  a warm-started one is read from the run's `workdir`."""
   cfg = build.resolve(cfg)
   task = build.preflight(cfg)
   cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
       cfg.eval, num_prompts=num_prompts or cfg.eval.num_prompts,
       pass_k=pass_k or cfg.eval.pass_k))
-  evaluator = build.make_evaluator(cfg, task, params, reward_workers=cfg.rollout.reward_workers)
+  engines = None
+  if cfg.lora.enabled:
+    engines = [build.make_engine(cfg, base=functools.partial(build.lora_base, cfg, workdir))]
+  evaluator = build.make_evaluator(cfg, task, params, engines=engines,
+                                   reward_workers=cfg.rollout.reward_workers)
   try:
     metrics = evaluator.evaluate()
     rewards = evaluator.rewards.metrics()

@@ -308,3 +308,16 @@ def test_scoring_a_warm_started_run_serves_its_adapters_on_the_base_in_its_workd
     export.score(cfg, adapters, workdir=str(tmp_path))
   want = jax.device_get(lora.merge(base, adapters, cfg.lora.scale))
   np.testing.assert_array_equal(served[0]["embed"], want["embed"])
+
+
+def test_an_adapted_engine_lets_go_of_its_base_loader_once_it_holds_the_base():
+  import gc  # noqa: PLC0415
+  import weakref  # noqa: PLC0415
+  cfg = small_config(**{"lora.rank": 4})
+  loader = functools.cache(functools.partial(build.lora_base, cfg))
+  held = weakref.ref(loader)
+  engine = build.make_engine(cfg, base=loader)
+  del loader
+  engine.load_params(_random_adapters(cfg.model, cfg.lora, jax.random.key(1)))
+  gc.collect()
+  assert held() is None  # nor the copy of the base a cache holds

@@ -93,6 +93,7 @@ def _in_process(cfg, workdir, task, *, init_params, stop, echo, progress, run_id
                             trainer_devices=devices.trainer, init_params=init_params, stop=stop,
                             echo=echo, progress=progress, run_id=run_id)
     worker = build.rollout_worker(cfg, server, task=task, engines=engines)
+    base.cache_clear()  # the engines hold the base on their devices now
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary

@@ -223,6 +223,10 @@ class Endpoint:
       prompt_ids = wire.parse_prompt(body, self._tok.encode, self._bos_id)
     # A streamed reply's text is sent as the pool reads its tokens, except with tools,
     # whose calls are parsed from the whole reply.
+    if episode is not None:
+      episode.check()
+      if ask.n != 1:
+        raise wire.BadRequest(f"n must be 1 within an episode, got {ask.n}")
     streams, on_tokens = None, None
     if ask.stream and not tools:
       loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -236,9 +240,6 @@ class Endpoint:
     if episode is None:
       future = self._submit(prompt_ids or self._tok.encode(text), ask, on_tokens)
     else:
-      episode.check()
-      if ask.n != 1:
-        raise wire.BadRequest(f"n must be 1 within an episode, got {ask.n}")
       env = (episode.env_of_chat(messages, tools, text, self._tok.encode) if chat
              else episode.env_of_tokens(prompt_ids))
       try:

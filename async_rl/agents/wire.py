@@ -4,12 +4,12 @@ Pure functions of dicts and token ids; the endpoint (`agents.server`) does the I
 A request is checked field by field and a bad one raises `BadRequest`, whose message
 names the field (the endpoint answers it with HTTP 400 in OpenAI's error shape).
 
-What is honoured: `n`, `temperature`, `top_p`, `seed`, `max_tokens` (or
-`max_completion_tokens`), `stop` (strings of any length, found in the decoded text as
-vLLM finds them: the reply ends with the token that completes the first stop string,
-which the text leaves out; see `stop_cut`), `logprobs` (the sampled token's log-prob,
-under the distribution it was drawn from; `top_logprobs` lists are empty), `tools`
-(handed to the chat template; tool calls are parsed from the reply, see
+What is honoured: `n` (up to `MAX_N`), `temperature`, `top_p`, `seed`, `max_tokens` (or
+`max_completion_tokens`), `stop` (up to `MAX_STOP` strings of any length, found in the
+decoded text as vLLM finds them: the reply ends with the token that completes the first
+stop string, which the text leaves out; see `stop_cut`), `logprobs` (the sampled token's
+log-prob, under the distribution it was drawn from; `top_logprobs` lists are empty),
+`tools` (handed to the chat template; tool calls are parsed from the reply, see
 `parse_tool_calls`), `stream` (`TextStream`, `Chunks`) and
 `stream_options.include_usage`. Other fields (`presence_penalty`, `user`, ...) are
 accepted and ignored, as vLLM does.
@@ -26,6 +26,12 @@ from typing import Any, Optional
 # A tool call in the Hermes / Qwen2.5 chat format: a JSON object {"name", "arguments"}
 # between these tags.
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+# The most completions one request asks for, and the most stop strings (OpenAI's limit):
+# each costs the endpoint work before the request is queued.
+MAX_N = 128
+MAX_STOP = 4
 
 
 class BadRequest(ValueError):
@@ -77,12 +83,13 @@ def _names(types) -> str:
 
 
 def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
-  """The sampling fields of a request body (`encode` maps a stop string to ids)."""
+  """The sampling fields of a request body (`encode` maps a stop string to ids).
+  `n` is at most `MAX_N` and `stop` holds at most `MAX_STOP` strings."""
   if not isinstance(body, Mapping):
     raise BadRequest("the request body must be a JSON object")
   n = _get(body, "n", int, 1)
-  if n < 1:
-    raise BadRequest(f"n must be >= 1, got {n}")
+  if not 1 <= n <= MAX_N:
+    raise BadRequest(f"n must be in [1, {MAX_N}], got {n}")
   max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
                     else "max_tokens", int)
   if max_tokens is not None and max_tokens < 1:
@@ -100,6 +107,8 @@ def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
   stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
+  if len(stops) > MAX_STOP:
+    raise BadRequest(f"stop holds at most {MAX_STOP} strings, got {len(stops)}")
   stop_ids = [ids[0] for ids in map(encode, stops) if len(ids) == 1]
   # Chat asks with a bool, completions with a count of alternatives (0 included).
   logprobs = (bool(_get(body, "logprobs", bool, False)) if chat

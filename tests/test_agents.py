@@ -26,6 +26,7 @@ from async_rl.chat import compile_chat_template  # noqa: E402
 from async_rl.config import AgentConfig  # noqa: E402
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
 from async_rl.rl.episodes import EpisodeRunner  # noqa: E402
+from async_rl.tasks.tokenizer import ByteTokenizer  # noqa: E402
 from async_rl.trajectory import Trajectory  # noqa: E402
 from conftest import one_layer_model  # noqa: E402
 
@@ -205,6 +206,9 @@ def test_stop_cut_ends_at_the_token_that_completes_the_first_stop_string():
   assert wire.stop_cut([0, 1, 2, 3], decode, ["-->"]) == (3, "abc")
   assert wire.stop_cut([0, 1, 2, 3], decode, ["x", "c-"]) == (2, "ab")
   assert wire.stop_cut([0, 1, 2, 3], decode, ["yy"]) is None
+  # A stop string's last character of several bytes is complete only with its last byte.
+  byte = ByteTokenizer()
+  assert wire.stop_cut(byte.encode("a。b"), byte.decode, ["。"]) == (4, "a")
 
 
 def test_a_stop_string_of_several_tokens_ends_the_reply_and_the_episode_there(scripted):

@@ -273,13 +273,12 @@ class Endpoint:
   def _finish(self, samples: list[Trajectory], ask: wire.Ask, chat: bool,
               episode: Optional[Episode], messages, tools, text):
     """The choices and usage of finished `samples`, recorded in `episode` if any."""
+    cuts = [self._stop_cut(s, ask) for s in samples]
     if episode is not None:
-      cut = self._stop_cut(samples[0], ask)
-      episode.record(samples[0], kept=cut and cut[0])
+      episode.record(samples[0], kept=cuts[0] and cuts[0][0])
       episode.check()
     if any(s.finish_reason == "aborted" for s in samples):
       raise _Aborted()
-    cuts = [self._stop_cut(s, ask) for s in samples]
     samples = [_cut(s, c[0]) if c else s for s, c in zip(samples, cuts)]
     choices = [self._choice(s, c and c[1], ask, tools) for s, c in zip(samples, cuts)]
     if episode is not None and chat:

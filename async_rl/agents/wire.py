@@ -140,7 +140,8 @@ def stop_cut(generated: Sequence[int], decode, stop: Sequence[str]
   lo, hi = 1, len(generated)  # the fewest tokens whose text reaches `end`
   while lo < hi:
     mid = (lo + hi) // 2
-    if len(decode(generated[:mid])) >= end:
+    # Compared, not measured: a partial character's U+FFFD has a length too.
+    if decode(generated[:mid])[:end] == text[:end]:
       hi = mid
     else:
       lo = mid + 1
@@ -237,7 +238,7 @@ class Choice:
   """One completion as the endpoint returns it.
 
   Attributes:
-    text: the reply's text (without the stop token).
+    text: the reply's text (without the stop string or stop token that ended it).
     token_texts, logprobs: each generated token's text and behaviour log-prob.
     finish_reason: "stop", "length" or "tool_calls".
     tool_calls: parsed tool calls (chat requests with tools).

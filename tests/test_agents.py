@@ -485,3 +485,13 @@ def test_an_agent_that_closes_a_streamed_tool_turn_loses_its_episode_and_the_tur
 def test_the_work_a_request_asks_for_is_bounded(body, field):
   with pytest.raises(wire.BadRequest, match=f"^{field} "):
     wire.parse_ask(body, TOK.encode, chat=False)
+
+
+def test_a_closed_workflow_frees_its_endpoint_port_and_a_taken_port_is_a_runtime_error():
+  endpoint = Endpoint(TOK).start()
+  port = int(endpoint.url.rsplit(":", 1)[1])
+  workflow = AgentWorkflow(endpoint, _crashes, row=str, deadline_s=1.0)
+  with pytest.raises(RuntimeError, match=f"cannot bind 127.0.0.1:{port}"):
+    Endpoint(TOK, port=port).start()
+  workflow.close()
+  Endpoint(TOK, port=port).start().close()

@@ -87,7 +87,12 @@ class Endpoint:
       family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
       sock = socket.socket(family, socket.SOCK_STREAM)
       sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-      sock.bind((self._host, self._port))
+      try:
+        sock.bind((self._host, self._port))
+      except OSError as e:
+        sock.close()
+        raise RuntimeError(f"the OpenAI endpoint cannot bind {self._host}:{self._port} "
+                           f"({e})") from e
       port = sock.getsockname()[1]
       # Agents pause between turns (their tools run); a connection kept alive across
       # the pause spares a reconnect and the race of a close meeting the next request.
@@ -101,6 +106,7 @@ class Endpoint:
       while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
           server.should_exit = True
+          sock.close()
           raise RuntimeError(f"the OpenAI endpoint did not start on {self._host}:{port}")
         time.sleep(0.01)
       self._server, self._thread = server, thread

@@ -4,6 +4,7 @@ the wire format on a scripted pool, agent episodes on a real pool, and agents th
 import asyncio
 import dataclasses
 import json
+import re
 import string
 import threading
 import types
@@ -495,3 +496,18 @@ def test_a_closed_workflow_frees_its_endpoint_port_and_a_taken_port_is_a_runtime
     Endpoint(TOK, port=port).start()
   workflow.close()
   Endpoint(TOK, port=port).start().close()
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     r"messages\[0\].content"),
+    ({"messages": [{"role": "assistant", "tool_calls": 5}]}, r"messages\[0\].tool_calls"),
+    ({"prompt": "x", "temperature": 10 ** 400}, "temperature"),
+    ({"prompt": "x", "top_p": 10 ** 400}, "top_p"),
+    ({"prompt": [5, 1099511627776]}, "prompt")])
+def test_a_malformed_body_is_a_bad_request_naming_its_field(scripted, body, field):
+  import httpx  # noqa: PLC0415 (the `openai` client's)
+  _, endpoint = scripted
+  route = "chat/completions" if "messages" in body else "completions"
+  r = httpx.post(f"{endpoint.url}/v1/{route}", json={"model": "m", **body}, timeout=30)
+  assert r.status_code == 400 and re.match(field, r.json()["error"]["message"])

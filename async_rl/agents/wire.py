@@ -82,6 +82,15 @@ def _names(types) -> str:
   return " or ".join(t.__name__ for t in types)
 
 
+def _float(body: Mapping, key: str) -> float:
+  value = _get(body, key, (int, float), 1.0)
+  try:
+    return float(value)
+  except OverflowError:  # an integer of hundreds of digits
+    raise BadRequest(f"{key} must be a number in range, got an integer of "
+                     f"{len(str(abs(value)))} digits") from None
+
+
 def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
   """The sampling fields of a request body (`encode` maps a stop string to ids).
   `n` is at most `MAX_N` and `stop` holds at most `MAX_STOP` strings."""
@@ -94,10 +103,10 @@ def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
                     else "max_tokens", int)
   if max_tokens is not None and max_tokens < 1:
     raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}")
-  temperature = float(_get(body, "temperature", (int, float), 1.0))
+  temperature = _float(body, "temperature")
   if not 0 <= temperature <= 2:
     raise BadRequest(f"temperature must be in [0, 2], got {temperature}")
-  top_p = float(_get(body, "top_p", (int, float), 1.0))
+  top_p = _float(body, "top_p")
   if not 0 < top_p <= 1:
     raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
   seed = _get(body, "seed", int)
@@ -161,12 +170,16 @@ def parse_messages(body: Mapping) -> list[dict]:
     m = {k: v for k, v in m.items() if v is not None}
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text ones are understood
-      if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        raise BadRequest(f"messages[{i}].content: only text parts are supported")
+      if not all(isinstance(p, dict) and p.get("type") == "text"
+                 and isinstance(p.get("text", ""), str) for p in content):
+        raise BadRequest(f"messages[{i}].content: only text parts (with string text) are "
+                         f"supported")
       m["content"] = "".join(p.get("text", "") for p in content)
     elif content is not None and not isinstance(content, str):
       raise BadRequest(f"messages[{i}].content must be a string or a list of text parts")
     if "tool_calls" in m:
+      if not isinstance(m["tool_calls"], list):
+        raise BadRequest(f"messages[{i}].tool_calls must be a list, got {m['tool_calls']!r}")
       m["tool_calls"] = [_decoded_call(i, c) for c in m["tool_calls"]]
     out.append(m)
   return out
@@ -204,10 +217,10 @@ def parse_prompt(body: Mapping, encode, bos_id: Optional[int]) -> list[int]:
   if isinstance(prompt, str):
     return ([] if bos_id is None else [bos_id]) + list(encode(prompt))
   if isinstance(prompt, list) and prompt and all(
-      isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+      isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31 for t in prompt):
     return list(prompt)
   raise BadRequest("prompt must be a string or a non-empty list of token ids (one prompt "
-                   "per request)")
+                   "per request, each id in [0, 2**31))")
 
 
 def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict]]:

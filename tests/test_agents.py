@@ -511,3 +511,24 @@ def test_a_malformed_body_is_a_bad_request_naming_its_field(scripted, body, fiel
   route = "chat/completions" if "messages" in body else "completions"
   r = httpx.post(f"{endpoint.url}/v1/{route}", json={"model": "m", **body}, timeout=30)
   assert r.status_code == 400 and re.match(field, r.json()["error"]["message"])
+
+
+class FailedPool:
+  """A pool whose decode thread failed: every request's future fails."""
+
+  def submit(self, request):
+    future = Future()
+    future.set_exception(RuntimeError("the decode thread failed"))
+    return future
+
+
+def test_a_failed_pool_is_answered_as_unavailable_streamed_or_not():
+  endpoint = Endpoint(TOK, pool=FailedPool()).start()
+  try:
+    client = _client(f"{endpoint.url}/v1")
+    with pytest.raises(openai.InternalServerError, match="decode thread failed"):
+      client.completions.create(model="m", prompt="x")
+    with pytest.raises(openai.APIError, match="decode thread failed"):
+      list(client.completions.create(model="m", prompt="x", stream=True))
+  finally:
+    endpoint.close()

@@ -205,6 +205,8 @@ class Endpoint:
       return _json(wire.error(str(e)), 503 if e.reason == "aborted" else 400)
     except _Aborted:
       return _json(wire.error(_Aborted.MESSAGE, "server_error"), 503)
+    except RuntimeError as e:  # the pool is shut down, or its decode thread failed
+      return _json(wire.error(_unavailable(e), "server_error"), 503)
     finally:
       if episode is not None and not getattr(response, "ends_turn", False):
         episode.busy = False
@@ -238,11 +240,14 @@ class Endpoint:
       loop, queue = asyncio.get_running_loop(), asyncio.Queue()
       streams = [wire.TextStream(self._tok.decode, ask.stop) for _ in range(ask.n)]
 
-      def on_tokens(index, tokens):  # on the pool's decode thread
+      def put(item):  # on the pool's threads
         try:
-          loop.call_soon_threadsafe(queue.put_nowait, (index, tokens))
+          loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the server's loop has closed: no one reads this stream
           pass
+
+      def on_tokens(index, tokens):
+        put((index, tokens))
     if episode is None:
       future = self._submit(prompt_ids or self._tok.encode(text), ask, on_tokens)
     else:
@@ -272,7 +277,7 @@ class Endpoint:
       return _json(wire.response(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
                                  usage_=counts))
     if streams is not None:
-      future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+      future.add_done_callback(lambda _: put(None))
     return self._stream(finish, future, queue if streams is not None else None, streams, ask,
                         chat, episode)
 
@@ -337,6 +342,8 @@ class Endpoint:
         yield "data: [DONE]\n\n"
       except _Aborted:
         yield event(wire.error(_Aborted.MESSAGE, "server_error"))
+      except RuntimeError as e:
+        yield event(wire.error(_unavailable(e), "server_error"))
       except (ValueError, EpisodeLost) as e:
         yield event(wire.error(str(e)))
       finally:
@@ -384,6 +391,10 @@ class Endpoint:
     token_texts = [self._tok.decode([t]) for t in generated] if ask.logprobs else []
     logprobs = [float(x) for x in sample.logp_T[sample.prompt_len:]] if ask.logprobs else []
     return wire.Choice(text, token_texts, logprobs, finish, tuple(calls))
+
+
+def _unavailable(e: RuntimeError) -> str:
+  return f"the generator cannot serve requests now ({e})"
 
 
 class _Aborted(Exception):

@@ -244,6 +244,9 @@ def test_a_warm_started_base_is_served_checkpoints_point_to_it_and_resume_is_exa
   path.rename(tmp_path / "elsewhere.npz")
   with pytest.raises(NoUsableCheckpointError, match=f"{re.escape(str(path))} is missing"):
     build.restored_trainer(cfg, str(tmp_path), mesh, task)
+  checkpoint.save_base(str(path), seed_init)  # a sound base file, of another run
+  with pytest.raises(NoUsableCheckpointError, match=f"trained on a base of sha256 {digest}"):
+    build.restored_trainer(cfg, str(tmp_path), mesh, task)
 
 
 def test_the_base_file_round_trips_and_a_damaged_one_is_an_error_naming_it(tmp_path):

@@ -16,7 +16,7 @@ from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, SamplingParams
 from async_rl.models import hf, lora
 from async_rl.models.hf_tokenizer import HFTokenizer
-from async_rl.rl import build
+from async_rl.rl import build, checkpoint
 from async_rl.rl.checkpoint import restore_params
 from async_rl.tasks.registry import make_task
 
@@ -108,11 +108,16 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None,
       return
     step = latest_step(workdir) if step is None else step
     with open(os.path.join(checkpoints, str(step), "meta", "metadata")) as f:
-      if json.load(f).get("lora_base") == build.GIVEN_BASE:
-        raise ValueError(f"the run in {workdir} trained adapters on a base given to it "
-                         f"(init_params), which its config does not name: export the "
-                         f"adapters alone (--adapter) and merge them into that base")
-    params = lora.merge(build.lora_base(cfg, workdir), adapters, cfg.lora.scale)
+      pointer = json.load(f).get("lora_base")
+    if pointer == build.GIVEN_BASE:
+      raise ValueError(f"the run in {workdir} trained adapters on a base given to it "
+                       f"(init_params), which its config does not name: export the "
+                       f"adapters alone (--adapter) and merge them into that base")
+    base = build.lora_base(cfg, workdir)
+    if build.warm_started(cfg):
+      checkpoint.check_base(os.path.join(workdir, checkpoint.BASE_FILE),
+                            checkpoint.base_digest(base), pointer)
+    params = lora.merge(base, adapters, cfg.lora.scale)
   elif adapter:
     raise ValueError(f"the run in {workdir} trained no adapters (lora.rank = 0): export "
                      f"the whole model, without --adapter")

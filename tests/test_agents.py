@@ -488,6 +488,15 @@ def test_the_work_a_request_asks_for_is_bounded(body, field):
     wire.parse_ask(body, TOK.encode, chat=False)
 
 
+def test_a_stop_string_the_tokenizer_cannot_encode_is_found_in_the_text():
+  def encode(text):
+    if "é" in text:
+      raise ValueError(f"{text!r} is outside the vocabulary")
+    return TOK.encode(text)
+  ask = wire.parse_ask({"stop": ["é", "?"]}, encode, chat=False)
+  assert ask.stop == ("é", "?") and ask.stop_ids == tuple(TOK.encode("?"))
+
+
 def test_a_closed_workflow_frees_its_endpoint_port_and_a_taken_port_is_a_runtime_error():
   endpoint = Endpoint(TOK).start()
   port = int(endpoint.url.rsplit(":", 1)[1])

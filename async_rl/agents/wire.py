@@ -91,6 +91,17 @@ def _float(body: Mapping, key: str) -> float:
                      f"{len(str(abs(value)))} digits") from None
 
 
+def _encoded(encode):
+  """`encode`, giving no ids for a text the tokenizer cannot encode: such a stop string
+  is still found in the decoded text (`stop_cut`)."""
+  def encoded(text):
+    try:
+      return encode(text)
+    except ValueError:
+      return []
+  return encoded
+
+
 def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
   """The sampling fields of a request body (`encode` maps a stop string to ids).
   `n` is at most `MAX_N` and `stop` holds at most `MAX_STOP` strings."""
@@ -118,7 +129,7 @@ def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
   if len(stops) > MAX_STOP:
     raise BadRequest(f"stop holds at most {MAX_STOP} strings, got {len(stops)}")
-  stop_ids = [ids[0] for ids in map(encode, stops) if len(ids) == 1]
+  stop_ids = [ids[0] for ids in map(_encoded(encode), stops) if len(ids) == 1]
   # Chat asks with a bool, completions with a count of alternatives (0 included).
   logprobs = (bool(_get(body, "logprobs", bool, False)) if chat
               else _get(body, "logprobs", int) is not None)

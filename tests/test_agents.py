@@ -482,7 +482,7 @@ def test_an_agent_that_closes_a_streamed_tool_turn_loses_its_episode_and_the_tur
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"n": 100_000_000, "stream": True}, "n"), ({"stop": list("abcde")}, "stop")])
+    ({"n": 100_000_000, "stream": True}, "n"), ({"stop": list(string.ascii_letters)}, "stop")])
 def test_the_work_a_request_asks_for_is_bounded(body, field):
   with pytest.raises(wire.BadRequest, match=f"^{field} "):
     wire.parse_ask(body, TOK.encode, chat=False)

@@ -28,10 +28,11 @@ from typing import Any, Optional
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-# The most completions one request asks for, and the most stop strings (OpenAI's limit):
-# each costs the endpoint work before the request is queued.
+# The most completions one request asks for, and the most stop strings (OpenAI allows
+# 4; an agent may stop on many one-character strings): each costs the endpoint work
+# before the request is queued.
 MAX_N = 128
-MAX_STOP = 4
+MAX_STOP = 32
 
 
 class BadRequest(ValueError):

@@ -4,6 +4,7 @@ the wire format on a scripted pool, agent episodes on a real pool, and agents th
 import asyncio
 import dataclasses
 import json
+import re
 import string
 import threading
 import types
@@ -26,6 +27,7 @@ from async_rl.chat import compile_chat_template  # noqa: E402
 from async_rl.config import AgentConfig  # noqa: E402
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
 from async_rl.rl.episodes import EpisodeRunner  # noqa: E402
+from async_rl.tasks.tokenizer import ByteTokenizer  # noqa: E402
 from async_rl.trajectory import Trajectory  # noqa: E402
 from conftest import one_layer_model  # noqa: E402
 
@@ -205,6 +207,9 @@ def test_stop_cut_ends_at_the_token_that_completes_the_first_stop_string():
   assert wire.stop_cut([0, 1, 2, 3], decode, ["-->"]) == (3, "abc")
   assert wire.stop_cut([0, 1, 2, 3], decode, ["x", "c-"]) == (2, "ab")
   assert wire.stop_cut([0, 1, 2, 3], decode, ["yy"]) is None
+  # A stop string's last character of several bytes is complete only with its last byte.
+  byte = ByteTokenizer()
+  assert wire.stop_cut(byte.encode("a。b"), byte.decode, ["。"]) == (4, "a")
 
 
 def test_a_stop_string_of_several_tokens_ends_the_reply_and_the_episode_there(scripted):
@@ -436,3 +441,103 @@ def test_serving_alone_refuses_an_open_address_without_a_key():
   with pytest.raises(ValueError, match="api_key"):
     with serve.serve(cli.from_dict(c), host="0.0.0.0"):
       pass
+
+
+class PendingGenerate:
+  """An episode's `generate` whose turns wait until the test resolves them."""
+
+  def __init__(self):
+    self.futures, self.released = [], []
+
+  def __call__(self, tokens, n=1, **kw):
+    self.futures.append(Future())
+    return self.futures[-1]
+
+  def release(self, slot):
+    self.released.append(slot)
+
+
+def test_an_agent_that_closes_a_streamed_tool_turn_loses_its_episode_and_the_turn_is_recorded(
+    scripted):
+  import httpx  # noqa: PLC0415 (the `openai` client's)
+  from conftest import wait_until  # noqa: PLC0415
+  _, endpoint = scripted
+  generate = PendingGenerate()
+  episode = endpoint.open(generate, budget=100)
+  tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+  body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+          "stream": True}
+  with httpx.stream("POST", f"{endpoint.episode_url(episode)}/chat/completions", json=body,
+                    timeout=30) as r:
+    next(r.iter_lines())  # the role chunk; then the agent goes away
+  wait_until(lambda: episode.lost is not None, timeout=10)
+  assert episode.lost.reason == "malformed"
+  prompt = episode.ids
+  ids = TOK.encode("ok") + [TOK.eos_id]
+  generate.futures[0].set_result([Trajectory.from_completion(
+      prompt, ids, np.full(3, -0.5), np.full(3, 3), "stop", metadata={"slot": 7})])
+  wait_until(lambda: episode.turns == 1)  # the turn is recorded, so its slot is freed
+  endpoint.finish(episode)
+  assert generate.released == [7]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"n": 100_000_000, "stream": True}, "n"), ({"stop": list(string.ascii_letters)}, "stop")])
+def test_the_work_a_request_asks_for_is_bounded(body, field):
+  with pytest.raises(wire.BadRequest, match=f"^{field} "):
+    wire.parse_ask(body, TOK.encode, chat=False)
+
+
+def test_a_stop_string_the_tokenizer_cannot_encode_is_found_in_the_text():
+  def encode(text):
+    if "é" in text:
+      raise ValueError(f"{text!r} is outside the vocabulary")
+    return TOK.encode(text)
+  ask = wire.parse_ask({"stop": ["é", "?"]}, encode, chat=False)
+  assert ask.stop == ("é", "?") and ask.stop_ids == tuple(TOK.encode("?"))
+
+
+def test_a_closed_workflow_frees_its_endpoint_port_and_a_taken_port_is_a_runtime_error():
+  endpoint = Endpoint(TOK).start()
+  port = int(endpoint.url.rsplit(":", 1)[1])
+  workflow = AgentWorkflow(endpoint, _crashes, row=str, deadline_s=1.0)
+  with pytest.raises(RuntimeError, match=f"cannot bind 127.0.0.1:{port}"):
+    Endpoint(TOK, port=port).start()
+  workflow.close()
+  Endpoint(TOK, port=port).start().close()
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     r"messages\[0\].content"),
+    ({"messages": [{"role": "assistant", "tool_calls": 5}]}, r"messages\[0\].tool_calls"),
+    ({"prompt": "x", "temperature": 10 ** 400}, "temperature"),
+    ({"prompt": "x", "top_p": 10 ** 400}, "top_p"),
+    ({"prompt": [5, 1099511627776]}, "prompt")])
+def test_a_malformed_body_is_a_bad_request_naming_its_field(scripted, body, field):
+  import httpx  # noqa: PLC0415 (the `openai` client's)
+  _, endpoint = scripted
+  route = "chat/completions" if "messages" in body else "completions"
+  r = httpx.post(f"{endpoint.url}/v1/{route}", json={"model": "m", **body}, timeout=30)
+  assert r.status_code == 400 and re.match(field, r.json()["error"]["message"])
+
+
+class FailedPool:
+  """A pool whose decode thread failed: every request's future fails."""
+
+  def submit(self, request):
+    future = Future()
+    future.set_exception(RuntimeError("the decode thread failed"))
+    return future
+
+
+def test_a_failed_pool_is_answered_as_unavailable_streamed_or_not():
+  endpoint = Endpoint(TOK, pool=FailedPool()).start()
+  try:
+    client = _client(f"{endpoint.url}/v1")
+    with pytest.raises(openai.InternalServerError, match="decode thread failed"):
+      client.completions.create(model="m", prompt="x")
+    with pytest.raises(openai.APIError, match="decode thread failed"):
+      list(client.completions.create(model="m", prompt="x", stream=True))
+  finally:
+    endpoint.close()

@@ -244,6 +244,9 @@ def test_a_warm_started_base_is_served_checkpoints_point_to_it_and_resume_is_exa
   path.rename(tmp_path / "elsewhere.npz")
   with pytest.raises(NoUsableCheckpointError, match=f"{re.escape(str(path))} is missing"):
     build.restored_trainer(cfg, str(tmp_path), mesh, task)
+  checkpoint.save_base(str(path), seed_init)  # a sound base file, of another run
+  with pytest.raises(NoUsableCheckpointError, match=f"trained on a base of sha256 {digest}"):
+    build.restored_trainer(cfg, str(tmp_path), mesh, task)
 
 
 def test_the_base_file_round_trips_and_a_damaged_one_is_an_error_naming_it(tmp_path):
@@ -278,3 +281,46 @@ def test_the_24gb_config_quotes_its_estimate_and_leaves_room_for_temporaries():
   assert m["optimizer"] < m["params"] / 10  # the moments are the adapters'
   resident = m["trainer"] + 2 * m["generator"] + m["generator_base"]
   assert 24e9 - resident > 7 * GIB
+
+
+def test_scoring_a_warm_started_run_serves_its_adapters_on_the_base_in_its_workdir(
+    tmp_path, monkeypatch):
+  from async_rl.rl import export  # noqa: PLC0415
+  cfg = small_config(**{"lora.rank": 4, "sft.steps": 2})
+  # Not the seed's init, which a base read from elsewhere would be.
+  base = jax.tree.map(lambda x: x + 1, build.lora_base(small_config(**{"lora.rank": 4})))
+  checkpoint.save_base(str(tmp_path / checkpoint.BASE_FILE), base)
+  adapters = _random_adapters(cfg.model, cfg.lora, jax.random.key(1))
+  served = []
+
+  class Evaluator:
+    rewards = None
+
+    def evaluate(self):
+      raise StopIteration  # what the engine served is all this test checks
+
+    def close(self):
+      pass
+
+  def make_evaluator(cfg, task, params, *, engines=None, **kw):
+    served.append(jax.device_get(engines[0].load_params(params)))
+    return Evaluator()
+
+  monkeypatch.setattr(build, "make_evaluator", make_evaluator)
+  with pytest.raises(StopIteration):
+    export.score(cfg, adapters, workdir=str(tmp_path))
+  want = jax.device_get(lora.merge(base, adapters, cfg.lora.scale))
+  np.testing.assert_array_equal(served[0]["embed"], want["embed"])
+
+
+def test_an_adapted_engine_lets_go_of_its_base_loader_once_it_holds_the_base():
+  import gc  # noqa: PLC0415
+  import weakref  # noqa: PLC0415
+  cfg = small_config(**{"lora.rank": 4})
+  loader = functools.cache(functools.partial(build.lora_base, cfg))
+  held = weakref.ref(loader)
+  engine = build.make_engine(cfg, base=loader)
+  del loader
+  engine.load_params(_random_adapters(cfg.model, cfg.lora, jax.random.key(1)))
+  gc.collect()
+  assert held() is None  # nor the copy of the base a cache holds

@@ -87,7 +87,12 @@ class Endpoint:
       family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
       sock = socket.socket(family, socket.SOCK_STREAM)
       sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-      sock.bind((self._host, self._port))
+      try:
+        sock.bind((self._host, self._port))
+      except OSError as e:
+        sock.close()
+        raise RuntimeError(f"the OpenAI endpoint cannot bind {self._host}:{self._port} "
+                           f"({e})") from e
       port = sock.getsockname()[1]
       # Agents pause between turns (their tools run); a connection kept alive across
       # the pause spares a reconnect and the race of a close meeting the next request.
@@ -101,6 +106,7 @@ class Endpoint:
       while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
           server.should_exit = True
+          sock.close()
           raise RuntimeError(f"the OpenAI endpoint did not start on {self._host}:{port}")
         time.sleep(0.01)
       self._server, self._thread = server, thread
@@ -199,6 +205,8 @@ class Endpoint:
       return _json(wire.error(str(e)), 503 if e.reason == "aborted" else 400)
     except _Aborted:
       return _json(wire.error(_Aborted.MESSAGE, "server_error"), 503)
+    except RuntimeError as e:  # the pool is shut down, or its decode thread failed
+      return _json(wire.error(_unavailable(e), "server_error"), 503)
     finally:
       if episode is not None and not getattr(response, "ends_turn", False):
         episode.busy = False
@@ -223,22 +231,26 @@ class Endpoint:
       prompt_ids = wire.parse_prompt(body, self._tok.encode, self._bos_id)
     # A streamed reply's text is sent as the pool reads its tokens, except with tools,
     # whose calls are parsed from the whole reply.
+    if episode is not None:
+      episode.check()
+      if ask.n != 1:
+        raise wire.BadRequest(f"n must be 1 within an episode, got {ask.n}")
     streams, on_tokens = None, None
     if ask.stream and not tools:
       loop, queue = asyncio.get_running_loop(), asyncio.Queue()
       streams = [wire.TextStream(self._tok.decode, ask.stop) for _ in range(ask.n)]
 
-      def on_tokens(index, tokens):  # on the pool's decode thread
+      def put(item):  # on the pool's threads
         try:
-          loop.call_soon_threadsafe(queue.put_nowait, (index, tokens))
+          loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the server's loop has closed: no one reads this stream
           pass
+
+      def on_tokens(index, tokens):
+        put((index, tokens))
     if episode is None:
       future = self._submit(prompt_ids or self._tok.encode(text), ask, on_tokens)
     else:
-      episode.check()
-      if ask.n != 1:
-        raise wire.BadRequest(f"n must be 1 within an episode, got {ask.n}")
       env = (episode.env_of_chat(messages, tools, text, self._tok.encode) if chat
              else episode.env_of_tokens(prompt_ids))
       try:
@@ -246,13 +258,18 @@ class Endpoint:
       except RuntimeError as e:  # the pool or the episode runner is closing
         raise episode.lose("aborted", f"the turn was not generated: {e}") from None
 
-    async def finish():
+    async def finish(recording=lambda: None):
+      """The turn's choices and usage; `recording()` runs when the turn is about to be
+      recorded, after the last await, so a disconnect before it leaves the turn to
+      `_stream`'s cleanup."""
       try:
-        samples = await asyncio.wrap_future(future)
+        # Shielded: a disconnect cancels this wait, and must not cancel the turn.
+        samples = await asyncio.shield(asyncio.wrap_future(future))
       except RuntimeError as e:  # the pool or the episode runner is closing
         if episode is None:
           raise
         raise episode.lose("aborted", f"the turn was not generated: {e}") from None
+      recording()
       return self._finish(samples, ask, chat, episode, messages, tools, text)
 
     if not ask.stream:
@@ -260,20 +277,19 @@ class Endpoint:
       return _json(wire.response(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
                                  usage_=counts))
     if streams is not None:
-      future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+      future.add_done_callback(lambda _: put(None))
     return self._stream(finish, future, queue if streams is not None else None, streams, ask,
                         chat, episode)
 
   def _finish(self, samples: list[Trajectory], ask: wire.Ask, chat: bool,
               episode: Optional[Episode], messages, tools, text):
     """The choices and usage of finished `samples`, recorded in `episode` if any."""
+    cuts = [self._stop_cut(s, ask) for s in samples]
     if episode is not None:
-      cut = self._stop_cut(samples[0], ask)
-      episode.record(samples[0], kept=cut and cut[0])
+      episode.record(samples[0], kept=cuts[0] and cuts[0][0])
       episode.check()
     if any(s.finish_reason == "aborted" for s in samples):
       raise _Aborted()
-    cuts = [self._stop_cut(s, ask) for s in samples]
     samples = [_cut(s, c[0]) if c else s for s, c in zip(samples, cuts)]
     choices = [self._choice(s, c and c[1], ask, tools) for s, c in zip(samples, cuts)]
     if episode is not None and chat:
@@ -302,6 +318,11 @@ class Endpoint:
 
     async def events():
       recorded = False
+
+      def recording():
+        nonlocal recorded
+        recorded = True
+
       try:
         for i in range(ask.n):
           if (chunk := chunks.start(i)) is not None:
@@ -310,8 +331,7 @@ class Endpoint:
           index, tokens = item
           if delta := streams[index].add(tokens):
             yield event(chunks.text(index, delta))
-        recorded = True  # `finish` records the turn, or fails
-        choices, counts = await finish()
+        choices, counts = await finish(recording)
         for i, c in enumerate(choices):
           rest = streams[i].rest(c.text or "") if streams else c.text or ""
           if rest or c.tool_calls or ask.logprobs:
@@ -322,6 +342,8 @@ class Endpoint:
         yield "data: [DONE]\n\n"
       except _Aborted:
         yield event(wire.error(_Aborted.MESSAGE, "server_error"))
+      except RuntimeError as e:
+        yield event(wire.error(_unavailable(e), "server_error"))
       except (ValueError, EpisodeLost) as e:
         yield event(wire.error(str(e)))
       finally:
@@ -369,6 +391,10 @@ class Endpoint:
     token_texts = [self._tok.decode([t]) for t in generated] if ask.logprobs else []
     logprobs = [float(x) for x in sample.logp_T[sample.prompt_len:]] if ask.logprobs else []
     return wire.Choice(text, token_texts, logprobs, finish, tuple(calls))
+
+
+def _unavailable(e: RuntimeError) -> str:
+  return f"the generator cannot serve requests now ({e})"
 
 
 class _Aborted(Exception):

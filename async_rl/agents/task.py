@@ -77,12 +77,16 @@ class AgentWorkflow:
               **{f"agent_lost_{r}": self._counts[f"lost_{r}"] for r in LOSSES}}
 
   def close(self) -> None:
-    """Cancels the agents still running, closes the HTTP client and stops the agents'
-    event loop, within `_CLOSE_TIMEOUT_S`."""
+    """Cancels the agents still running, closes the HTTP client, stops the agents'
+    event loop, within `_CLOSE_TIMEOUT_S`, and closes the endpoint. A later `run`
+    starts them again."""
     with self._lock:
       loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-    if loop is None:
-      return
+    if loop is not None:
+      self._stop(loop, thread)
+    self.endpoint.close()
+
+  def _stop(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
     try:
       asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(_CLOSE_TIMEOUT_S)
     except (TimeoutError, RuntimeError) as e:  # an agent that ignores its cancellation

@@ -4,12 +4,12 @@ Pure functions of dicts and token ids; the endpoint (`agents.server`) does the I
 A request is checked field by field and a bad one raises `BadRequest`, whose message
 names the field (the endpoint answers it with HTTP 400 in OpenAI's error shape).
 
-What is honoured: `n`, `temperature`, `top_p`, `seed`, `max_tokens` (or
-`max_completion_tokens`), `stop` (strings of any length, found in the decoded text as
-vLLM finds them: the reply ends with the token that completes the first stop string,
-which the text leaves out; see `stop_cut`), `logprobs` (the sampled token's log-prob,
-under the distribution it was drawn from; `top_logprobs` lists are empty), `tools`
-(handed to the chat template; tool calls are parsed from the reply, see
+What is honoured: `n` (up to `MAX_N`), `temperature`, `top_p`, `seed`, `max_tokens` (or
+`max_completion_tokens`), `stop` (up to `MAX_STOP` strings of any length, found in the
+decoded text as vLLM finds them: the reply ends with the token that completes the first
+stop string, which the text leaves out; see `stop_cut`), `logprobs` (the sampled token's
+log-prob, under the distribution it was drawn from; `top_logprobs` lists are empty),
+`tools` (handed to the chat template; tool calls are parsed from the reply, see
 `parse_tool_calls`), `stream` (`TextStream`, `Chunks`) and
 `stream_options.include_usage`. Other fields (`presence_penalty`, `user`, ...) are
 accepted and ignored, as vLLM does.
@@ -26,6 +26,13 @@ from typing import Any, Optional
 # A tool call in the Hermes / Qwen2.5 chat format: a JSON object {"name", "arguments"}
 # between these tags.
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+# The most completions one request asks for, and the most stop strings (OpenAI allows
+# 4; an agent may stop on many one-character strings): each costs the endpoint work
+# before the request is queued.
+MAX_N = 128
+MAX_STOP = 32
 
 
 class BadRequest(ValueError):
@@ -76,21 +83,42 @@ def _names(types) -> str:
   return " or ".join(t.__name__ for t in types)
 
 
+def _float(body: Mapping, key: str) -> float:
+  value = _get(body, key, (int, float), 1.0)
+  try:
+    return float(value)
+  except OverflowError:  # an integer of hundreds of digits
+    raise BadRequest(f"{key} must be a number in range, got an integer of "
+                     f"{len(str(abs(value)))} digits") from None
+
+
+def _encoded(encode):
+  """`encode`, giving no ids for a text the tokenizer cannot encode: such a stop string
+  is still found in the decoded text (`stop_cut`)."""
+  def encoded(text):
+    try:
+      return encode(text)
+    except ValueError:
+      return []
+  return encoded
+
+
 def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
-  """The sampling fields of a request body (`encode` maps a stop string to ids)."""
+  """The sampling fields of a request body (`encode` maps a stop string to ids).
+  `n` is at most `MAX_N` and `stop` holds at most `MAX_STOP` strings."""
   if not isinstance(body, Mapping):
     raise BadRequest("the request body must be a JSON object")
   n = _get(body, "n", int, 1)
-  if n < 1:
-    raise BadRequest(f"n must be >= 1, got {n}")
+  if not 1 <= n <= MAX_N:
+    raise BadRequest(f"n must be in [1, {MAX_N}], got {n}")
   max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
                     else "max_tokens", int)
   if max_tokens is not None and max_tokens < 1:
     raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}")
-  temperature = float(_get(body, "temperature", (int, float), 1.0))
+  temperature = _float(body, "temperature")
   if not 0 <= temperature <= 2:
     raise BadRequest(f"temperature must be in [0, 2], got {temperature}")
-  top_p = float(_get(body, "top_p", (int, float), 1.0))
+  top_p = _float(body, "top_p")
   if not 0 < top_p <= 1:
     raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
   seed = _get(body, "seed", int)
@@ -100,7 +128,9 @@ def parse_ask(body: Mapping, encode, *, chat: bool) -> Ask:
   stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
-  stop_ids = [ids[0] for ids in map(encode, stops) if len(ids) == 1]
+  if len(stops) > MAX_STOP:
+    raise BadRequest(f"stop holds at most {MAX_STOP} strings, got {len(stops)}")
+  stop_ids = [ids[0] for ids in map(_encoded(encode), stops) if len(ids) == 1]
   # Chat asks with a bool, completions with a count of alternatives (0 included).
   logprobs = (bool(_get(body, "logprobs", bool, False)) if chat
               else _get(body, "logprobs", int) is not None)
@@ -131,7 +161,8 @@ def stop_cut(generated: Sequence[int], decode, stop: Sequence[str]
   lo, hi = 1, len(generated)  # the fewest tokens whose text reaches `end`
   while lo < hi:
     mid = (lo + hi) // 2
-    if len(decode(generated[:mid])) >= end:
+    # Compared, not measured: a partial character's U+FFFD has a length too.
+    if decode(generated[:mid])[:end] == text[:end]:
       hi = mid
     else:
       lo = mid + 1
@@ -151,12 +182,16 @@ def parse_messages(body: Mapping) -> list[dict]:
     m = {k: v for k, v in m.items() if v is not None}
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text ones are understood
-      if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        raise BadRequest(f"messages[{i}].content: only text parts are supported")
+      if not all(isinstance(p, dict) and p.get("type") == "text"
+                 and isinstance(p.get("text", ""), str) for p in content):
+        raise BadRequest(f"messages[{i}].content: only text parts (with string text) are "
+                         f"supported")
       m["content"] = "".join(p.get("text", "") for p in content)
     elif content is not None and not isinstance(content, str):
       raise BadRequest(f"messages[{i}].content must be a string or a list of text parts")
     if "tool_calls" in m:
+      if not isinstance(m["tool_calls"], list):
+        raise BadRequest(f"messages[{i}].tool_calls must be a list, got {m['tool_calls']!r}")
       m["tool_calls"] = [_decoded_call(i, c) for c in m["tool_calls"]]
     out.append(m)
   return out
@@ -194,10 +229,10 @@ def parse_prompt(body: Mapping, encode, bos_id: Optional[int]) -> list[int]:
   if isinstance(prompt, str):
     return ([] if bos_id is None else [bos_id]) + list(encode(prompt))
   if isinstance(prompt, list) and prompt and all(
-      isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+      isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31 for t in prompt):
     return list(prompt)
   raise BadRequest("prompt must be a string or a non-empty list of token ids (one prompt "
-                   "per request)")
+                   "per request, each id in [0, 2**31))")
 
 
 def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict]]:
@@ -228,7 +263,7 @@ class Choice:
   """One completion as the endpoint returns it.
 
   Attributes:
-    text: the reply's text (without the stop token).
+    text: the reply's text (without the stop string or stop token that ended it).
     token_texts, logprobs: each generated token's text and behaviour log-prob.
     finish_reason: "stop", "length" or "tool_calls".
     tool_calls: parsed tool calls (chat requests with tools).

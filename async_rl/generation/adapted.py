@@ -30,7 +30,7 @@ class AdaptedEngine:
     engine: the engine (or `cpu.SlotGroupEngine`) to serve with.
     base: returns the frozen base params (stacked layout, host or device arrays); called
       once, by the first `load_params` (a run's warm-started base is written after its
-      engines are built).
+      engines are built), and then dropped, with whatever it holds.
     scale: the adapters' alpha / r.
   """
 
@@ -50,6 +50,7 @@ class AdaptedEngine:
     layout; never aliases `adapters`."""
     if self._base is None:
       self._base = self._engine.load_params(self._load_base())
+      self._load_base = None  # a loader that caches would keep a second copy alive
       self._merge = jax.jit(functools.partial(lora.merge, scale=self._scale),
                             out_shardings=jax.tree.map(lambda x: x.sharding, self._base))
     return self._merge(self._base, sharding.reshard(adapters, self._adapters_sharding))

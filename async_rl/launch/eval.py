@@ -56,8 +56,8 @@ def main(argv):
           else build.random_params(cfg, mesh)
       source = {"hf_model_dir": cfg.hf_model_dir}
     report = {**source, "task": cfg.task.name,
-              **export.score(cfg, params, num_prompts=_NUM_PROMPTS.value,
-                             pass_k=_PASS_K.value)}
+              **export.score(cfg, params, workdir=_WORKDIR.value,
+                             num_prompts=_NUM_PROMPTS.value, pass_k=_PASS_K.value)}
   except (ConfigError, ValueError, FileNotFoundError) as e:
     sys.exit(f"eval: {e}")
   if _OUT.value is not None:

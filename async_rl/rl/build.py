@@ -465,7 +465,7 @@ def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=
 
   Raises:
     NoUsableCheckpointError: the checkpoints cannot be restored, or a resumed LoRA run's
-      warm-started base is missing or damaged."""
+      warm-started base is missing, damaged or not the one its checkpoints record."""
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   try:
     # A LoRA checkpoint holds no base: a resumed trainer loads it from its pointer.
@@ -481,6 +481,8 @@ def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=
                   else checkpoint.base_digest(init_params))
       else:
         init_params, digest = checkpoint.load_base(path, models.abstract_params(cfg.model))
+        checkpoint.check_base(path, digest, checkpoint.saved_pointer(
+            checkpointer.directory, checkpointer.latest_step()))
     elif not given and (fresh or cfg.lora.enabled):
       init_params = initial_params(cfg, mesh, task, echo, record=record)
     trainer = make_trainer(cfg, mesh, init_params)

@@ -7,7 +7,8 @@ needs to resume exactly. With LoRA the params are the adapters, and the frozen b
 not saved: the meta holds its pointer (`lora_base`), and a resumed trainer is built on
 the base that pointer names. A base that only the run itself made (a warm start) is
 written once beside the checkpoints (`save_base`), and the pointer names that file and
-its digest (`load_base` checks both).
+its digest (`load_base` checks the file against its own digest, `check_base` against
+the checkpoint's).
 
 Writes are atomic: Orbax writes a step into a temporary directory and renames it
 when every item is complete, so a process killed mid-save leaves the previous
@@ -288,6 +289,32 @@ def save_base(path: str, params) -> str:
     raise CheckpointError(f"writing the run's frozen base to {path} failed "
                           f"({type(e).__name__}: {e})") from e
   return digest
+
+
+def check_base(path: str, digest: str, pointer) -> None:
+  """Checks that a checkpoint whose meta's `lora_base` is `pointer` was trained on the
+  warm-started base in `path`, whose digest is `digest`: a self-consistent base file of
+  another run is not the run's.
+
+  Raises:
+    NoUsableCheckpointError: naming both digests.
+  """
+  recorded = pointer.get("sha256") if isinstance(pointer, dict) else None
+  if recorded is not None and recorded != digest:
+    raise NoUsableCheckpointError(
+        f"the run's frozen base {path} has sha256 {digest}, but its checkpoints' adapters "
+        f"were trained on a base of sha256 {recorded}: restore the run's own file, or start "
+        f"the run afresh in a new workdir")
+
+
+def saved_pointer(directory: str, step: int):
+  """The `lora_base` pointer in the meta of `directory`'s checkpoint `step`; None if the
+  meta has none or cannot be read (restoring the step reports why)."""
+  try:
+    with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
+      return json.load(f).get("lora_base")
+  except (OSError, ValueError, AttributeError):
+    return None
 
 
 def load_base(path: str, abstract):

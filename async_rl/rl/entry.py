@@ -93,6 +93,7 @@ def _in_process(cfg, workdir, task, *, init_params, stop, echo, progress, run_id
                             trainer_devices=devices.trainer, init_params=init_params, stop=stop,
                             echo=echo, progress=progress, run_id=run_id)
     worker = build.rollout_worker(cfg, server, task=task, engines=engines)
+    base.cache_clear()  # the engines hold the base on their devices now
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary
@@ -101,6 +102,10 @@ def _in_process(cfg, workdir, task, *, init_params, stop, echo, progress, run_id
     for part in (worker, loop):
       if part is not None:
         part.close()
+    # A workflow that serves (an agent's endpoint) frees its port for the next run.
+    close_workflow = getattr(getattr(task, "workflow", None), "close", None)
+    if close_workflow is not None:
+      close_workflow()
 
 
 def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,

@@ -3,6 +3,7 @@ Hugging Face directory (the way back from `hf_model_dir`), or served, like a Hug
 Face model, by JetStream's orchestrator."""
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, SamplingParams
 from async_rl.models import hf, lora
 from async_rl.models.hf_tokenizer import HFTokenizer
-from async_rl.rl import build
+from async_rl.rl import build, checkpoint
 from async_rl.rl.checkpoint import restore_params
 from async_rl.tasks.registry import make_task
 
@@ -48,17 +49,23 @@ def checkpoint_params(cfg: ExperimentConfig, workdir: str, step: Optional[int] =
                         abstract=abstract)
 
 
-def score(cfg: ExperimentConfig, params, *, num_prompts: Optional[int] = None,
-          pass_k: Optional[int] = None) -> dict:
+def score(cfg: ExperimentConfig, params, *, workdir: Optional[str] = None,
+          num_prompts: Optional[int] = None, pass_k: Optional[int] = None) -> dict:
   """Held-out metrics of `params` (`checkpoint_params`'s) on `cfg`'s task
   (`build.make_evaluator`, its reward service of `rollout.reward_workers` processes):
-  greedy accuracy, pass@k, mean completion length, and the reward calls that failed."""
+  greedy accuracy, pass@k, mean completion length, and the reward calls that failed.
+  A LoRA run's adapters are served on the base its pointer names (`build.lora_base`):
+  a warm-started one is read from the run's `workdir`."""
   cfg = build.resolve(cfg)
   task = build.preflight(cfg)
   cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
       cfg.eval, num_prompts=num_prompts or cfg.eval.num_prompts,
       pass_k=pass_k or cfg.eval.pass_k))
-  evaluator = build.make_evaluator(cfg, task, params, reward_workers=cfg.rollout.reward_workers)
+  engines = None
+  if cfg.lora.enabled:
+    engines = [build.make_engine(cfg, base=functools.partial(build.lora_base, cfg, workdir))]
+  evaluator = build.make_evaluator(cfg, task, params, engines=engines,
+                                   reward_workers=cfg.rollout.reward_workers)
   try:
     metrics = evaluator.evaluate()
     rewards = evaluator.rewards.metrics()
@@ -101,11 +108,16 @@ def export_hf(workdir: str, out_dir: str, *, step: Optional[int] = None,
       return
     step = latest_step(workdir) if step is None else step
     with open(os.path.join(checkpoints, str(step), "meta", "metadata")) as f:
-      if json.load(f).get("lora_base") == build.GIVEN_BASE:
-        raise ValueError(f"the run in {workdir} trained adapters on a base given to it "
-                         f"(init_params), which its config does not name: export the "
-                         f"adapters alone (--adapter) and merge them into that base")
-    params = lora.merge(build.lora_base(cfg, workdir), adapters, cfg.lora.scale)
+      pointer = json.load(f).get("lora_base")
+    if pointer == build.GIVEN_BASE:
+      raise ValueError(f"the run in {workdir} trained adapters on a base given to it "
+                       f"(init_params), which its config does not name: export the "
+                       f"adapters alone (--adapter) and merge them into that base")
+    base = build.lora_base(cfg, workdir)
+    if build.warm_started(cfg):
+      checkpoint.check_base(os.path.join(workdir, checkpoint.BASE_FILE),
+                            checkpoint.base_digest(base), pointer)
+    params = lora.merge(base, adapters, cfg.lora.scale)
   elif adapter:
     raise ValueError(f"the run in {workdir} trained no adapters (lora.rank = 0): export "
                      f"the whole model, without --adapter")

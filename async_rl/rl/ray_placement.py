@@ -160,6 +160,7 @@ class RolloutWorkerActor(RolloutWorker):
     base = functools.cache(functools.partial(build.lora_base, cfg, workdir))
     worker = build.rollout_worker(cfg, server, index=index, engines=[
         build.make_engine(cfg, replica, base=base) for replica in devices.replicas])
+    base.cache_clear()  # the engines hold the base on their devices now
     super().__init__(worker.index, worker.controller, worker.pool, worker.rewards)
 
 

@@ -110,6 +110,10 @@ def test_measured_host_costs_by_hand():
   assert host.step_and_rest(0.05, 0.04, 16, 32) == (pytest.approx(0.04 / 32), 0.0)  # noise
   with pytest.raises(ValueError, match="longer"):
     host.step_and_rest(0.05, 0.09, 16, 16)
+  assert host.request_lengths(86, 8) == (40, 80)  # whole chunks of 8
+  assert host.request_lengths(12, 8) == (6, 12)  # two chunks do not fit: single steps
+  with pytest.raises(ValueError, match="two new tokens"):
+    host.request_lengths(1, 8)
   # Quantiles: a batch of 4 from 1..100 takes the 13th, 38th, 63rd and 88th.
   assert host.quantile_lengths(range(100, 0, -1), 4) == [13, 38, 63, 88]
   assert host.quantile_lengths([7], 3) == [7, 7, 7]

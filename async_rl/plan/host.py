@@ -73,6 +73,21 @@ def step_and_rest(short_s: float, long_s: float, short: int, long: int) -> tuple
   return step, max(0.0, long_s - step * long)
 
 
+def request_lengths(room: int, steps_per_call: int) -> tuple[int, int]:
+  """The new tokens of the short and the long request that time a decode step, where a
+  sample has `room` for new tokens: the long one as long as room allows, the short one
+  about half of it, both whole chunks of `steps_per_call` steps where two chunks fit.
+
+  Raises:
+    ValueError: no room for two decode steps.
+  """
+  if room < 2:
+    raise ValueError(f"timing a decode step needs room for two new tokens, got {room}")
+  chunk = steps_per_call if room >= 2 * steps_per_call else 1
+  long = room // chunk * chunk
+  return long // chunk // 2 * chunk, long
+
+
 def quantile_lengths(lengths: Sequence[int], n: int) -> list[int]:
   """`n` output lengths at evenly spaced quantiles of `lengths`: a batch whose token
   count is the distribution's mean, with no draw's luck in it."""
@@ -105,11 +120,8 @@ def measure(cfg, *, prompt_tokens: int, lengths: Sequence[int], reps: int = 3) -
   prompt = [int(t) for t in rng.integers(0, cfg.model.vocab_size, prompt_tokens)]
   mesh = sharding.make_mesh(cfg.mesh)
   trainer = build.make_trainer(cfg, mesh)
-  # Both lengths whole chunks of decode steps, the long one as long as a sample may
-  # be, the short one about half of it.
-  room = min(g.max_new_tokens, g.max_length - prompt_tokens)
-  long = max(2, room // g.steps_per_call) * g.steps_per_call
-  short = long // g.steps_per_call // 2 * g.steps_per_call
+  short, long = request_lengths(min(g.max_new_tokens, g.max_length - prompt_tokens),
+                                g.steps_per_call)
   ids = iter(range(1 << 30))
 
   with build.make_pool([build.make_engine(cfg)], build.random_params(cfg, mesh)) as pool:

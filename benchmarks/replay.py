@@ -8,7 +8,7 @@ Prints tables, then, as the last line, one JSON object with the headline figures
 Part 1, recording overhead. For the micro and tiny configs (their models and batches:
 B groups of G samples, prompts of `max_prompt_len` / 2 tokens, completions of uniform
 length in [1, `max_new_tokens`], versions spread over the η + 1 a batch may hold,
-seeded), it times what a recording run adds to each step, `replay.write_batch` of the
+seeded), it times what a recording run adds to each step, `schedule.write_batch` of the
 batch into a temporary directory (arrays, digest, file), against the step itself,
 `Trainer.train` of a trainer the builder makes (`build.make_trainer`: packing,
 proximal recompute, update), calls and a float32 1024³ matmul peak taking turns.
@@ -42,7 +42,7 @@ from async_rl import cpu, models, sharding
 from async_rl.cli import from_dict
 from async_rl.config import ModelConfig
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
-from async_rl.rl import build, entry, replay
+from async_rl.rl import build, entry, schedule
 from async_rl.trajectory import Group, Trajectory
 # Also defines --quick (fewer rounds and samples here) and --seed (of the batches and prompts).
 from benchmarks.train_step import matmul_peak
@@ -83,7 +83,7 @@ def bench_recording(name, rounds, rng):
   groups = _batch(cfg, rng)
   context = build.record_context(cfg, trainer.mesh)
   with tempfile.TemporaryDirectory() as directory:
-    record = lambda: replay.write_batch(directory, 1, groups, context=context)
+    record = lambda: schedule.write_batch(directory, 1, groups, context=context)
     trainer.train(groups)  # the compile
     record()
     record_t, step_t, peaks = [], [], []

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import struct
 
-from async_rl.rl import entry, replay, workdir
+from async_rl.rl import entry, schedule, workdir
 from async_rl.rl.checkpoint import Checkpointer, NoUsableCheckpointError
 from async_rl.rl.errors import CheckpointError
 from rl_test_utils import check_prompt_accounting, small_config
@@ -264,7 +264,7 @@ def test_a_workdir_moved_away_during_a_run_stops_it_and_frees_the_lock(tmp_path)
                      "was removed or moved away"):
     entry.run(small_config(num_steps=5), str(run_dir), progress=False, echo=echo)
   assert max(_step_lines(moved)) == 3  # it stopped at the step it happened in
-  assert replay.checkpoint_steps(moved / "checkpoints")  # the last good one is kept
+  assert schedule.checkpoint_steps(moved / "checkpoints")  # the last good one is kept
   for held in (moved, run_dir):  # the lock is free, wherever the workdir went
     with workdir.hold(str(held), echo=lambda _: None):
       pass

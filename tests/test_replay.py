@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_rl.rl import entry, replay
+from async_rl.rl import entry, replay, schedule
 from async_rl.rl.errors import ConfigError, WorkdirError
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
@@ -52,7 +52,7 @@ def _lines(workdir):
 
 
 def _schedule(workdir):
-  return str(Path(workdir) / replay.SCHEDULE_DIR)
+  return str(Path(workdir) / schedule.SCHEDULE_DIR)
 
 
 def _copy(workdir, tmp_path):
@@ -64,10 +64,10 @@ def _copy(workdir, tmp_path):
 def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, recorded, mode):
   old = recorded(mode)
   logged = _lines(old)
-  assert replay.recorded_steps(_schedule(old)) == [1, 2, 3]
+  assert schedule.recorded_steps(_schedule(old)) == [1, 2, 3]
   staleness, generated = [], 0
   for step in (1, 2, 3):
-    groups, context = replay.read_batch(_schedule(old), step)
+    groups, context = schedule.read_batch(_schedule(old), step)
     # The record is the batch the run trained, in its order.
     assert [g.prompt_id for g in groups] == logged[step]["prompts"]
     assert context["grad_threads"] == 2 and logged[step]["time_record_s"] > 0
@@ -87,13 +87,13 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
   assert summary["logp_unchecked"] == 0 or mode == "keep"
   replayed = _lines(tmp_path / "new")
   assert [replayed[s]["loss"] for s in (1, 2, 3)] == [logged[s]["loss"] for s in (1, 2, 3)]
-  assert replay.checkpoint_steps(tmp_path / "new" / "checkpoints")[-1] == 3
+  assert schedule.checkpoint_steps(tmp_path / "new" / "checkpoints")[-1] == 3
 
 
-def _generated(schedule, steps):
+def _generated(directory, steps):
   """How many generated tokens `steps`' batches hold."""
   return sum(int(np.count_nonzero(t.versions_T >= 0)) for step in steps
-             for g in replay.read_batch(schedule, step)[0] for t in g.trajectories)
+             for g in schedule.read_batch(directory, step)[0] for t in g.trajectories)
 
 
 def test_a_pruned_record_replays_from_the_checkpoint_it_starts_after(tmp_path, recorded):
@@ -126,8 +126,8 @@ def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays_in_t
     shutil.rmtree(old / "checkpoints" / str(step))
   cfg = _config("keep", num_steps=2)
   entry.run(cfg, str(old), progress=False, echo=lambda _: None)
-  assert replay.recorded_steps(_schedule(old)) == [1, 2]
-  groups, _ = replay.read_batch(_schedule(old), 2)
+  assert schedule.recorded_steps(_schedule(old)) == [1, 2]
+  groups, _ = schedule.read_batch(_schedule(old), 2)
   assert [g.prompt_id for g in groups] == _lines(old)[2]["prompts"]
 
   # A replay stopped after step 1 goes on from its own checkpoint.
@@ -142,15 +142,15 @@ def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays_in_t
     assert f"replay v={step}: the train state equals {old}'s checkpoint {step} bit for bit" in lines
 
 
-def _rewrite(schedule, step, change, *, digest):
+def _rewrite(directory, step, change, *, digest):
   """Rewrites the record of `step` with `change(arrays)` applied, its digest recomputed
   or left as it was."""
-  path = Path(schedule) / f"{step:08d}.npz"
+  path = Path(directory) / f"{step:08d}.npz"
   with np.load(path) as f:
     arrays = {name: f[name] for name in f.files}
   change(arrays)
   if digest:
-    arrays = replay.encode(*replay.decode(arrays))
+    arrays = schedule.encode(*schedule.decode(arrays))
   with open(path, "wb") as f:
     np.savez(f, **arrays)
 
@@ -201,7 +201,7 @@ def test_a_replay_needs_the_recorded_config_thread_count_and_schedule(tmp_path, 
   with pytest.raises(ConfigError, match="a workdir of its own"):
     replay_into(_config("drain"), old, old)
   unrecorded = _copy(old, tmp_path)
-  shutil.rmtree(unrecorded / replay.SCHEDULE_DIR)
+  shutil.rmtree(unrecorded / schedule.SCHEDULE_DIR)
   with pytest.raises(ConfigError, match="holds no recorded schedule .*run.record_schedule=False"):
     replay_into(_config("drain"), unrecorded, "d")
 
@@ -233,20 +233,20 @@ def test_the_recomputable_tokens_are_those_whose_cache_their_version_computed():
 
 def test_the_record_keeps_the_truncation_the_log_probs_are_under():
   truncated = dataclasses.replace(_traj([0, 0]), top_k=8, top_p=0.9)
-  groups, _ = replay.decode(replay.encode([Group("p", (truncated, _traj([0])))], {}))
+  groups, _ = schedule.decode(schedule.encode([Group("p", (truncated, _traj([0])))], {}))
   assert [(t.top_k, t.top_p) for t in groups[0].trajectories] == [(8, 0.9), (0, 1.0)]
 
 
 def test_a_resume_keeps_the_record_through_its_checkpoint_and_a_gap_stops_recording(tmp_path):
   batch = [Group("p", (_traj([0, 0]).with_reward(1.0), _traj([0]).with_reward(0.5)))]
   context = {"grad_threads": 1}
-  record = replay.recorder(str(tmp_path), None, context)
+  record = schedule.recorder(str(tmp_path), None, context)
   for step in (1, 2, 3, 4):
     record(step, batch)
-  record = replay.recorder(str(tmp_path), 2, context)
-  assert replay.recorded_steps(str(tmp_path)) == [1, 2]
+  record = schedule.recorder(str(tmp_path), 2, context)
+  assert schedule.recorded_steps(str(tmp_path)) == [1, 2]
   record(3, batch)
-  groups, got = replay.read_batch(str(tmp_path), 3)
+  groups, got = schedule.read_batch(str(tmp_path), 3)
   assert got == context and groups[0].prompt_id == "p"
   for a, b in zip(groups[0].trajectories, batch[0].trajectories, strict=True):
     for field in ("tokens_T", "loss_mask_T", "logp_T", "versions_T"):
@@ -254,12 +254,12 @@ def test_a_resume_keeps_the_record_through_its_checkpoint_and_a_gap_stops_record
     assert (a.prompt_len, a.finish_reason, a.reward) == (b.prompt_len, b.finish_reason, b.reward)
 
   warnings = []
-  record = replay.recorder(str(tmp_path), 5, context, echo=warnings.append)  # 4 and 5 missing
+  record = schedule.recorder(str(tmp_path), 5, context, echo=warnings.append)  # 4 and 5 missing
   record(6, batch)
-  assert replay.recorded_steps(str(tmp_path)) == [1, 2, 3]
+  assert schedule.recorded_steps(str(tmp_path)) == [1, 2, 3]
   assert "does not record its schedule" in warnings[0]
-  replay.recorder(str(tmp_path), None, context, enabled=False)  # a fresh run keeps none
-  assert replay.recorded_steps(str(tmp_path)) == []
+  schedule.recorder(str(tmp_path), None, context, enabled=False)  # a fresh run keeps none
+  assert schedule.recorded_steps(str(tmp_path)) == []
 
 
 def test_the_first_difference_names_the_leaf_and_how_many_elements_differ():
@@ -274,32 +274,32 @@ def test_the_first_difference_names_the_leaf_and_how_many_elements_differ():
 
 def test_the_record_is_pruned_up_to_the_oldest_kept_checkpoint_and_resumes_after_it(tmp_path):
   batch = [Group("p", (_traj([0, 0]).with_reward(1.0),))]
-  schedule, checkpoints = str(tmp_path / "schedule"), tmp_path / "checkpoints"
-  record = replay.recorder(schedule, None, {}, checkpoints=str(checkpoints))
+  directory, checkpoints = str(tmp_path / "schedule"), tmp_path / "checkpoints"
+  record = schedule.recorder(directory, None, {}, checkpoints=str(checkpoints))
   record(1, batch)
   record(2, batch)
-  assert replay.recorded_steps(schedule) == [1, 2]  # no checkpoint yet
+  assert schedule.recorded_steps(directory) == [1, 2]  # no checkpoint yet
   for step in (2, 3):
     (checkpoints / str(step)).mkdir(parents=True)
   record(3, batch)
-  assert replay.recorded_steps(schedule) == [3]  # a replay starts from checkpoint 2
+  assert schedule.recorded_steps(directory) == [3]  # a replay starts from checkpoint 2
   # Resumed from checkpoint 3, the run goes on recording after it...
-  record = replay.recorder(schedule, 3, {}, checkpoints=str(checkpoints))
+  record = schedule.recorder(directory, 3, {}, checkpoints=str(checkpoints))
   record(4, batch)
-  assert replay.recorded_steps(schedule) == [3, 4]
+  assert schedule.recorded_steps(directory) == [3, 4]
   # ...unless the checkpoint the record starts after is gone.
   (checkpoints / "2").rmdir()
   warnings = []
-  replay.recorder(schedule, 4, {}, checkpoints=str(checkpoints), echo=warnings.append)(5, batch)
-  assert replay.recorded_steps(schedule) == [3, 4] and "does not record" in warnings[0]
+  schedule.recorder(directory, 4, {}, checkpoints=str(checkpoints), echo=warnings.append)(5, batch)
+  assert schedule.recorded_steps(directory) == [3, 4] and "does not record" in warnings[0]
   # Compressed: a batch of repeated tokens takes fewer bytes than its arrays.
   long = [Group("p", (_traj([0] * 4000).with_reward(1.0),))]
-  replay.write_batch(schedule, 9, long, context={})
-  assert (Path(schedule) / "00000009.npz").stat().st_size < 4000 * 4
+  schedule.write_batch(directory, 9, long, context={})
+  assert (Path(directory) / "00000009.npz").stat().st_size < 4000 * 4
 
 
 def test_a_record_that_cannot_be_written_stops_the_run_naming_the_file(tmp_path):
-  record = replay.recorder(str(tmp_path / "schedule"), None, {})
+  record = schedule.recorder(str(tmp_path / "schedule"), None, {})
   shutil.rmtree(tmp_path / "schedule")  # the workdir went away
   with pytest.raises(WorkdirError, match=r"writing the record of step 1 to .*schedule/00000001"
                      r"\.npz failed \(FileNotFoundError: .*\); the directory is gone"):

@@ -33,7 +33,7 @@ from async_rl.generation.adapted import AdaptedEngine
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config
 from async_rl.rewards import Reward, RewardService
-from async_rl.rl import checkpoint, multihost, replay as replay_lib
+from async_rl.rl import checkpoint, multihost, schedule
 from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.deadlines import Deadlines
@@ -520,8 +520,8 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   trainer, checkpointer, restored = restored_trainer(
       cfg, workdir, mesh, task, server=server, init_params=init_params, echo=bar.echo,
       record=lambda *line: warm_start_log.append((*line, time.time())))
-  record = replay_lib.recorder(
-      os.path.join(workdir, replay_lib.SCHEDULE_DIR), restored.step, record_context(cfg, mesh),
+  record = schedule.recorder(
+      os.path.join(workdir, schedule.SCHEDULE_DIR), restored.step, record_context(cfg, mesh),
       enabled=cfg.run.record_schedule, echo=bar.echo,
       checkpoints=checkpointer.directory if cfg.run.prune_schedule else None)
   leader = multihost.Leader() if jax.process_count() > 1 else None

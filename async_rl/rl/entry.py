@@ -21,7 +21,7 @@ from async_rl import cli, sharding
 from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
 from async_rl.progress import Progress
-from async_rl.rl import build, multihost, replay as replay_lib
+from async_rl.rl import build, multihost, replay as replay_lib, schedule
 from async_rl.rl import workdir as workdir_lib
 from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.errors import ConfigError
@@ -137,18 +137,18 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
   if stop is not None and stop.is_set():
     echo(f"stopped before the replay started; {workdir} is as it was")
     return {"stopped": True}
-  schedule = os.path.join(recorded, replay_lib.SCHEDULE_DIR)
+  record = os.path.join(recorded, schedule.SCHEDULE_DIR)
   # The recorded run's workdir is held too: a resume of it would rewrite its record.
   with workdir_lib.hold(workdir, echo) as me, workdir_lib.hold(recorded, echo):
     echo(f"{me}: replaying {os.path.abspath(recorded)} in workdir {os.path.abspath(workdir)}")
     workdir_lib.check_resume(cfg, workdir)
-    steps = replay_lib.recorded_steps(schedule)
+    steps = schedule.recorded_steps(record)
     if not steps:
-      raise ConfigError(f"{recorded} holds no recorded schedule ({schedule} has no batch): "
+      raise ConfigError(f"{recorded} holds no recorded schedule ({record} has no batch): "
                         f"its run had run.record_schedule=False, or trained no step, or its "
                         f"record was pruned up to its newest checkpoint (run.prune_schedule)")
     if steps != list(range(steps[0], steps[-1] + 1)):
-      raise ConfigError(f"--replay needs the batches of consecutive steps in {schedule}, found "
+      raise ConfigError(f"--replay needs the batches of consecutive steps in {record}, found "
                         f"those of steps {steps[:10]}")
     bar = Progress(echo, enabled=progress)
     mesh = sharding.make_mesh(cfg.mesh, build.split_devices(
@@ -159,11 +159,11 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
                                                              echo=bar.echo)
     reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
     abstract = trainer.abstract_state()
-    reference_steps = replay_lib.checkpoint_steps(reference.directory)
+    reference_steps = schedule.checkpoint_steps(reference.directory)
     start, initial = steps[0] - 1, None
     if restored.step is None and start > 0:
       if start not in reference_steps:
-        raise ConfigError(f"the record in {schedule} starts at step {steps[0]}; a replay "
+        raise ConfigError(f"the record in {record} starts at step {steps[0]}; a replay "
                           f"starts from {recorded}'s checkpoint {start}, which is gone (its "
                           f"checkpoints: {reference_steps})")
       initial = trainer.device_params()  # version 0's, which the run kept no checkpoint of
@@ -173,7 +173,7 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
       bar.echo(f"the replay starts from {recorded}'s checkpoint {start}, where its record "
                f"starts")
     elif (restored.step or 0) < start:
-      raise ConfigError(f"the record in {schedule} starts at step {steps[0]}, after this "
+      raise ConfigError(f"the record in {record} starts at step {steps[0]}, after this "
                         f"replay's checkpoint {restored.step}: replay into a new workdir")
     log = MetricsLog(workdir, me.run_id, resume_step=restored.step,
                      hparams=cli.to_dict(cfg))
@@ -189,7 +189,7 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
     float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
     replayer = replay_lib.Replay(
         trainer, checkpointer, log, recorded=recorded,
-        read=functools.partial(replay_lib.read_batch, schedule),
+        read=functools.partial(schedule.read_batch, record),
         steps=min(cfg.num_steps, steps[-1]),
         reference=lambda step: reference.restore(step, abstract)[0],
         reference_steps=reference_steps,

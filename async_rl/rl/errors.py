@@ -62,3 +62,8 @@ class WorkdirInUseError(RunError):
 
 class StopRequested(Exception):
   """The run was asked to stop (a signal) while this waited; not a fault."""
+
+
+class ReplayError(RunError):
+  """A replay found its record unusable, or the re-executed run different from it; the
+  message names the step and what differs."""

@@ -96,7 +96,7 @@ class Outputs:
     echo: receives the one-line summary of every step, and warnings; give it
       `progress.echo`, so that no line glues onto the bar.
     progress: the bar of training steps (drawn on a terminal only); None: none.
-    record: receives each step and its batch before the step trains (`rl.replay`).
+    record: receives each step and its batch before the step trains (`rl.schedule`).
   """
   checkpointer: Checkpointer
   log: MetricsLog

@@ -1,0 +1,201 @@
+"""A run's schedule, recorded in its workdir: what the trainer was fed, step by step.
+
+What an asynchronous run trains is decided by timing: which groups finish first and
+form each batch, and where each weight update hits each sample. Given what it is fed,
+the trainer is deterministic (`rl.replay` re-executes it). So the record is what it was
+fed: for every training step, the batch's groups in order and each trajectory as
+trained: tokens, loss mask, behaviour log-probs, per-token versions (which say where
+each weight update hit the sample), prompt length, finish reason and reward. Step 7's
+batch is `schedule/00000007.npz` in the workdir (deflated), written before the step
+trains (so a step that crashes is in the record) with a digest of its contents and the
+facts that fix the trainer's numerics (`context`). A resumed run first removes the
+batches its restored checkpoint supersedes, as the metrics log removes their lines. The
+record is bounded as the checkpoints are: by default each write deletes the batches up
+to the oldest checkpoint kept, since a replay can start from that checkpoint.
+"""
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import zipfile
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from async_rl.rl.errors import ReplayError, WorkdirError
+from async_rl.trajectory import Group, Trajectory
+
+SCHEDULE_DIR = "schedule"
+_BATCH_FILE = re.compile(r"^(\d+)\.npz$")
+_PER_TOKEN = {"tokens": ("tokens_T", np.int32), "loss_mask": ("loss_mask_T", np.bool_),
+              "logp": ("logp_T", np.float32), "versions": ("versions_T", np.int32)}
+
+
+def _path(directory: str, step: int) -> str:
+  return os.path.join(directory, f"{step:08d}.npz")
+
+
+def recorded_steps(directory: str) -> list[int]:
+  """The steps whose batches `directory` holds, in order."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(m.group(1)) for name in os.listdir(directory)
+                if (m := _BATCH_FILE.match(name)))
+
+
+def recorder(directory: str, resume_step: Optional[int], context: dict[str, Any], *,
+             enabled: bool = True, echo: Callable[[str], None] = print,
+             checkpoints: Optional[str] = None) -> Callable[[int, Sequence[Group]], None]:
+  """The hook that records each training batch in `directory` (`record(step, groups)`).
+
+  First removes the batches above `resume_step` (the step of the checkpoint the run
+  resumes from; None: a run that starts afresh, which keeps none): the run trains
+  those steps again. With `checkpoints` (the run's checkpoint directory), each write
+  also deletes the batches of the steps up to the oldest checkpoint kept there, from
+  which a replay can start instead. The hook records nothing when not `enabled`, or
+  when the record lacks a batch between its start and `resume_step` (recording was off
+  for it): a replay needs every batch after the checkpoint it starts from.
+  """
+  through = resume_step or 0
+  for step in recorded_steps(directory):
+    if step > through:
+      os.remove(_path(directory, step))
+  if not enabled:
+    return _record_nothing
+  steps = recorded_steps(directory)
+  first = steps[0] if steps else through + 1
+  startable = first == 1 or (checkpoints is not None
+                             and first - 1 in checkpoint_steps(checkpoints))
+  if steps != list(range(first, through + 1)) or not startable:
+    echo(f"WARNING: {directory} holds the batches of {len(steps)} of the {through} steps "
+         f"before this one, not every one after a checkpoint; the run does not record its "
+         f"schedule (a replay needs every batch after the checkpoint it starts from)")
+    return _record_nothing
+  os.makedirs(directory, exist_ok=True)
+  write = functools.partial(write_batch, directory, context=context)
+  if checkpoints is None:
+    return write
+
+  def write_and_prune(step: int, groups: Sequence[Group]) -> None:
+    write(step, groups)
+    kept = checkpoint_steps(checkpoints)
+    for old in recorded_steps(directory):
+      if kept and old <= kept[0]:
+        os.remove(_path(directory, old))
+  return write_and_prune
+
+
+def _record_nothing(step: int, groups: Sequence[Group]) -> None:
+  del step, groups
+
+
+def write_batch(directory: str, step: int, groups: Sequence[Group], *,
+                context: dict[str, Any]) -> None:
+  """Writes the batch of `step` (atomically: a temporary file renamed).
+
+  Raises:
+    WorkdirError: the write failed (a full disk, an unwritable or vanished workdir).
+  """
+  path = _path(directory, step)
+  arrays = encode(groups, context)
+  try:
+    # Deflate at level 1: as small as the default level on these arrays (token ids and
+    # log-probs compress little past it; versions and masks are long runs) at a
+    # fraction of the time, which the trainer waits for.
+    with zipfile.ZipFile(path + ".tmp", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+      for name, array in arrays.items():
+        with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+          np.lib.format.write_array(f, array, allow_pickle=False)
+    os.replace(path + ".tmp", path)
+  except OSError as e:
+    with contextlib.suppress(OSError):
+      os.remove(path + ".tmp")
+    raise WorkdirError(f"writing the record of step {step} to {path} failed ({type(e).__name__}: "
+                       f"{e}); {_free_space(directory)}. Fix the cause and rerun the same "
+                       f"command to resume from the last checkpoint") from e
+
+
+def _free_space(directory: str) -> str:
+  try:
+    return f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free there"
+  except OSError:
+    return "the directory is gone"
+
+
+def read_batch(directory: str, step: int) -> tuple[list[Group], dict[str, Any]]:
+  """The batch of `step` and the context it was trained in.
+
+  Raises:
+    ReplayError: the file cannot be read, or its contents do not match its digest.
+  """
+  path = _path(directory, step)
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      arrays = {name: f[name] for name in f.files}
+    groups, context = decode(arrays)
+  except Exception as e:  # any damage: a truncated file, a missing field, a bad CRC
+    raise ReplayError(f"the record of step {step} ({path}) cannot be read: "
+                      f"{type(e).__name__}: {e}") from e
+  if str(arrays["digest"]) != _digest(arrays):
+    raise ReplayError(f"the record of step {step} ({path}) does not match its digest: it "
+                      f"was changed after the run wrote it")
+  return groups, context
+
+
+def encode(groups: Sequence[Group], context: dict[str, Any]) -> dict[str, np.ndarray]:
+  """A batch as flat arrays: per-token arrays laid end to end, per-trajectory and
+  per-group fields, the context as JSON, and a digest of them all."""
+  trajs = [t for g in groups for t in g.trajectories]
+  arrays = {name: np.concatenate([np.asarray(getattr(t, field), dtype) for t in trajs])
+            for name, (field, dtype) in _PER_TOKEN.items()}
+  arrays.update(
+      lengths=np.array([len(t) for t in trajs], np.int64),
+      prompt_lens=np.array([t.prompt_len for t in trajs], np.int64),
+      top_ks=np.array([t.top_k for t in trajs], np.int64),
+      top_ps=np.array([t.top_p for t in trajs], np.float64),
+      rewards=np.array([t.reward for t in trajs], np.float64),
+      finish_reasons=np.array([t.finish_reason for t in trajs], np.str_),
+      group_sizes=np.array([len(g.trajectories) for g in groups], np.int64),
+      prompt_ids=np.array([str(g.prompt_id) for g in groups], np.str_),
+      context=np.array(json.dumps(context, sort_keys=True)))
+  arrays["digest"] = np.array(_digest(arrays))
+  return arrays
+
+
+def decode(arrays: dict[str, np.ndarray]) -> tuple[list[Group], dict[str, Any]]:
+  """The groups and context `encode` wrote (the digest is not checked here)."""
+  ends = np.cumsum(arrays["lengths"])
+  per_token = {name: np.split(arrays[name], ends[:-1]) for name in _PER_TOKEN}
+  trajs = [Trajectory(**{field: per_token[name][i] for name, (field, _) in _PER_TOKEN.items()},
+                      prompt_len=int(arrays["prompt_lens"][i]),
+                      top_k=int(arrays["top_ks"][i]), top_p=float(arrays["top_ps"][i]),
+                      finish_reason=str(arrays["finish_reasons"][i]),
+                      reward=float(arrays["rewards"][i]))
+           for i in range(ends.size)]
+  bounds = np.concatenate([[0], np.cumsum(arrays["group_sizes"])])
+  groups = [Group(str(prompt_id), tuple(trajs[a:b]))
+            for prompt_id, a, b in zip(arrays["prompt_ids"], bounds[:-1], bounds[1:])]
+  return groups, json.loads(str(arrays["context"]))
+
+
+def _digest(arrays: dict[str, np.ndarray]) -> str:
+  h = hashlib.sha256()
+  for name in sorted(arrays):
+    if name != "digest":
+      a = np.ascontiguousarray(arrays[name])
+      h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+      h.update(a.tobytes())
+  return h.hexdigest()
+
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+  """The steps of the checkpoints under `directory`."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -68,13 +69,18 @@ def _untracked(directory, names):
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
   """A virtualenv holding async_rl built from a copy of this tree (links included),
-  nothing downloaded: its dependencies are the system's, through --system-site-packages."""
+  nothing downloaded: its dependencies are this interpreter's, through a .pth file that
+  names its site-packages (`--system-site-packages` alone would give the base
+  interpreter's when the tests run in a virtualenv)."""
   base = tmp_path_factory.mktemp("install")
   src = base / "src"
   shutil.copytree(ROOT, src, symlinks=True, ignore=_untracked)
   subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
                   str(base / "venv")], check=True, timeout=120)
   python = base / "venv" / "bin" / "python"
+  inner = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+  Path(inner, "outer_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
   out = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps",
                         "--no-build-isolation", "--no-index", str(src)],
                        capture_output=True, text=True, timeout=300)

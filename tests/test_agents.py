@@ -432,6 +432,20 @@ def test_the_example_agents_pass_the_run_checks_and_score_their_calls():
   assert data_agent.correct(["47+23=", "47+23", "4+23=", "47-23="], ["70"] * 4) == [1, 0, 0, 0]
 
 
+def test_the_registry_loads_the_agent_task_by_name_with_its_checks():
+  from async_rl import cli  # noqa: PLC0415
+  from async_rl.agents import task  # noqa: PLC0415
+  from async_rl.tasks import registry  # noqa: PLC0415
+  from examples.agents import calculator_config  # noqa: PLC0415
+  assert registry.resolve_task("agent") is task.make
+  cfg = cli.from_dict(calculator_config.get_config())
+  registry.check_task(cfg)
+  agent = dataclasses.replace(cfg.task.agent, episode="examples.agents:nowhere")
+  bad = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, agent=agent))
+  with pytest.raises(ValueError, match="task.agent.episode"):
+    registry.check_task(bad)
+
+
 def test_serving_alone_refuses_an_open_address_without_a_key():
   from async_rl import cli  # noqa: PLC0415
   from async_rl.agents import serve  # noqa: PLC0415

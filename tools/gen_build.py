@@ -23,7 +23,9 @@ so is what a shell script it runs names. Docstrings and comments are not read. I
 `tests/`, a file whose name ends in `_check` is such a script, the others are imported
 helpers; one that nothing imports or runs is an error.
 
-Standard library only, and deterministic: the same tree gives the same BUILD.
+The imports are walked once (`Repository.imported`, imports inside functions counted),
+which also gives tests/test_imports.py the library's import graph. Standard library
+only, and deterministic: the same tree gives the same BUILD.
 """
 
 import argparse
@@ -157,6 +159,14 @@ class Repository:
       name = name.rpartition(".")[0]
     return None
 
+  def imported(self, path, tree=None):
+    """The files of the repository that the Python code at `path` (parsed: `tree`)
+    imports, at the top or inside functions, each once: the module itself for
+    `from package import module`, the package's `__init__.py` for a name it defines."""
+    tree = tree or ast.parse((ROOT / path).read_text(), filename=path)
+    found = (self.module(name) for name in _imports(tree, path))
+    return list(dict.fromkeys(p for p in found if p is not None))
+
   def needs(self, path):
     """What the code at `path` needs, with what the tests/ scripts and shell scripts
     it runs need."""
@@ -173,10 +183,8 @@ class Repository:
         self._add_name(out, word, path)
       return out
     tree = ast.parse(text, filename=path)
-    for module in _imports(tree, path):
-      target = self.module(module)
-      if target is not None:
-        self._add_path(out, target, path)
+    for target in self.imported(path, tree):
+      self._add_path(out, target, path)
     # The library reads no file of the repository; this script reads all of it.
     if path not in self.library and ROOT / path != Path(__file__).resolve():
       for word, is_path in _strings(tree):

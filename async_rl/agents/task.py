@@ -40,6 +40,7 @@ from async_rl import named
 from async_rl.agents.episode import LOSSES, Episode, EpisodeLost
 from async_rl.agents.server import Endpoint
 from async_rl.config import TaskConfig
+from async_rl.tasks import registry
 from async_rl.trajectory import Trajectory
 
 _CLOSE_TIMEOUT_S = 10.0
@@ -220,7 +221,6 @@ def _inner_config(cfg: TaskConfig) -> TaskConfig:
 
 
 def make(cfg: TaskConfig) -> AgentTask:
-  from async_rl.tasks import registry  # noqa: PLC0415 - the registry names this task
   inner = registry.make_task(_inner_config(cfg))
   endpoint = Endpoint(inner.tokenizer, host=cfg.agent.host, port=cfg.agent.port,
                       api_key=cfg.agent.api_key, add_bos=cfg.agent.add_bos)
@@ -235,6 +235,5 @@ def make(cfg: TaskConfig) -> AgentTask:
 
 def check(cfg) -> None:
   """The inner task's checks, and that the agent function loads."""
-  from async_rl.tasks import registry  # noqa: PLC0415 - the registry names this task
   registry.check_task(dataclasses.replace(cfg, task=_inner_config(cfg.task)))
   load_agent(cfg.task.agent.episode)

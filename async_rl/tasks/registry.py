@@ -6,23 +6,27 @@ rollout worker's process can import; it reads its own options from `cfg.options`
 checks them itself. A built-in task also has a `check(cfg: ExperimentConfig)` of how it
 fits the rest of the run, which the builder runs before anything is compiled
 (`rl.build.preflight`), so that a bad value stops a binary at once.
+
+The agent task (`agents.task`) builds its inner task through this registry, so its
+entry names its functions as "module:attr", loaded when used: `tasks/` imports nothing
+from `agents/`.
 """
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from async_rl import named
-from async_rl.agents import task as agent_task
 from async_rl.tasks import arithmetic, code_task, data_task, math_task, tool_task
 
 
 class _Entry(NamedTuple):
-  make: Callable[[Any], Any]
-  check: Callable[[Any], None]
+  """A built-in task's factory and checks: each a function or its "module:attr"."""
+  make: Callable[[Any], Any] | str
+  check: Callable[[Any], None] | str
 
 
 TASKS: dict[str, _Entry] = {
-    "agent": _Entry(agent_task.make, agent_task.check),
+    "agent": _Entry("async_rl.agents.task:make", "async_rl.agents.task:check"),
     "arithmetic": _Entry(arithmetic.make, arithmetic.check),
     "arithmetic_tool": _Entry(tool_task.make, arithmetic.check),
     "code": _Entry(code_task.make, code_task.check),
@@ -33,16 +37,20 @@ TASKS: dict[str, _Entry] = {
 _MEMBERS = ("tokenizer", "reward_fn", "workflow", "stream", "heldout", "reference")
 
 
+def _loaded(member: Callable | str, kind: str) -> Callable:
+  return named.load_named(member, "task.name", kind) if isinstance(member, str) else member
+
+
 def resolve_task(name: str) -> Callable[[Any], Any]:
   """The factory of the task called `name`; raises ValueError for an unknown one."""
   found = named.lookup(TASKS, name, "task.name", "task factory")
-  return found.make if isinstance(found, _Entry) else found
+  return _loaded(found.make, "task factory") if isinstance(found, _Entry) else found
 
 
 def check_task(cfg) -> None:
   """The checks `cfg.task.name` owns; for "module:attr", that the factory loads."""
   if cfg.task.name in TASKS:
-    TASKS[cfg.task.name].check(cfg)
+    _loaded(TASKS[cfg.task.name].check, "task check")(cfg)
   else:
     resolve_task(cfg.task.name)
 

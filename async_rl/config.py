@@ -20,6 +20,9 @@ from typing import Any, Optional
 
 # The names fields may take.
 DTYPES = ("float32", "bfloat16", "float16")
+# How the rotary frequencies are scaled: not at all, or as Llama 3.1/3.2 do (the low
+# frequencies divided by a factor, the high ones kept, a smooth blend between).
+ROPE_SCALINGS = ("none", "llama3")
 # Per layer and token, what `model.remat_saves` may keep from the forward pass (the
 # rest is recomputed in the backward pass), and the matmul that keeping it saves
 # recomputing: the rotated q, k and v (D (H + 2K) E elements; their projection), the
@@ -78,7 +81,8 @@ def _check_finite(section, obj):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shape and numerics of a Qwen2-family decoder."""
+  """Shape and numerics of a Qwen2, Qwen3 or Llama decoder (a Llama layer has neither
+  `qkv_bias` nor `qk_norm`)."""
   vocab_size: int = _field(256, "token ids the model embeds and predicts (V).")
   d_model: int = _field(128, "the width of the residual stream (D).")
   n_layers: int = _field(4, "transformer layers (L).")
@@ -87,6 +91,16 @@ class ModelConfig:
   head_dim: int = _field(32, "the width of one head (E).")
   d_ff: int = _field(512, "the MLP's hidden width (F).")
   rope_theta: float = _field(10000.0, "the base of the rotary position embedding.")
+  rope_scaling: str = _field(
+      "none", "how the rotary frequencies are scaled (`ROPE_SCALINGS`): \"llama3\" divides "
+      "those whose wavelength exceeds rope_original_max_len / rope_low_freq_factor by "
+      "rope_scaling_factor, keeps those below rope_original_max_len / rope_high_freq_factor "
+      "and blends between.")
+  rope_scaling_factor: float = _field(8.0, "llama3 scaling: what the low frequencies are divided by.")
+  rope_low_freq_factor: float = _field(1.0, "llama3 scaling: the low-frequency bound's divisor.")
+  rope_high_freq_factor: float = _field(4.0, "llama3 scaling: the high-frequency bound's divisor.")
+  rope_original_max_len: int = _field(
+      8192, "llama3 scaling: the context length the frequencies were pretrained at.")
   rms_eps: float = _field(1e-6, "RMSNorm's epsilon.")
   qkv_bias: bool = _field(True, "biases on the q, k and v projections (Qwen2).")
   qk_norm: bool = _field(False, "per-head q/k RMSNorm (Qwen3).")
@@ -124,6 +138,15 @@ class ModelConfig:
     _check_finite("model", self)
     if self.rope_theta <= 0 or self.rms_eps <= 0:
       raise ValueError("model.rope_theta and model.rms_eps must be > 0")
+    _check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+    if self.rope_scaling == "llama3":
+      if self.rope_scaling_factor <= 0:
+        fail("model.rope_scaling_factor", self.rope_scaling_factor, "must be > 0")
+      if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        fail("model.rope_high_freq_factor", self.rope_high_freq_factor,
+             f"must exceed model.rope_low_freq_factor={self.rope_low_freq_factor} > 0")
+      if self.rope_original_max_len < 1:
+        fail("model.rope_original_max_len", self.rope_original_max_len, "must be >= 1")
 
   def num_params(self) -> int:
     D, F, H, K, E, V = (self.d_model, self.d_ff, self.n_heads, self.n_kv_heads,
@@ -146,6 +169,10 @@ MODEL_PRESETS = {
                          n_kv_heads=2, head_dim=128, d_ff=8960, tie_embeddings=True),
     "qwen2.5-7b": dict(_QWEN, vocab_size=152064, d_model=3584, n_layers=28, n_heads=28,
                        n_kv_heads=4, head_dim=128, d_ff=18944, tie_embeddings=False),
+    # A Llama: SmolLM2-135M's shapes.
+    "smollm2-135m": dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                         head_dim=64, d_ff=1536, rope_theta=1e5, rms_eps=1e-5, qkv_bias=False,
+                         tie_embeddings=True, max_seq_len=8192),
 }
 
 
@@ -975,10 +1002,12 @@ class ExperimentConfig:
   batch_groups: int = _field(8, "prompt groups per training batch (B).")
   num_steps: int = _field(100, "training steps to run to (a resumed run continues to it).")
   hf_model_dir: Optional[str] = _field(
-      None, "a local Hugging Face Qwen2/Qwen3 directory whose weights a fresh run starts "
-      "from; the builder reads the architecture fields of `model` from its config.json, and "
-      "only `HF_RUN_MODEL_FIELDS` stay as configured. None: random weights (or the warm "
-      "start).")
+      None, "the pretrained model a fresh run starts from: a local Hugging Face "
+      "Qwen2/Qwen3/Llama directory, a GGUF file (PATH.gguf, converted once into a directory "
+      "in the model cache) or a shipped model's name (`models.shipped.SHIPPED`, fetched and "
+      "converted on first use). The builder reads the architecture fields of `model` from "
+      "its config.json, and only `HF_RUN_MODEL_FIELDS` stay as configured. None: random "
+      "weights (or the warm start).")
   model: ModelConfig = ModelConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   lora: LoraConfig = LoraConfig()

@@ -126,8 +126,8 @@ def test_bfloat16_checkpoint_loads(saved, tmp_path):
 
 
 def test_unknown_architecture_is_named():
-  with pytest.raises(ValueError, match="LlamaForCausalLM"):
-    hf_config.config_from_hf({"architectures": ["LlamaForCausalLM"]})
+  with pytest.raises(ValueError, match="MistralForCausalLM"):
+    hf_config.config_from_hf({"architectures": ["MistralForCausalLM"]})
 
 
 def _copy_with(model_dir, out_dir, edit):

@@ -1,7 +1,7 @@
-"""The binaries: train, eval, export_hf, serve_jetstream and plan.
+"""The binaries: train, eval, export_hf, serve_jetstream, plan and fetch.
 
 Installed, each is a console script (`async-rl-train`, `async-rl-eval`,
-`async-rl-export`, `async-rl-serve`, `async-rl-plan`); `python -m async_rl.launch.NAME`
+`async-rl-export`, `async-rl-serve`, `async-rl-plan`, `async-rl-fetch`); `python -m async_rl.launch.NAME`
 runs the same binary, and so does `python -m launch.NAME` in a clone of the repository
 (`launch/` links here).
 """

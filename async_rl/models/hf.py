@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2/Qwen3 checkpoints: config, safetensors weights, and export.
+"""Hugging Face Qwen2/Qwen3/Llama checkpoints: safetensors weights in, and export.
 
 One table (`_RULES`) maps each Hugging Face tensor to a leaf of our params tree and
 says whether it is transposed; loading and saving both read it. Hugging Face linear
@@ -81,6 +81,14 @@ def _active_rules(abstract) -> list[_Rule]:
   return active
 
 
+def tensor_shapes(cfg) -> dict[str, tuple[int, ...]]:
+  """The Hugging Face tensors a checkpoint of model config `cfg` holds, with their shapes
+  (no `lm_head.weight` when the embeddings are tied)."""
+  return {rule.hf_name.format(i): rule.hf_shape(cfg)
+          for rule in _active_rules(abstract_params(cfg))
+          for i in (range(cfg.n_layers) if "{}" in rule.hf_name else [None])}
+
+
 def _tensor_files(model_dir: str) -> dict[str, str]:
   """Tensor name -> safetensors file, from the index when there is one."""
   index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -131,7 +139,7 @@ def _host_leaf(rule: _Rule, cfg, leaf, read) -> np.ndarray:
 
 
 def load_hf(model_dir: str, cfg, *, shardings=None) -> Params:
-  """Reads the weights of a Hugging Face Qwen2/Qwen3 directory.
+  """Reads the weights of a Hugging Face Qwen2/Qwen3/Llama directory.
 
   `cfg` is the model's `config.ModelConfig`, its architecture that of the directory's
   `config.json` (`hf_config.read_config`). Each leaf is assembled on the host and put
@@ -144,7 +152,7 @@ def load_hf(model_dir: str, cfg, *, shardings=None) -> Params:
   rules = _active_rules(abstract)
   where = _tensor_files(model_dir)
 
-  expected = {rule.hf_name.format(i) for rule in rules for i in range(cfg.n_layers)}
+  expected = set(tensor_shapes(cfg))
   missing = sorted(expected - set(where))
   if missing:
     raise ValueError(f"{model_dir}: missing tensor {missing[0]!r}"
@@ -169,11 +177,19 @@ def load_hf(model_dir: str, cfg, *, shardings=None) -> Params:
   return params
 
 
+def write_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
+  """Writes `tensors` to the safetensors file `path`, readable as the umask allows."""
+  from safetensors.numpy import save_file
+  save_file(tensors, path, metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600; a model is shared like its config
+
+
 def save_hf(cfg, params: Params, out_dir: str, *,
             tokenizer_dir: Optional[str] = None) -> None:
   """Writes `config.json` and `model.safetensors` that `transformers` loads, plus the
   tokenizer and generation files found in `tokenizer_dir`, if given."""
-  from safetensors.numpy import save_file
   hf_config = config_to_hf(cfg)
   tensors: dict[str, Any] = {}
   for rule in _active_rules(abstract_params(cfg)):
@@ -184,11 +200,7 @@ def save_hf(cfg, params: Params, out_dir: str, *,
       w = w.reshape(hf_shape[::-1]).T if rule.transposed else w.reshape(hf_shape)
       tensors[rule.hf_name.format(i)] = np.ascontiguousarray(w)
   os.makedirs(out_dir, exist_ok=True)
-  weights = os.path.join(out_dir, "model.safetensors")
-  save_file(tensors, weights, metadata={"format": "pt"})
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(weights, 0o666 & ~umask)  # safetensors writes 0600; a model is shared like its config
+  write_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   if tokenizer_dir is not None:

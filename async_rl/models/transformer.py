@@ -1,7 +1,8 @@
-"""A Qwen2-family decoder-only transformer as pure functions over a params pytree.
+"""A Qwen2/Qwen3/Llama decoder-only transformer as pure functions over a params pytree.
 
-RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, optional q/k/v bias,
-optional q/k RMSNorm (Qwen3) and optional tied embeddings. Layers are stacked on a
+RMSNorm, rotary embeddings (optionally with Llama 3's frequency scaling), grouped-query
+attention, SwiGLU MLP, optional q/k/v bias (Qwen2), optional q/k RMSNorm (Qwen3) and
+optional tied embeddings; a Llama layer has neither extra. Layers are stacked on a
 leading L axis and applied with `lax.scan` (unrolled for training without remat, see
 `hidden`). Weight matmuls go through `_matmul`, whose backward pass orders the
 weight-gradient operands for XLA:CPU.
@@ -86,10 +87,27 @@ def rms_norm(x, scale, eps):
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHE, positions_BT, theta):
-  """Rotary embedding in the half-split layout used by Qwen2 checkpoints."""
-  E = x_BTHE.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+def rope_frequencies(cfg):
+  """The E/2 rotary frequencies (float32) of `cfg.rope_theta`, scaled as `cfg.rope_scaling`
+  says: "llama3" divides those whose wavelength exceeds original_max_len / low_freq_factor
+  by the factor, keeps those under original_max_len / high_freq_factor, and between
+  interpolates linearly in original_max_len / wavelength."""
+  E = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+  if cfg.rope_scaling == "none":
+    return inv_freq
+  factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  context = cfg.rope_original_max_len
+  wavelength = 2 * math.pi / inv_freq
+  smooth = (context / wavelength - low) / (high - low)
+  blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+  return jnp.where(wavelength > context / low, inv_freq / factor,
+                   jnp.where(wavelength < context / high, inv_freq, blended))
+
+
+def rope(x_BTHE, positions_BT, inv_freq):
+  """Rotary embedding in the half-split layout of Qwen2 and Llama checkpoints, at the
+  frequencies `inv_freq` (`rope_frequencies`)."""
   angles = positions_BT[..., None].astype(jnp.float32) * inv_freq
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   x1, x2 = jnp.split(x_BTHE.astype(jnp.float32), 2, axis=-1)
@@ -174,7 +192,8 @@ def _project_qkv(lp, cfg, h_BTD, positions_BT):
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-  return rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta), v
+  inv_freq = rope_frequencies(cfg)
+  return rope(q, positions_BT, inv_freq), rope(k, positions_BT, inv_freq), v
 
 
 def _mlp(lp, h_BTD):

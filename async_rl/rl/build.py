@@ -31,7 +31,7 @@ from async_rl.config import ExperimentConfig, ModelConfig
 from async_rl.generation import Engine, GeneratorPool, SamplingParams
 from async_rl.generation.adapted import AdaptedEngine
 from async_rl.generation.replicas import ReplicatedPool
-from async_rl.models import hf, hf_config
+from async_rl.models import hf, hf_config, pretrained
 from async_rl.rewards import Reward, RewardService
 from async_rl.rl import checkpoint, multihost, schedule
 from async_rl.rl import workdir as workdir_lib
@@ -50,12 +50,17 @@ from async_rl.timeline import Timeline
 
 
 def resolve(cfg: ExperimentConfig) -> ExperimentConfig:
-  """`cfg` with what it names read from disk: the architecture in `hf_model_dir`'s
-  config.json (only `config.HF_RUN_MODEL_FIELDS` of `model` stay as configured),
-  absolute paths (Ray actors may run elsewhere), and the task's defaults filled in."""
+  """`cfg` with what it names read from disk: `hf_model_dir` as a Hugging Face
+  directory (a GGUF file or a shipped model's name fetched and converted once,
+  `models.pretrained.model_dir`) and the architecture in its config.json (only
+  `config.HF_RUN_MODEL_FIELDS` of `model` stay as configured), absolute paths (Ray
+  actors may run elsewhere), and the task's defaults filled in."""
   model, hf_dir = cfg.model, cfg.hf_model_dir
   if hf_dir is not None:
-    hf_dir = os.path.abspath(hf_dir)
+    try:
+      hf_dir = pretrained.model_dir(hf_dir)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"hf_model_dir {hf_dir!r}: {e}") from None
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
       raise ConfigError(f"hf_model_dir must be a directory holding config.json, got {hf_dir!r}")
     try:

@@ -12,6 +12,8 @@ from outside this session's own cache.
 Shared (`from conftest import ...`): the tiny models (`two_layer_model`,
 `one_layer_model`), `wait_until`, which polls a condition and fails the test when it
 does not come true in time, and `compiles`, which counts a jitted function's programs.
+Fixtures: `smollm2_gguf`, the shipped SmolLM2 GGUF file, fetched once into the model
+cache (`async-rl-fetch`) that every later run of the suite reuses, and `gpu_target`.
 """
 
 import contextlib
@@ -113,3 +115,12 @@ def gpu_target():
                                        platform="gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
     yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+  """The path of the shipped SmolLM2-135M-Instruct GGUF file, fetched into the model
+  cache (`models.pretrained.fetch`, what `async-rl-fetch` runs) on the first use."""
+  pytest.importorskip("gguf", reason="GGUF files need the hf extra")
+  from async_rl.models import pretrained  # noqa: PLC0415 (only the tests that use it)
+  return pretrained.fetch("smollm2-135m-instruct")

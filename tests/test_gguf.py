@@ -64,7 +64,7 @@ def _write_blocks(src: str, dst: str, n_blocks: int) -> None:
   reader = gguf.GGUFReader(src)
   writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
   for key, field in reader.fields.items():
-    if key.startswith("GGUF."):
+    if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes it
       continue
     value = n_blocks if key == "llama.block_count" else field.contents()
     writer.add_key_value(key, value, field.types[0],

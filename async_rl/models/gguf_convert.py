@@ -122,12 +122,11 @@ def config_fields(meta: dict[str, Any], tensor_names) -> dict:
   )
 
 
-def _unpermute(w_OD, n_heads: int):
+def _unpermute(w, n_heads: int):
   """The inverse of llama.cpp's rotary row permutation of a q or k projection [H*E, D]."""
-  rows = w_OD.shape[0]
+  E = w.shape[0] // n_heads
   # llama.cpp took each head's rows [2, E/2, D] to [E/2, 2, D]; swap them back.
-  return (w_OD.reshape(n_heads, rows // n_heads // 2, 2, *w_OD.shape[1:])
-          .swapaxes(1, 2).reshape(w_OD.shape))
+  return w.reshape(n_heads, E // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def hf_tensors(reader, cfg: ModelConfig) -> dict[str, np.ndarray]:

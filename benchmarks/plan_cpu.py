@@ -43,15 +43,18 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 
 import jax
 import numpy as np
 from absl import app, flags, logging
 
-from async_rl import cpu
+from async_rl import cli, cpu, sharding
 from async_rl.cli import from_dict
 from async_rl.plan import hardware, host, search
+from async_rl.plan.costs import MeasuredCosts
 from async_rl.rl import build
 from async_rl.tasks.registry import make_task
 from benchmarks import sync_vs_async as sva
@@ -77,10 +80,40 @@ def workload_of(cfg) -> search.Workload:
 def placements(cfg, eta: int) -> dict[str, search.Placement]:
   kv = cfg.generation.kv_cache_blocks * cfg.generation.kv_block_size
   one = dict(gen_devices=1, tp=1, train_devices=1, fsdp=1, slots=cfg.generation.num_slots,
-             kv_tokens=kv, steps_per_call=cfg.generation.steps_per_call)
+             kv_tokens=kv, steps_per_call=cfg.generation.steps_per_call,
+             kv_block_size=cfg.generation.kv_block_size)
   return {"sync": search.Placement("sync", max_staleness=0, update_mode="drain", **one),
           "async_retract": search.Placement("async", max_staleness=eta,
                                             update_mode="retract", **one)}
+
+
+def measure_on_cores(cores: set[int], cfg, **kwargs) -> MeasuredCosts:
+  """`plan.host.measure` of `cfg`'s own engine, pool and trainer in a fresh process
+  pinned to `cores`, as a placement's side runs there (XLA sizes its thread pool by the
+  cores it may use), under whatever else runs on the machine."""
+  code = ("import dataclasses, json, os, sys; os.sched_setaffinity(0, set(json.loads("
+          "sys.argv[1]))); from benchmarks.plan_cpu import measure_here; "
+          "print(json.dumps(dataclasses.asdict(measure_here(json.loads(sys.argv[2]), "
+          "**json.loads(sys.argv[3])))))")
+  out = subprocess.run([sys.executable, "-c", code, json.dumps(sorted(cores)),
+                        json.dumps(cli.to_dict(cfg)), json.dumps(kwargs)],
+                       capture_output=True, text=True)
+  if out.returncode:
+    raise RuntimeError(f"measuring on cores {sorted(cores)} failed:\n{out.stderr[-4000:]}")
+  fields = json.loads(out.stdout.strip().splitlines()[-1])
+  fields["source"] += f" on cores {sorted(cores)}"
+  return MeasuredCosts(**fields)
+
+
+def measure_here(cfg_dict: dict, **kwargs) -> MeasuredCosts:
+  """The config's engine, pool and trainer built by the run's builder, timed in this
+  process (`plan.host.measure`)."""
+  cfg = from_dict(cfg_dict)
+  mesh = sharding.make_mesh(cfg.mesh)
+  return host.measure(cfg, trainer=build.make_trainer(cfg, mesh),
+                      open_pool=lambda: build.make_pool([build.make_engine(cfg)],
+                                                        build.random_params(cfg, mesh)),
+                      **kwargs)
 
 
 def predict_now(cfg, workload: search.Workload, steps: int) -> dict:
@@ -91,11 +124,11 @@ def predict_now(cfg, workload: search.Workload, steps: int) -> dict:
   measured = {
       # One process, every core for each phase: as many decode groups and gradient
       # threads as cores (`sync_vs_async.variant_config`).
-      "sync": host.measure_on_cores(every, sva.variant_config(sva.named_variant("sync"), cfg),
-                                    **shape),
+      "sync": measure_on_cores(every, sva.variant_config(sva.named_variant("sync"), cfg),
+                               **shape),
       # A pinned actor of one core decodes its slots as one group and trains from one
       # thread; both sides' cores are taken alike: --generator_cpus's is measured.
-      "async_retract": host.measure_on_cores(
+      "async_retract": measure_on_cores(
           {int(sva._GENERATOR_CPUS.value[0])},
           sva.variant_config(sva.named_variant("async_retract"), cfg), **shape)}
   machine = hardware.measure_cores(every)  # the weights' copy to the generator

@@ -64,7 +64,7 @@ from async_rl.cli import from_dict  # noqa: E402
 from async_rl.config import ExperimentConfig  # noqa: E402
 from async_rl.launch import parse_flags  # noqa: E402
 from async_rl.rl import build, entry  # noqa: E402
-from async_rl.sim import SimConfig, simulate  # noqa: E402
+from async_rl.sim import DecodeCost, SimConfig, simulate  # noqa: E402
 from async_rl.tasks import TrainStream  # noqa: E402
 from async_rl.tasks.registry import make_task  # noqa: E402
 from benchmarks.common.peak import matmul_peak  # noqa: E402
@@ -168,8 +168,8 @@ def calibrate(cfg: ExperimentConfig, summary: dict, prompt_tokens: float,
   update_mode = update_mode or cfg.generation.update_mode
   return SimConfig(
       mode="sync" if eta == 0 else "async", num_generators=1, trainer_accelerators=1,
-      slots=cfg.generation.num_slots, decode_step_base=decode_step,
-      decode_step_per_slot=0.0, prefill_per_token=0.0, prompt_tokens=round(prompt_tokens),
+      slots=cfg.generation.num_slots, decode=DecodeCost(base=decode_step),
+      prefill_per_token=0.0, prompt_tokens=round(prompt_tokens),
       reward_latency=history[-1]["rewards"]["mean_latency_s"],
       trainer_per_token=trainer_busy / seq_tokens,
       weight_sync=float(np.mean(swaps)) if swaps else 0.0, max_staleness=eta,

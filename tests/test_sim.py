@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from async_rl.sim import SimConfig, sample_lengths, simulate
+from async_rl.sim import DecodeCost, SimConfig, sample_lengths, simulate
 
 # With constant lengths, B * G = generators * slots makes every wave fill all slots
 # and finish at once, so sync and async see the same event times, computed by the
@@ -144,7 +144,7 @@ def test_sample_lengths():
 @pytest.mark.parametrize("field, value", [
     ("mode", "both"), ("update_mode", "pause"), ("length_dist", "zipf"),
     ("num_generators", 0), ("slots", 0), ("batch_groups", 0), ("group_size", 0),
-    ("trainer_accelerators", 0), ("decode_step_base", 0.0), ("trainer_per_token", -1.0),
+    ("trainer_accelerators", 0), ("decode", 0.02), ("trainer_per_token", -1.0),
     ("weight_sync", -0.1), ("max_staleness", -1), ("length_median", 10**6),
     ("length_sigma", -1.0), ("length_alpha", 0.0)])
 def test_bad_config_names_the_field(field, value):
@@ -192,12 +192,14 @@ def test_kv_budget_preempts_and_resumes_with_a_re_prefill():
 def test_decode_step_is_a_roofline_of_reads_and_compute():
   # Compute 0.01 s per slot beats reads 0.02 + 0.0005 per slot from 3 slots on.
   sync = simulate(_aligned(mode="sync", trainer_accelerators=4, max_staleness=0,
-                           decode_compute_per_slot=0.01), 2)
+                           decode=DecodeCost(base=0.02, per_slot=0.0005,
+                                             compute_per_slot=0.01)), 2)
   wave = 50 * (0.01 * 8) + 1e-4 * 128 * 8
   assert sync.step_end_times[0] == pytest.approx(wave, rel=_REL)
   # Reads growing with the live tokens: 128 + 50 per slot at the end, so between.
   grown = simulate(_aligned(mode="sync", trainer_accelerators=4, max_staleness=0,
-                            decode_step_per_context_token=1e-5), 2)
+                            decode=DecodeCost(base=0.02, per_slot=0.0005,
+                                              per_token=1e-5)), 2)
   low = 50 * (0.02 + 0.0005 * 8 + 1e-5 * 8 * 128) + 1e-4 * 128 * 8
   high = 50 * (0.02 + 0.0005 * 8 + 1e-5 * 8 * 178) + 1e-4 * 128 * 8
   assert low < grown.step_end_times[0] < high
@@ -209,7 +211,7 @@ def test_chunks_hold_a_finished_samples_slot_to_the_chunks_end():
   kw = dict(mode="sync", num_generators=1, trainer_accelerators=1, max_staleness=0, slots=1,
             batch_groups=1, group_size=2, prompt_tokens=10, length_dist="constant",
             length_median=50, max_length=50, trainer_per_token=0.0, prefill_per_token=0.0,
-            decode_step_base=0.01, decode_step_per_slot=0.0)
+            decode=DecodeCost(base=0.01))
   every_step = simulate(SimConfig(**kw), 2)
   chunked = simulate(SimConfig(steps_per_call=8, **kw), 2)
   np.testing.assert_allclose(every_step.step_end_times, [1.0, 2.0], rtol=_REL)
@@ -219,3 +221,48 @@ def test_chunks_hold_a_finished_samples_slot_to_the_chunks_end():
   # Chunks of 5 divide 50: no slot is held past its sample's end.
   exact = simulate(SimConfig(steps_per_call=5, **kw), 2)
   np.testing.assert_allclose(exact.step_end_times, [1.0, 2.0], rtol=_REL)
+
+
+def test_decode_cost_is_a_roofline_and_names_bad_fields():
+  cost = DecodeCost(base=0.01, per_slot=0.001, per_token=1e-5, compute_per_slot=0.004)
+  assert cost.step_s(2, 100) == pytest.approx(0.01 + 0.002 + 0.001)  # reads bound
+  assert cost.step_s(10, 100) == pytest.approx(0.04)  # compute bound
+  assert cost.grows_with_live_tokens and not DecodeCost(base=0.01).grows_with_live_tokens
+  with pytest.raises(ValueError, match="DecodeCost.base "):
+    DecodeCost(base=-1.0)
+  with pytest.raises(ValueError, match="a step of one slot must take time"):
+    DecodeCost(base=0.0, per_token=1e-5)
+  assert DecodeCost(base=0.0, per_slot=1e-3).step_s(4, 0) == pytest.approx(4e-3)
+  with pytest.raises(ValueError, match="DecodeCost.per_token "):
+    DecodeCost(base=0.01, per_token=-1.0)
+
+
+def test_a_group_is_admitted_by_its_versions_not_its_token_count():
+  """The simulator offers one token per run of equal versions; the buffer must decide
+  on such a group as on the full one, at every version and bound."""
+  from async_rl.param_server.buffer import AdmissionBuffer  # noqa: PLC0415
+  from async_rl.trajectory import Group, Trajectory  # noqa: PLC0415
+
+  def group(runs, full):
+    samples = []
+    for sample_runs in runs:
+      versions = np.concatenate([np.full(n if full else 1, v) for v, n in sample_runs])
+      samples.append(Trajectory.from_completion(
+          np.zeros(1, np.int32), np.zeros(versions.size, np.int32),
+          np.zeros(versions.size, np.float32), versions, "length", reward=0.0))
+    return Group(None, tuple(samples))
+
+  rng = np.random.default_rng(0)
+  groups = [[[(v, int(rng.integers(1, 50))) for v in sorted(rng.choice(8, 3, replace=False))]
+             for _ in range(2)] for _ in range(40)]
+  for eta in (0, 1, 3):
+    full, compact = AdmissionBuffer(eta), AdmissionBuffer(eta)
+    for ticket, runs in enumerate(groups):
+      version = ticket // 5
+      assert full.offer(group(runs, True), 8 + version, ticket) == compact.offer(
+          group(runs, False), 8 + version, ticket)
+      if ticket % 7 == 6:
+        assert full.purge(9 + version) == compact.purge(9 + version)
+    assert [t for t, _ in full.take(len(full), 16)] == [
+        t for t, _ in compact.take(len(compact), 16)]
+    assert full.dropped == compact.dropped > 0

@@ -5,11 +5,11 @@ the host work around them (the scheduler's bookkeeping, packing a batch) and by 
 its small matmuls spread over the cores, none of which the bytes and FLOPs of
 `plan.costs` count: a decode step of a tiny model costs a near-fixed time whatever its
 slots, and a training step on two cores is not twice as fast as on one. So for this
-machine the planner does not take a roofline of a matmul peak: it builds the engine,
-generator pool and trainer a placement runs (`rl.build`, from the placement's own
-config: its slots, slot groups and gradient threads), in a process pinned to that
-placement's cores, and times them on synthetic work of the workload's shapes. Every
-figure is a measurement taken when asked for; none is fitted to a benchmark's result.
+machine the planner does not take a roofline of a matmul peak: `measure` times the
+engine, generator pool and trainer a placement runs, which the caller builds from the
+placement's own config (its slots, slot groups and gradient threads) with the run's
+builder, on synthetic work of the workload's shapes. Every figure is a measurement
+taken when asked for; none is fitted to a benchmark's result.
 
   decode     a request of one sample and one of every slot, each at two lengths with
              no stop token: the difference of the lengths gives the step's time at one
@@ -21,30 +21,16 @@ figure is a measurement taken when asked for; none is fitted to a benchmark's re
              length distribution), after a first step that compiles; per token it holds.
 """
 
-import dataclasses
-import json
-import subprocess
-import sys
 import time
-from typing import Sequence
+from contextlib import AbstractContextManager
+from typing import Callable, Sequence
 
+import numpy as np
 
-@dataclasses.dataclass(frozen=True)
-class MeasuredCosts:
-  """What one side of a placement costs on the cores it was measured on, in seconds.
-
-  Attributes:
-    decode_base: a decode step's fixed cost, whatever its active slots.
-    decode_per_slot: what each active slot adds to a decode step.
-    prefill_per_token: a prompt token's prefill.
-    train_per_token: a training step's time per token it holds (prompts and outputs).
-    source: what was measured, and where.
-  """
-  decode_base: float
-  decode_per_slot: float
-  prefill_per_token: float
-  train_per_token: float
-  source: str
+from async_rl.generation.request import Request
+from async_rl.generation.sampling import SamplingParams
+from async_rl.plan.costs import MeasuredCosts
+from async_rl.trajectory import Group, Trajectory
 
 
 def decode_line(one_s: float, full_s: float, slots: int) -> tuple[float, float]:
@@ -95,36 +81,32 @@ def quantile_lengths(lengths: Sequence[int], n: int) -> list[int]:
   return [ordered[min(len(ordered) - 1, int((i + 0.5) * len(ordered) / n))] for i in range(n)]
 
 
-def measure(cfg, *, prompt_tokens: int, lengths: Sequence[int], reps: int = 3) -> MeasuredCosts:
-  """Times `cfg`'s engine, pool and trainer in this process (the module's docstring).
+def measure(cfg, *, trainer, open_pool: Callable[[], AbstractContextManager],
+            prompt_tokens: int, lengths: Sequence[int], reps: int = 3) -> MeasuredCosts:
+  """Times a run's engine, pool and trainer in this process (the module's docstring).
 
   Args:
     cfg: the `config.ExperimentConfig` the placement runs (its model, generation,
       batching, PPO and CPU thread settings).
+    trainer: the run's trainer, built from `cfg` (`train(groups)` runs one step).
+    open_pool: opens the run's generator pool over one engine built from `cfg` (a
+      context manager whose value takes `submit(request)`); it is closed before the
+      trainer is timed.
     prompt_tokens: a prompt's tokens.
     lengths: output lengths the workload draws from (capped at
       `cfg.generation.max_new_tokens`).
     reps: each timing is the best of this many.
   """
   import jax  # noqa: PLC0415 - the planner needs no JAX; only measuring does
-  import numpy as np  # noqa: PLC0415
-
-  from async_rl import sharding  # noqa: PLC0415
-  from async_rl.generation.request import Request  # noqa: PLC0415
-  from async_rl.generation.sampling import SamplingParams  # noqa: PLC0415
-  from async_rl.rl import build  # noqa: PLC0415
-  from async_rl.trajectory import Group, Trajectory  # noqa: PLC0415
 
   g = cfg.generation
   rng = np.random.default_rng(cfg.seed)
   prompt = [int(t) for t in rng.integers(0, cfg.model.vocab_size, prompt_tokens)]
-  mesh = sharding.make_mesh(cfg.mesh)
-  trainer = build.make_trainer(cfg, mesh)
   short, long = request_lengths(min(g.max_new_tokens, g.max_length - prompt_tokens),
                                 g.steps_per_call)
   ids = iter(range(1 << 30))
 
-  with build.make_pool([build.make_engine(cfg)], build.random_params(cfg, mesh)) as pool:
+  with open_pool() as pool:
 
     def generate(n: int, new_tokens: int) -> float:
       request = Request(next(ids), prompt, n, SamplingParams(max_new_tokens=new_tokens))
@@ -169,24 +151,3 @@ def measure(cfg, *, prompt_tokens: int, lengths: Sequence[int], reps: int = 3) -
       train_per_token=train_s / tokens,
       source=f"measured: the run's engine ({g.num_slots} slots, requests of {short} and "
              f"{long} tokens) and trainer (a {tokens}-token batch)")
-
-
-def measure_on_cores(cores: set[int], cfg, **kwargs) -> MeasuredCosts:
-  """`measure(cfg, **kwargs)` in a fresh process pinned to `cores`, as a placement's side
-  runs there (XLA sizes its thread pool by the cores it may use), under whatever else
-  runs on the machine."""
-  from async_rl import cli  # noqa: PLC0415 - ml_collections, for the config's round trip
-
-  code = ("import dataclasses, json, os, sys; os.sched_setaffinity(0, set(json.loads("
-          "sys.argv[1]))); from async_rl.cli import from_dict; "
-          "from async_rl.plan.host import measure; kw = json.loads(sys.argv[3]); "
-          "print(json.dumps(dataclasses.asdict(measure(from_dict(json.loads(sys.argv[2])), "
-          "**kw))))")
-  out = subprocess.run([sys.executable, "-c", code, json.dumps(sorted(cores)),
-                        json.dumps(cli.to_dict(cfg)), json.dumps(kwargs)],
-                       capture_output=True, text=True)
-  if out.returncode:
-    raise RuntimeError(f"measuring on cores {sorted(cores)} failed:\n{out.stderr[-4000:]}")
-  fields = json.loads(out.stdout.strip().splitlines()[-1])
-  fields["source"] += f" on cores {sorted(cores)}"
-  return MeasuredCosts(**fields)

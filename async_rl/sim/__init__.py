@@ -5,5 +5,5 @@ trainer, weight updates (retract / keep / drain) and the staleness gate, to pred
 throughput at cluster sizes that cannot be run here.
 """
 
-from async_rl.sim.config import SimConfig, sample_lengths
+from async_rl.sim.config import DecodeCost, SimConfig, sample_lengths
 from async_rl.sim.engine import SimResult, simulate

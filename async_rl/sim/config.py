@@ -12,6 +12,43 @@ LENGTH_DISTS = ("constant", "lognormal", "pareto", "empirical")
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeCost:
+  """The time of one decode step of an engine, in seconds: a roofline of its reads and
+  its compute, each linear in the active slots `a` and the live tokens `c` their KV
+  cache holds (prompts and tokens so far):
+
+    step_s(a, c) = max(base + per_slot a + per_token c,
+                       compute_per_slot a + compute_per_token c)
+
+  `plan.costs.decode_cost` derives the coefficients from a model's shapes and a
+  hardware row; a measured engine gives `base` and `per_slot` alone.
+  """
+  base: float
+  per_slot: float = 0.0
+  per_token: float = 0.0
+  compute_per_slot: float = 0.0
+  compute_per_token: float = 0.0
+
+  def __post_init__(self):
+    for name in ("base", "per_slot", "per_token", "compute_per_slot", "compute_per_token"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"DecodeCost.{name} must be >= 0, got {getattr(self, name)}")
+    if not self.step_s(1, 0) > 0:
+      raise ValueError(f"DecodeCost: a step of one slot must take time (base + per_slot or "
+                       f"compute_per_slot > 0), got {self}")
+
+  def step_s(self, active: int, live_tokens: int) -> float:
+    """The time of one step with `active` slots holding `live_tokens`."""
+    return max(self.base + self.per_slot * active + self.per_token * live_tokens,
+               self.compute_per_slot * active + self.compute_per_token * live_tokens)
+
+  @property
+  def grows_with_live_tokens(self) -> bool:
+    """Whether the step's time depends on the live tokens (not only on the slots)."""
+    return self.per_token > 0 or self.compute_per_token > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class SimConfig:
   """One simulated system. Times in seconds, lengths in tokens.
 
@@ -23,10 +60,8 @@ class SimConfig:
   concurrently. `accelerators` is the hardware either mode occupies.
 
   Costs: a decode step of a generator with `a` active slots holding `c` live tokens
-  (prompts and tokens so far) takes the larger of its reads,
-  `decode_step_base + decode_step_per_slot * a + decode_step_per_context_token * c`,
-  and its compute, `decode_compute_per_slot * a + decode_compute_per_context_token * c`
-  (a roofline), and yields one token per active slot; starting a sample costs
+  (prompts and tokens so far) takes `decode.step_s(a, c)` (a `DecodeCost`) and yields
+  one token per active slot; starting a sample costs
   `prefill_per_token` per token it holds (its prompt, and its tokens so far when it
   resumes); under `retract` every in-flight sample is re-prefilled (prompt and tokens
   so far) at each weight update; with `kv_tokens` > 0 a generator's live tokens may
@@ -49,11 +84,7 @@ class SimConfig:
   num_generators: int = 4
   trainer_accelerators: int = 1
   slots: int = 16
-  decode_step_base: float = 0.02
-  decode_step_per_slot: float = 0.0005
-  decode_step_per_context_token: float = 0.0
-  decode_compute_per_slot: float = 0.0
-  decode_compute_per_context_token: float = 0.0
+  decode: DecodeCost = DecodeCost(base=0.02, per_slot=0.0005)
   prefill_per_token: float = 1e-5
   prompt_tokens: int = 128
   kv_tokens: int = 0
@@ -81,12 +112,10 @@ class SimConfig:
                  "batch_groups", "group_size", "max_length", "steps_per_call"):
       _check(name, isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
              "an int >= 1")
-    for name in ("decode_step_per_slot", "decode_step_per_context_token",
-                 "decode_compute_per_slot", "decode_compute_per_context_token",
-                 "prefill_per_token", "reward_latency",
-                 "trainer_per_token", "trainer_step_base", "weight_sync"):
+    _check("decode", isinstance(self.decode, DecodeCost), "a DecodeCost")
+    for name in ("prefill_per_token", "reward_latency", "trainer_per_token",
+                 "trainer_step_base", "weight_sync"):
       _check(name, getattr(self, name) >= 0, ">= 0")
-    _check("decode_step_base", self.decode_step_base > 0, "> 0")
     _check("kv_tokens", isinstance(self.kv_tokens, int) and (
         self.kv_tokens == 0 or self.kv_tokens >= self.prompt_tokens + self.max_length),
            "0 (unbounded) or an int holding one sequence (prompt_tokens + max_length)")

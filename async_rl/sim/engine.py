@@ -7,11 +7,20 @@ weights, freed gate capacity). Admission goes through the real `StalenessGate`
 (acquired at the generator's weights version) and the real `AdmissionBuffer` (a
 group with a token older than v - η is dropped when offered or, while waiting, when v
 moves; the trainer takes the oldest groups first): a finished group is offered as a
-`trajectory.Group` whose tokens carry the versions that generated them.
+`trajectory.Group` whose tokens carry the versions that generated them, one token per
+run of equal versions. The buffer's decisions depend only on which versions a group's
+trained tokens carry, so they are those of the full sample; the token counts (trained
+tokens, the staleness histogram) are kept here from the runs' lengths.
 
-When a decode step's cost grows with the live tokens, a segment also ends after its
-slots have grown by `_GROWTH` of what they hold, so that the step time is re-read as
-the KV cache grows; under a KV budget it ends before the budget is exceeded.
+When a decode step's cost grows with the live tokens, a segment is timed at its
+middle step (the cost is linear in the live tokens, which grow by one per slot and
+step), and it also ends after its slots have grown by `_GROWTH` of what they hold, so
+that a segment cut short by an event, or crossing from reads to compute, is timed
+closely; under a KV budget it ends before the budget is exceeded. A generator whose
+slots reach their KV budget gives back the newest samples' blocks until `_KV_HEADROOM`
+of the budget is free, and takes a new or preempted sample only below that mark (a
+serving engine's scheduler admits conservatively after a retraction), so that a full
+cache does not preempt and re-admit a sample at every step.
 """
 
 import dataclasses
@@ -26,7 +35,8 @@ from async_rl.sim.config import SimConfig, sample_lengths
 from async_rl.trajectory import Group, Trajectory
 
 Interval = tuple[float, float, str]
-_GROWTH = 0.05
+_GROWTH = 0.25
+_KV_HEADROOM = 0.05
 
 
 @dataclasses.dataclass
@@ -79,16 +89,15 @@ class _Group:
     self.finished = 0
 
   def scored(self) -> Group:
-    """The finished group as the buffer sees it: one token per generated token."""
+    """The finished group as the buffer sees it: one token per run of equal versions."""
     return Group(None, tuple(_trajectory(s) for s in self.samples))
 
 
 def _trajectory(sample: _Sample) -> Trajectory:
-  versions, counts = np.array(sample.versions, np.int64).T
-  n = sample.length
-  return Trajectory.from_completion(np.zeros(1, np.int32), np.zeros(n, np.int32),
-                                    np.zeros(n, np.float32), np.repeat(versions, counts),
-                                    "length", reward=0.0)
+  versions = np.array([v for v, _ in sample.versions], np.int32)
+  return Trajectory.from_completion(np.zeros(1, np.int32), np.zeros(versions.size, np.int32),
+                                    np.zeros(versions.size, np.float32), versions, "length",
+                                    reward=0.0)
 
 
 class _Generator:
@@ -178,6 +187,8 @@ class _Simulation:
     self.order = itertools.count()
     self.published = 0  # Trainer version v: training steps completed.
     self.buffer = AdmissionBuffer(cfg.max_staleness)
+    self.offered: dict[int, _Group] = {}  # The buffered groups, by ticket.
+    self.staleness_hist: list[int] = []  # Trained tokens by staleness.
     self.trainer_busy = False
     self.slot_time = 0.0
     self.preempted = self.gate_closed = 0
@@ -248,8 +259,9 @@ class _Simulation:
         group.finished += 1
         if group.finished == cfg.group_size:
           self._push(now + cfg.reward_latency, "reward", group)
-    if cfg.kv_tokens:
-      while len(gen.active) > 1 and gen.live + len(gen.active) > cfg.kv_tokens:
+    low_water = (1 - _KV_HEADROOM) * cfg.kv_tokens
+    if cfg.kv_tokens and gen.live + len(gen.active) > cfg.kv_tokens:
+      while len(gen.active) > 1 and gen.live + len(gen.active) > low_water:
         sample = next(reversed(gen.active))  # The newest sample gives its KV back.
         gen.leave(sample)
         gen.queue.insert(0, sample)
@@ -264,19 +276,13 @@ class _Simulation:
       overhead += cfg.weight_sync
       gen.set_version(self.published)
       label = "update"
-    while cfg.slots - len(gen.active) - len(gen.queue) > 0:
-      if not self.gate.acquire(gen.version):
-        self.gate_closed += self.gate.running < self.gate.max_concurrent
-        break
-      group = _Group()
-      group.samples = [_Sample(group, n) for n in sample_lengths(cfg, self.rng, cfg.group_size)]
-      gen.queue.extend(group.samples)
+    self._dispatch(gen, now)
     starting = gen.queue[:cfg.slots - len(gen.active)]
     if cfg.kv_tokens:
       live, fits = gen.live + len(gen.active), 0
       for sample in starting:
         live += cfg.prompt_tokens + sample.done + 1
-        if live > cfg.kv_tokens and (gen.active or fits):
+        if live > low_water and (gen.active or fits):
           break
         fits += 1
       starting = starting[:fits]
@@ -287,6 +293,35 @@ class _Simulation:
     self._busy(gen.name, now, now + overhead, label)
     self._schedule(gen, now + overhead, overhead)
 
+  def _dispatch(self, gen, now):
+    """Starts new groups while the gate allows, each on the least loaded engine with a
+    free slot (a router balancing requests across servers, as real systems do); `gen`
+    is the engine reacting now, any other that receives a group reacts at its next
+    decode-step boundary. An engine draining in-flight samples before new weights
+    takes none."""
+    cfg = self.cfg
+    while True:
+      if self.gate.capacity(gen.version) <= 0:  # Shut for this engine: no scan needed.
+        if cfg.slots - len(gen.active) - len(gen.queue) > 0:
+          self.gate_closed += self.gate.running < self.gate.max_concurrent
+        return
+      free = [(len(e.active) + len(e.queue), i, e) for i, e in enumerate(self.gens)
+              if cfg.slots - len(e.active) - len(e.queue) > 0 and not self._draining(e)]
+      if not free:
+        return
+      _, _, target = min(free)
+      if not self.gate.acquire(target.version):
+        self.gate_closed += self.gate.running < self.gate.max_concurrent
+        return
+      group = _Group()
+      group.samples = [_Sample(group, n) for n in sample_lengths(cfg, self.rng, cfg.group_size)]
+      target.queue.extend(group.samples)
+      if target is not gen:
+        self._poke(target, now)
+
+  def _draining(self, gen) -> bool:
+    return self.cfg.update_mode == "drain" and bool(gen.active) and self.published > gen.version
+
   def _schedule(self, gen, start, overhead):
     gen.seg_start = start
     if not gen.active:
@@ -295,16 +330,15 @@ class _Simulation:
         self._wake(gen, start)  # Pick up whatever arrived while updating.
       return
     cfg, a, live = self.cfg, len(gen.active), gen.live
-    gen.dt = max(
-        cfg.decode_step_base + cfg.decode_step_per_slot * a
-        + cfg.decode_step_per_context_token * live,
-        cfg.decode_compute_per_slot * a + cfg.decode_compute_per_context_token * live)
     steps = gen.left()
-    if cfg.decode_step_per_context_token or cfg.decode_compute_per_context_token:
+    if cfg.decode.grows_with_live_tokens:
       steps = min(steps, max(1, math.ceil(_GROWTH * live / a)))
     if cfg.kv_tokens:
       steps = min(steps, max(1, (cfg.kv_tokens - live) // a))
     steps = self._whole_chunks(steps)
+    # The step's cost is linear in the live tokens, which grow by `a` a step: the mean
+    # step of the segment is the step at its middle.
+    gen.dt = cfg.decode.step_s(a, live + a * (steps - 1) / 2)
     gen.seg_end = start + steps * gen.dt
     self._wake(gen, gen.seg_end)
 
@@ -314,7 +348,9 @@ class _Simulation:
     return -(-steps // k) * k
 
   def _offer(self, group, now):
-    if self.buffer.offer(group.scored(), self.published, ticket=next(self.order)):
+    ticket = next(self.order)
+    if self.buffer.offer(group.scored(), self.published, ticket=ticket):
+      self.offered[ticket] = group
       self.gate.finish_accepted()
     else:
       self.gate.finish_rejected()
@@ -324,8 +360,14 @@ class _Simulation:
     cfg = self.cfg
     if self.trainer_busy or len(self.buffer) < cfg.batch_groups:
       return
-    groups = [g for _, g in self.buffer.take(cfg.batch_groups, self.published)]
-    generated = sum(t.num_policy_tokens for g in groups for t in g.trajectories)
+    generated = 0
+    for ticket, _ in self.buffer.take(cfg.batch_groups, self.published):
+      for sample in self.offered.pop(ticket).samples:
+        generated += sample.length
+        for version, tokens in sample.versions:
+          stale = self.published - version
+          self.staleness_hist.extend([0] * (stale + 1 - len(self.staleness_hist)))
+          self.staleness_hist[stale] += tokens
     tokens = generated + cfg.prompt_tokens * cfg.batch_groups * cfg.group_size
     self.trained_tokens += generated
     self.trained_samples += cfg.batch_groups * cfg.group_size
@@ -339,16 +381,18 @@ class _Simulation:
     self.published += 1
     self.step_end_times.append(now)
     self.gate.set_version(self.published)
-    self.gate.drop_accepted(len(self.buffer.purge(self.published)))
+    dropped = self.buffer.purge(self.published)
+    for ticket in dropped:
+      del self.offered[ticket]
+    self.gate.drop_accepted(len(dropped))
     self._poke_all(now)
     self._try_train(now)
 
   def _poke_all(self, now):
     for gen in self.gens:
-      draining = self.cfg.update_mode == "drain" and gen.active
       wants = self.published > gen.version or (
           self.cfg.slots - len(gen.active) - len(gen.queue) > 0)
-      if wants and not draining:
+      if wants and not self._draining(gen):
         self._poke(gen, now)
 
   def result(self, end: float) -> SimResult:
@@ -367,7 +411,7 @@ class _Simulation:
         for s, e, label in lane:
           shares[label] = shares.get(label, 0.0) + (e - s) / gen_time
     shares["idle"] = max(0.0, 1 - gen_busy / gen_time)
-    hist = list(self.buffer.staleness_hist)
+    hist = list(self.staleness_hist)
     counted = sum(hist)
     return SimResult(
         config=cfg, wall_time=end, trained_samples=self.trained_samples,

@@ -1,28 +1,33 @@
-r"""The capacity planner against AReaL's Table 1, and its sync-vs-async curves.
+r"""The capacity planner against AReaL's published measurements, across sizes, and timed.
 
-  python -m benchmarks.plan_areal            # a few minutes on a 2-core CPU
-  python -m benchmarks.plan_areal --quick    # the Table 1 rows and a coarse curve
+  python -m benchmarks.plan_areal            # a quarter of an hour on a loaded 2-core CPU
+  python -m benchmarks.plan_areal --quick    # the published points alone, without bands
 
-For the 1.5B and 7B rows of AReaL's Table 1 (arXiv 2505.24298: H800 nodes of 8 GPUs,
-250 PPO steps; the published setup and what had to be assumed are in
-`async_rl.plan.published`), the planner's simulated step times of synchronous and
-asynchronous AReaL, as hours for 250 steps, beside the published hours, and the
-predicted speedup against the published one (the target: within 20%).
+1. Every published point of `async_rl.plan.published` (AReaL, arXiv 2505.24298: Table
+   1's hours and speedups, Table 7's trained tokens/s against η, the interruptible-
+   generation figure as "retract" against "drain") beside the planner's prediction, its
+   error, and its band (`async_rl.plan.band`): the prediction over the inputs AReaL did
+   not publish (the length distribution's spread, the slots per engine, the memory
+   fraction; on one node the device split), with the assumption that moves it most.
+2. Table 1's rows as the planner's own search would place them (which synchronous form
+   it picks, and its speedup over it), and the speedup against the cluster size
+   (`docs/figures/plan_speedup_vs_nodes.png`; Table 7 beside its prediction and band in
+   `plan_table7.png`).
+3. Every Qwen2.5 size from 0.5B to 32B, read from its `config.json` shapes, on 8 and 64
+   nodes of 8 H800s with AReaL's workload: the best synchronous and asynchronous
+   placements the search finds.
+4. `async-rl-plan`'s search and band, timed: a 32B-class model on 48 nodes of 8 H800s
+   and the 7B on 64 H100s, in wall and CPU seconds, beside this machine's float32
+   matmul peak and load average, measured in the same run.
 
-Then, for both setups, the predicted speedup against the cluster size (AReaL's 3:1
-split at every size) and against η (at the Table 1 size), plotted to --fig_dir
-(`plan_speedup_vs_nodes.png`, `plan_speedup_vs_eta.png`); and the planner's search
-(`async_rl.plan.search`) on one 8-GPU H100 host (64 prompts a step) and on 64 H100s
-(AReaL's 512) for each setup: the recommended placement and its speedup over the best
-synchronous one.
-
-Nothing here is measured: every figure is the cost model's (`async_rl.plan.costs`) at
-the hardware table's rates. Last line: one JSON object with the headline figures.
+Nothing but the timings is measured: every other figure is the cost model's
+(`async_rl.plan.costs`) at the hardware table's rates. Last line: one JSON object.
 """
 
 import dataclasses
 import json
 import os
+import tempfile
 import time
 
 import matplotlib
@@ -31,166 +36,240 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from async_rl.plan import hardware, published, search  # noqa: E402
+from async_rl.plan import band, hardware, inputs, published, search  # noqa: E402
+from benchmarks.common.peak import matmul_peak  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "Only the Table 1 rows and 3 cluster sizes; no "
-                           "η curve and no search.")
+_QUICK = flags.DEFINE_bool("quick", False, "Only the published points, without bands.")
 _FIG_DIR = flags.DEFINE_string("fig_dir", "docs/figures", "Where the plots go.")
 
-_STEPS = 250  # AReaL's Table 1 runs
+_SWEEP = (band.LENGTH_SPREAD, band.SLOTS, band.MEMORY_FRACTION)
 _NODES = (4, 8, 16, 24, 32, 64)
-_ETAS = (1, 2, 4, 8, 16)
-# The recommendations: one 8-GPU host with a batch one host turns over in minutes, and
-# 64 GPUs with AReaL's batch.
-_HOSTS = ((1, 64), (8, 512))
+_SIZE_NODES = (8, 64)
+_TIMED = (("32b", "H800", 48), ("7b", "H100", 8))
 
 
-def _pair(row, nodes=0, eta=4):
-  return published.predict_pair(row, nodes=nodes, max_staleness=eta)
+def _band(workload, cluster, placements, sweep):
+  if _QUICK.value:
+    sweep = ()
+  return band.run(workload, cluster, placements, sweep=sweep)
 
 
-def table1():
-  rows = []
-  print("AReaL Table 1 (H800, 250 steps): published vs predicted")
-  print(f"{'model':14} {'nodes':>5} {'sync h':>7} {'pred':>6} {'async h':>7} {'pred':>6} "
-        f"{'speedup':>7} {'pred':>6} {'error':>6} {'stale':>5} {'gen idle':>8} {'tr idle':>7}")
-  for row in published.AREAL_TABLE1:
-    rs, ra = _pair(row)
-    sync_h, async_h = rs.step_s * _STEPS / 3600, ra.step_s * _STEPS / 3600
-    speedup = rs.step_s / ra.step_s
-    out = dict(model=row.preset, nodes=row.nodes, sync_hours=row.sync_hours,
-               async_hours=row.async_hours, speedup=row.speedup,
-               predicted_sync_hours=sync_h, predicted_async_hours=async_h,
-               predicted_speedup=speedup, error=speedup / row.speedup - 1,
-               staleness_mean=ra.staleness_mean, async_generator_idle=ra.generator_idle,
-               async_trainer_idle=ra.trainer_idle, sync_generator_idle=rs.generator_idle)
-    rows.append(out)
-    print(f"{row.preset:14} {row.nodes:>5} {row.sync_hours:>7.1f} {sync_h:>6.1f} "
-          f"{row.async_hours:>7.1f} {async_h:>6.1f} {row.speedup:>7.2f} {speedup:>6.2f} "
-          f"{out['error']:>+6.0%} {ra.staleness_mean:>5.2f} {ra.generator_idle:>8.2f} "
-          f"{ra.trainer_idle:>7.2f}")
-  return rows
+def _row(name, published_value, b, f, unit=""):
+  """One published point: its prediction, error, band and what moves it most."""
+  predicted = f(b.nominal)
+  lo, hi = b.range(f)
+  moved, mlo, mhi = b.most(f)
+  out = dict(point=name, published=published_value, predicted=predicted,
+             error=predicted / published_value - 1, band=(lo, hi), moved_most_by=moved,
+             moved_range=(mlo, mhi))
+  print(f"{name:34} {published_value:>9.3g}{unit} {predicted:>9.3g}{unit} "
+        f"{out['error']:>+6.0%}  {lo:.3g}-{hi:.3g}{unit}  {moved or '-'}")
+  return out
 
 
-def curve_nodes(nodes):
+def hours(name):
+  return lambda preds: (preds[name].step_s * published.TABLE1_STEPS / 3600
+                        if preds.get(name) else None)
+
+
+def trained(name):
+  return lambda preds: preds[name].trained_tokens_per_s if preds.get(name) else None
+
+
+def generated(name):
+  return lambda preds: preds[name].tokens_per_s if preds.get(name) else None
+
+
+def published_points() -> tuple[list, dict]:
+  rows, curve = [], {}
+  print(f"{'published point':34} {'AReaL':>9} {'predicted':>9} {'error':>6}  band  "
+        f"(moved most by)")
+  for r in published.AREAL_TABLE1:
+    w, c, sync, asyn = published.table1_setup(r)
+    b = _band(w, c, {"sync": sync, "async": asyn}, _SWEEP)
+    size = r.preset.split("-")[1].upper()
+    rows += [_row(f"Table 1, {size}, sync hours", r.sync_hours, b, hours("sync"), " h"),
+             _row(f"Table 1, {size}, async hours", r.async_hours, b, hours("async"), " h"),
+             _row(f"Table 1, {size}, speedup", r.speedup, b, band.speedup("async", "sync"),
+                  "x")]
+  for eta, value in published.AREAL_TABLE7:
+    w, c, p = published.table7_setup(eta)
+    b = _band(w, c, {"p": p}, _SWEEP + (band.DEVICE_SPLIT,))
+    rows.append(_row(f"Table 7, η = {eta}, trained tok/s", value, b, trained("p")))
+    curve[eta] = rows[-1]
+  for preset, with_it, without in published.AREAL_INTERRUPTIBLE:
+    w, c, retract = published.interruptible_setup(preset, "retract")
+    drain = dataclasses.replace(retract, update_mode="drain")
+    b = _band(w, c, {"retract": retract, "drain": drain}, _SWEEP)
+    size = preset.split("-")[1].upper()
+    rows += [_row(f"interruptible, {size}, retract tok/s", with_it, b, generated("retract")),
+             _row(f"interruptible, {size}, drain tok/s", without, b, generated("drain")),
+             _row(f"interruptible, {size}, gain", with_it / without, b,
+                  lambda preds: preds["retract"].tokens_per_s / preds["drain"].tokens_per_s
+                  if preds.get("retract") and preds.get("drain") else None, "x")]
+  return rows, curve
+
+
+def table1_searched() -> dict:
+  """What the planner's own search places on Table 1's clusters."""
   out = {}
-  print("\nspeedup vs cluster size (3/4 generate, η = 4)")
-  for row in published.AREAL_TABLE1:
+  print("\nTable 1's clusters as the search places them (AReaL's workload):")
+  for r in published.AREAL_TABLE1:
+    w, c, _, _ = published.table1_setup(r)
+    res = search.search(w, c, top=2, etas=(2, 4, 8))
+    sync, asyn = res["sync"][0], res["async"][0]
+    out[r.preset] = dict(sync_form=sync.placement.form, sync_samples_per_s=sync.samples_per_s,
+                         async_samples_per_s=asyn.samples_per_s,
+                         speedup=asyn.samples_per_s / sync.samples_per_s)
+    print(f"  {r.preset} on {r.nodes} nodes: best sync {sync.placement.form} (TP "
+          f"{sync.placement.tp}, FSDP {sync.placement.fsdp}) {sync.samples_per_s:.2f} "
+          f"samples/s; best async {asyn.samples_per_s:.2f}: x{out[r.preset]['speedup']:.2f}")
+  return out
+
+
+def speedup_vs_nodes() -> dict:
+  out = {}
+  print("\nTable 1's speedup against the cluster size (3/4 generate, η = 4):")
+  for r in published.AREAL_TABLE1:
     points = []
-    for n in nodes:
-      rs, ra = _pair(row, nodes=n)
-      points.append(dict(nodes=n, gpus=8 * n, sync_samples_per_s=rs.samples_per_s,
-                         async_samples_per_s=ra.samples_per_s,
-                         speedup=ra.samples_per_s / rs.samples_per_s))
-      print(f"{row.preset:14} {8 * n:>5} GPUs: sync {rs.samples_per_s:7.2f} async "
-            f"{ra.samples_per_s:7.2f} samples/s, x{points[-1]['speedup']:.2f}")
-    out[row.preset] = points
+    for nodes in _NODES:
+      w, c, sync, asyn = published.table1_setup(r, nodes=nodes)
+      rs, ra = (search.predict_scaled(w, c, p) for p in (sync, asyn))
+      points.append(dict(gpus=8 * nodes, speedup=ra.samples_per_s / rs.samples_per_s))
+    out[r.preset] = points
+    print(f"  {r.preset}: " + ", ".join(f"{p['gpus']} GPUs x{p['speedup']:.2f}"
+                                          for p in points))
   return out
 
 
-def curve_eta():
+def sizes() -> dict:
   out = {}
-  print("\nspeedup vs η (Table 1 cluster sizes)")
-  for row in published.AREAL_TABLE1:
-    points = []
-    for eta in _ETAS:
-      rs, ra = _pair(row, eta=eta)
-      points.append(dict(eta=eta, speedup=ra.samples_per_s / rs.samples_per_s,
-                         staleness_mean=ra.staleness_mean))
-      print(f"{row.preset:14} η={eta:<3} x{points[-1]['speedup']:.2f} "
-            f"(mean staleness {ra.staleness_mean:.2f})")
-    out[row.preset] = points
+  print("\nQwen2.5 sizes (config.json) on H800 nodes, AReaL's workload: best sync / async")
+  base = published.areal_workload("qwen2.5-1.5b")
+  with tempfile.TemporaryDirectory() as tmp:
+    for size, shapes in published.QWEN25_CONFIGS.items():
+      path = os.path.join(tmp, f"{size}.json")
+      with open(path, "w") as f:
+        json.dump(shapes, f)
+      w = dataclasses.replace(base, model=inputs.read_model(path))
+      for nodes in _SIZE_NODES:
+        res = search.search(w, published.areal_cluster(nodes), top=1, etas=(4,))
+        sync, asyn = res["sync"][0], res["async"][0]
+        key = f"{size}@{nodes}"
+        out[key] = dict(sync=_placement(sync), asynchronous=_placement(asyn),
+                        speedup=round(asyn.samples_per_s / sync.samples_per_s, 2))
+        print(f"  {size:>4} on {nodes:>2} nodes: {_line(sync)}  |  {_line(asyn)}  "
+              f"x{out[key]['speedup']:.2f}")
   return out
 
 
-def recommend():
+def _placement(r: search.Prediction) -> dict:
+  p = r.placement
+  return dict(form=p.form, gen=p.gen_devices, tp=p.tp, train=p.train_devices, fsdp=p.fsdp,
+              slots=p.slots, eta=p.max_staleness, samples_per_s=round(r.samples_per_s, 3))
+
+
+def _line(r: search.Prediction) -> str:
+  p = r.placement
+  if p.mode == "async":
+    return (f"async {p.gen_devices}+{p.train_devices} TP {p.tp} FSDP {p.fsdp} η {p.max_staleness} "
+            f"{r.samples_per_s:.2f}/s")
+  return f"{p.form} TP {p.tp} FSDP {p.fsdp} {r.samples_per_s:.2f}/s"
+
+
+def timed_searches() -> dict:
+  """`async-rl-plan`'s work for two clusters, timed, with the peak and load beside."""
   out = {}
-  h100 = hardware.HARDWARE["H100"]
-  for row in published.AREAL_TABLE1:
-    for nodes, batch_groups in _HOSTS:
-      workload = dataclasses.replace(published.areal_setup(row)[0], batch_groups=batch_groups)
-      cluster = search.Cluster(h100, nodes, 8)
-      t0 = time.perf_counter()
-      res = search.search(workload, cluster, top=2, etas=(2, 4, 8))
-      took = time.perf_counter() - t0
-      key = f"{row.preset}@{8 * nodes}xH100, batch {batch_groups}x16"
-      if not res["async"] and not res["sync"]:
-        print(f"\n{key}: nothing fits")
-        out[key] = None
-        continue
-      best = max(res["sync"] + res["async"], key=lambda r: r.samples_per_s)
-      sync_best = max((r.samples_per_s for r in res["sync"]), default=float("nan"))
-      p = best.placement
-      out[key] = dict(dataclasses.asdict(p), samples_per_s=best.samples_per_s,
-                      speedup_over_sync=best.samples_per_s / sync_best,
-                      memory_gib=best.memory_per_device / 2**30,
-                      staleness_mean=best.staleness_mean, search_s=took)
-      print(f"\n{key} (search {took:.0f} s): {p.mode}, {p.gen_devices} generating "
-            f"(tp {p.tp}), {p.train_devices} training (fsdp {p.fsdp}), {p.slots} slots, "
-            f"KV {p.kv_tokens} tokens, η={p.max_staleness}, {p.update_mode}: "
-            f"{best.samples_per_s:.2f} samples/s, x{best.samples_per_s / sync_best:.2f} "
-            f"over the best sync, {best.memory_per_device / 2**30:.1f} GiB/device")
+  print("\nasync-rl-plan's search and band, timed:")
+  with tempfile.TemporaryDirectory() as tmp:
+    for size, kind, nodes in _TIMED:
+      path = os.path.join(tmp, "config.json")
+      with open(path, "w") as f:
+        json.dump(published.QWEN25_CONFIGS[size], f)
+      w = dataclasses.replace(published.areal_workload("qwen2.5-1.5b"),
+                              model=inputs.read_model(path))
+      cluster = search.Cluster(hardware.HARDWARE[kind], nodes, 8)
+      load = os.getloadavg()[0]
+      wall, cpu = time.perf_counter(), time.process_time()
+      res = search.search(w, cluster, top=2, etas=(2, 4, 8))
+      rec = band.recommend(w, cluster, res, top=2,
+                           sweep=(band.LENGTH_SPREAD, band.SLOTS, band.MEMORY_FRACTION,
+                                  band.TP_DEGREE))
+      wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+      best = rec.band.nominal[rec.best]
+      key = f"{size}@{nodes}x8 {kind}"
+      out[key] = dict(wall_s=round(wall, 1), cpu_s=round(cpu, 1),
+                      load_before=round(load, 1), load_after=round(os.getloadavg()[0], 1),
+                      recommended=_placement(best), close=len(rec.close))
+      print(f"  {key}: {wall:.1f} s wall, {cpu:.1f} s CPU (load {load:.1f} -> "
+            f"{os.getloadavg()[0]:.1f}); recommends {_line(best)}")
   return out
 
 
-def _plot(nodes_curve, eta_curve, fig_dir):
+def _plot(curve: dict, nodes: dict, fig_dir: str) -> dict:
   os.makedirs(fig_dir, exist_ok=True)
   paths = {}
   fig, ax = plt.subplots(figsize=(6, 4.2))
-  for (name, points), color in zip(nodes_curve.items(), ("tab:blue", "tab:orange")):
-    ax.plot([p["gpus"] for p in points], [p["speedup"] for p in points], "o-", color=color,
-            label=f"{name}: predicted")
-  for row, color in zip(published.AREAL_TABLE1, ("tab:blue", "tab:orange")):
-    ax.plot([8 * row.nodes], [row.speedup], "*", color=color, markersize=14,
-            label=f"{row.preset}: AReaL Table 1")
-  paths["nodes"] = _save(fig, ax, "H800 GPUs (3/4 generate in async)",
-                         "Predicted speedup of asynchronous RL, η = 4",
-                         os.path.join(fig_dir, "plan_speedup_vs_nodes.png"))
-  if eta_curve:
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for (name, points), row in zip(eta_curve.items(), published.AREAL_TABLE1):
-      ax.plot([p["eta"] for p in points], [p["speedup"] for p in points], "o-",
-              label=f"{name} on {8 * row.nodes} H800")
-    paths["eta"] = _save(fig, ax, "η (max staleness)",
-                         "Predicted speedup against the staleness bound",
-                         os.path.join(fig_dir, "plan_speedup_vs_eta.png"))
-  return paths
-
-
-def _save(fig, ax, xlabel: str, title: str, path: str) -> str:
-  """Labels a speedup plot (log2 x axis), writes it to `path` and returns the path."""
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel("async / sync throughput")
-  ax.set_title(title)
+  etas = list(curve)
+  ax.plot(etas, [curve[e]["published"] / 1e3 for e in etas], "k*-", label="AReaL Table 7")
+  ax.plot(etas, [curve[e]["predicted"] / 1e3 for e in etas], "o-", color="tab:blue",
+          label="predicted")
+  if not _QUICK.value:
+    ax.fill_between(etas, [curve[e]["band"][0] / 1e3 for e in etas],
+                    [curve[e]["band"][1] / 1e3 for e in etas], color="tab:blue", alpha=0.2,
+                    label="band")
+  ax.set_xscale("symlog", base=2, linthresh=1)
+  ax.set_xlabel("η (max staleness)")
+  ax.set_ylabel("trained k tokens/s")
+  ax.set_title("1.5B on one node of 8 H800s, 8k context")
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  paths["table7"] = os.path.join(fig_dir, "plan_table7.png")
+  fig.savefig(paths["table7"], dpi=110)
   plt.close(fig)
-  return path
+  if nodes:
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for (name, points), r, color in zip(nodes.items(), published.AREAL_TABLE1,
+                                        ("tab:blue", "tab:orange")):
+      ax.plot([p["gpus"] for p in points], [p["speedup"] for p in points], "o-", color=color,
+              label=f"{name}: predicted")
+      ax.plot([8 * r.nodes], [r.speedup], "*", color=color, markersize=14,
+              label=f"{name}: AReaL Table 1")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("H800 GPUs (3/4 generate)")
+    ax.set_ylabel("async / sync (η = 0, same split)")
+    ax.set_title("Predicted speedup of asynchronous RL, η = 4")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths["nodes"] = os.path.join(fig_dir, "plan_speedup_vs_nodes.png")
+    fig.savefig(paths["nodes"], dpi=110)
+    plt.close(fig)
+  return paths
 
 
 def main(argv):
   del argv
   t0 = time.perf_counter()
-  table = table1()
-  nodes_curve = curve_nodes((4, 16, 64) if _QUICK.value else _NODES)
-  eta_curve = {} if _QUICK.value else curve_eta()
-  recs = {} if _QUICK.value else recommend()
-  paths = _plot(nodes_curve, eta_curve, _FIG_DIR.value)
+  peak = matmul_peak()
+  rows, curve = published_points()
+  searched = nodes = by_size = timed = {}
+  if not _QUICK.value:
+    searched = table1_searched()
+    nodes = speedup_vs_nodes()
+    by_size = sizes()
+    timed = timed_searches()
+  paths = _plot(curve, nodes, _FIG_DIR.value)
+  peak_after = matmul_peak()
+  print(f"\nfloat32 matmul peak {peak / 1e9:.1f} GFLOP/s before, {peak_after / 1e9:.1f} after")
   headline = dict(
       quick=_QUICK.value,
-      table1={r["model"]: dict(published=round(r["speedup"], 2),
-                               predicted=round(r["predicted_speedup"], 2),
-                               error=round(r["error"], 3),
-                               within_20_percent=abs(r["error"]) <= 0.2) for r in table},
-      speedup_vs_gpus={k: {p["gpus"]: round(p["speedup"], 2) for p in v}
-                       for k, v in nodes_curve.items()},
-      speedup_vs_eta={k: {p["eta"]: round(p["speedup"], 2) for p in v}
-                      for k, v in eta_curve.items()},
-      recommend={k: v and {m: (round(x, 3) if isinstance(x, float) else x)
-                           for m, x in v.items()} for k, v in recs.items()},
+      points=[{k: (round(v, 4) if isinstance(v, float) else
+                   [round(x, 4) for x in v] if isinstance(v, tuple) else v)
+               for k, v in r.items()} for r in rows],
+      table1_searched=searched, speedup_vs_gpus=nodes, sizes=by_size, timed=timed,
+      matmul_peak_gflops=[round(peak / 1e9, 1), round(peak_after / 1e9, 1)],
       plots=paths, wall_s=round(time.perf_counter() - t0, 1))
   print(json.dumps(headline))
 

@@ -84,7 +84,7 @@ def main(argv):
     return
   sync_best = max((r.samples_per_s for r in results["sync"]), default=None)
   print(format_table(rows, sync_best))
-  best = rows[0]
+  ranked = rows
   if _BAND.value:
     sweep = [band.LENGTH_SPREAD] + [name for name, given in (
         (band.SLOTS, _SLOTS.value), (band.MEMORY_FRACTION, _MEMORY.value),
@@ -92,23 +92,39 @@ def main(argv):
     rec = band.recommend(workload, cluster, results, top=_TOP.value, sweep=sweep)
     print()
     print(format_band(rec))
-    best = rec.band.nominal[rec.best]
+    ranked = [rec.band.nominal[k] for k in sorted(rec.ranges, key=lambda k: -rec.ranges[k][0])]
   if _WRITE.value:
-    p = best.placement
-    summary = (f"{p.form} placement of {model.num_params() / 1e9:.2f}B params on "
-               f"{cluster.devices} x {hw.name}: predicted {best.samples_per_s:.2f} samples/s")
-    with open(_WRITE.value, "w") as f:
-      f.write(inputs.config_text(workload, p, nodes=cluster.nodes, summary=summary))
-    print(f"wrote {_WRITE.value}")
+    write_config(workload, cluster, ranked + rows)
+
+
+def write_config(workload: search.Workload, cluster: search.Cluster, ranked: list) -> None:
+  """Writes the first of `ranked` this project runs: its synchronous mode keeps the
+  generator resident, so an offload placement is passed over (and said to be)."""
+  best = next((r for r in ranked if not r.placement.offload), None)
+  if best is None:
+    print("no placement this project runs fits: its synchronous mode keeps the generator "
+          "resident; nothing written")
+    return
+  if ranked[0].placement.offload:
+    print("the recommended placement releases the generator while the trainer runs, which "
+          "this project's synchronous mode does not: writing the best it runs instead")
+  p, model = best.placement, workload.model
+  summary = (f"{p.form} placement of {model.num_params() / 1e9:.2f}B params on "
+             f"{cluster.devices} x {cluster.hardware.name}: predicted "
+             f"{best.samples_per_s:.2f} samples/s")
+  with open(_WRITE.value, "w") as f:
+    f.write(inputs.config_text(workload, p, nodes=cluster.nodes, summary=summary))
+  print(f"wrote {_WRITE.value}: {describe(p)}")
 
 
 def describe(p: search.Placement) -> str:
   """A placement in a line."""
+  engines = f"{p.engines} engine{'s' if p.engines > 1 else ''}"
   if p.mode == "async":
-    return (f"async: {p.engines} engines at TP {p.tp} on {p.gen_devices} devices, "
+    return (f"async: {engines} at TP {p.tp} on {p.gen_devices} devices, "
             f"{p.train_devices} training (FSDP {p.fsdp}), {p.slots} slots, "
             f"η = {p.max_staleness}, {p.update_mode}")
-  return (f"{p.form}: {p.engines} engines at TP {p.tp} on every device, then the trainer "
+  return (f"{p.form}: {engines} at TP {p.tp} on every device, then the trainer "
           f"(FSDP {p.fsdp}), {p.slots} slots")
 
 

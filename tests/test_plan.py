@@ -16,7 +16,7 @@ from async_rl import cli, config
 from async_rl.models import memory
 from async_rl.plan import band, costs, hardware, host, inputs, published, search
 from async_rl.sim import DecodeCost, engine, simulate
-from async_rl.trajectory import Trajectory
+from async_rl.trajectory import Group, Trajectory
 
 ROOT = Path(__file__).parents[1]
 # N = L (D (H + 2K) E + H E D + 3 D F) + D V = 2 (32768 + 16384 + 98304) + 32768.
@@ -406,8 +406,9 @@ def test_the_band_sweeps_each_assumption_and_recommends_the_best_worst_case():
 
 
 def test_compact_groups_recommend_as_per_token_groups(monkeypatch):
-  """The simulator hands the buffer one token per run of versions; per-token groups (how
-  it ran before) must give the same search, prediction for prediction."""
+  """The simulator hands the buffer a group as one token of each of its versions;
+  per-token groups (how it ran before) must give the same search, prediction for
+  prediction."""
   w = _workload(model=config.model_preset("qwen2.5-0.5b"), batch_groups=8, group_size=4,
                 max_new_tokens=2048, length_median=512, length_sigma=1.5)
   cluster = search.Cluster(hardware.HARDWARE["H100"], 1, 8)
@@ -417,12 +418,14 @@ def test_compact_groups_recommend_as_per_token_groups(monkeypatch):
 
   compact = run()
 
-  def per_token(sample):
-    versions = np.repeat([v for v, _ in sample.versions], [n for _, n in sample.versions])
-    return Trajectory.from_completion(np.zeros(1, np.int32), np.zeros(versions.size, np.int32),
-                                      np.zeros(versions.size, np.float32), versions, "length",
-                                      reward=0.0)
+  def per_token(group):
+    def sample(s):
+      versions = np.repeat([v for v, _ in s.versions], [n for _, n in s.versions])
+      return Trajectory.from_completion(np.zeros(1, np.int32), np.zeros(s.length, np.int32),
+                                        np.zeros(s.length, np.float32), versions, "length",
+                                        reward=0.0)
+    return Group(None, tuple(sample(s) for s in group.samples))
 
-  monkeypatch.setattr(engine, "_trajectory", per_token)
+  monkeypatch.setattr(engine, "_scored", per_token)
   assert run() == compact
   assert any(r.staleness_mean > 0 for r in compact["async"])  # versions did mix

@@ -238,31 +238,34 @@ def test_decode_cost_is_a_roofline_and_names_bad_fields():
 
 
 def test_a_group_is_admitted_by_its_versions_not_its_token_count():
-  """The simulator offers one token per run of equal versions; the buffer must decide
-  on such a group as on the full one, at every version and bound."""
+  """The simulator offers a group as one sample holding one token of each version its
+  tokens carry; the buffer must decide on it as on the full group, at every version and
+  bound."""
   from async_rl.param_server.buffer import AdmissionBuffer  # noqa: PLC0415
   from async_rl.trajectory import Group, Trajectory  # noqa: PLC0415
 
-  def group(runs, full):
-    samples = []
-    for sample_runs in runs:
-      versions = np.concatenate([np.full(n if full else 1, v) for v, n in sample_runs])
-      samples.append(Trajectory.from_completion(
-          np.zeros(1, np.int32), np.zeros(versions.size, np.int32),
-          np.zeros(versions.size, np.float32), versions, "length", reward=0.0))
-    return Group(None, tuple(samples))
+  def sample(versions):
+    return Trajectory.from_completion(
+        np.zeros(1, np.int32), np.zeros(versions.size, np.int32),
+        np.zeros(versions.size, np.float32), versions, "length", reward=0.0)
+
+  def full(runs):
+    return Group(None, tuple(sample(np.concatenate([np.full(n, v) for v, n in r]))
+                             for r in runs))
+
+  def compact(runs):
+    return Group(None, (sample(np.unique([v for r in runs for v, _ in r])),))
 
   rng = np.random.default_rng(0)
   groups = [[[(v, int(rng.integers(1, 50))) for v in sorted(rng.choice(8, 3, replace=False))]
              for _ in range(2)] for _ in range(40)]
   for eta in (0, 1, 3):
-    full, compact = AdmissionBuffer(eta), AdmissionBuffer(eta)
+    a, b = AdmissionBuffer(eta), AdmissionBuffer(eta)
     for ticket, runs in enumerate(groups):
       version = ticket // 5
-      assert full.offer(group(runs, True), 8 + version, ticket) == compact.offer(
-          group(runs, False), 8 + version, ticket)
+      assert a.offer(full(runs), 8 + version, ticket) == b.offer(compact(runs), 8 + version,
+                                                                 ticket)
       if ticket % 7 == 6:
-        assert full.purge(9 + version) == compact.purge(9 + version)
-    assert [t for t, _ in full.take(len(full), 16)] == [
-        t for t, _ in compact.take(len(compact), 16)]
-    assert full.dropped == compact.dropped > 0
+        assert a.purge(9 + version) == b.purge(9 + version)
+    assert [t for t, _ in a.take(len(a), 16)] == [t for t, _ in b.take(len(b), 16)]
+    assert a.dropped == b.dropped > 0

@@ -168,17 +168,23 @@ def run(workload: Workload, cluster: Cluster, placements: dict[str, Placement], 
   """Simulates every placement in every scenario (`nominal`: predictions of the nominal
   scenario already made, reused)."""
   cases = scenarios(workload, cluster, placements, sweep=sweep)
+  # A scenario that leaves a placement as it was (a memory fraction that does not move
+  # a KV budget its slots already cap) runs the same simulation: simulated once.
+  done = {}
   preds = []
   for case in cases:
     out = {}
     for name, p in case.placements.items():
+      key = (case.workload, dataclasses.replace(case.cluster, memory_fraction=0.0), p)
       if not case.assumption and nominal and name in nominal:
-        out[name] = nominal[name]
-      elif p is not None:
-        out[name] = predict_scaled(case.workload, case.cluster, p, steps=steps,
-                                   max_simulated_samples=max_simulated_samples)
-      else:
+        out[name] = done[key] = nominal[name]
+      elif p is None:
         out[name] = None
+      else:
+        if key not in done:
+          done[key] = predict_scaled(case.workload, case.cluster, p, steps=steps,
+                                     max_simulated_samples=max_simulated_samples)
+        out[name] = done[key]
     preds.append(out)
   return Band(tuple(cases), tuple(preds))
 

@@ -7,10 +7,11 @@ weights, freed gate capacity). Admission goes through the real `StalenessGate`
 (acquired at the generator's weights version) and the real `AdmissionBuffer` (a
 group with a token older than v - η is dropped when offered or, while waiting, when v
 moves; the trainer takes the oldest groups first): a finished group is offered as a
-`trajectory.Group` whose tokens carry the versions that generated them, one token per
-run of equal versions. The buffer's decisions depend only on which versions a group's
-trained tokens carry, so they are those of the full sample; the token counts (trained
-tokens, the staleness histogram) are kept here from the runs' lengths.
+`trajectory.Group` that carries one token of each version that generated its tokens.
+With stale groups dropped (the buffer's default), its decisions depend only on the
+oldest and newest versions of a group's trained tokens, so they are those of the full
+group; the token counts (trained tokens, the staleness histogram) are kept here, from
+each sample's runs of equal versions.
 
 When a decode step's cost grows with the live tokens, a segment is timed at its
 middle step (the cost is linear in the live tokens, which grow by one per slot and
@@ -88,16 +89,14 @@ class _Group:
     self.samples: list[_Sample] = []
     self.finished = 0
 
-  def scored(self) -> Group:
-    """The finished group as the buffer sees it: one token per run of equal versions."""
-    return Group(None, tuple(_trajectory(s) for s in self.samples))
 
-
-def _trajectory(sample: _Sample) -> Trajectory:
-  versions = np.array([v for v, _ in sample.versions], np.int32)
-  return Trajectory.from_completion(np.zeros(1, np.int32), np.zeros(versions.size, np.int32),
-                                    np.zeros(versions.size, np.float32), versions, "length",
-                                    reward=0.0)
+def _scored(group: _Group) -> Group:
+  """The finished group as the buffer sees it: one sample holding one token of each
+  version its samples' tokens carry (the module's docstring)."""
+  versions = np.unique([v for s in group.samples for v, _ in s.versions]).astype(np.int32)
+  return Group(None, (Trajectory.from_completion(
+      np.zeros(1, np.int32), np.zeros(versions.size, np.int32),
+      np.zeros(versions.size, np.float32), versions, "length", reward=0.0),))
 
 
 class _Generator:
@@ -305,11 +304,13 @@ class _Simulation:
         if cfg.slots - len(gen.active) - len(gen.queue) > 0:
           self.gate_closed += self.gate.running < self.gate.max_concurrent
         return
-      free = [(len(e.active) + len(e.queue), i, e) for i, e in enumerate(self.gens)
-              if cfg.slots - len(e.active) - len(e.queue) > 0 and not self._draining(e)]
-      if not free:
+      target, least = None, cfg.slots
+      for e in self.gens:
+        load = len(e.active) + len(e.queue)
+        if load < least and not self._draining(e):
+          target, least = e, load
+      if target is None:
         return
-      _, _, target = min(free)
       if not self.gate.acquire(target.version):
         self.gate_closed += self.gate.running < self.gate.max_concurrent
         return
@@ -320,7 +321,7 @@ class _Simulation:
         self._poke(target, now)
 
   def _draining(self, gen) -> bool:
-    return self.cfg.update_mode == "drain" and bool(gen.active) and self.published > gen.version
+    return self.published > gen.version and self.cfg.update_mode == "drain" and bool(gen.active)
 
   def _schedule(self, gen, start, overhead):
     gen.seg_start = start
@@ -349,7 +350,7 @@ class _Simulation:
 
   def _offer(self, group, now):
     ticket = next(self.order)
-    if self.buffer.offer(group.scored(), self.published, ticket=ticket):
+    if self.buffer.offer(_scored(group), self.published, ticket=ticket):
       self.offered[ticket] = group
       self.gate.finish_accepted()
     else:

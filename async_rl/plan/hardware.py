@@ -59,8 +59,8 @@ class Efficiency:
 # reading its 1.19 GB of weights and ~0.12 GB of keys and values at 0.7 explains 0.47
 # ms; the rest, 1.9 ms, is the engine's per-step cost, the same on every kind (it is
 # the engine's and its host's). The same benchmark's Qwen3-8B takes 12.2 ms a step
-# where weights plus 1.9 ms give 7.4: the H20, a cut-down die, has too few SMs to
-# stream a large GEMV at its full bandwidth, so the 0.7 holds for full parts only.
+# where weights plus 1.9 ms give 7.4: on that H20 a large model's batch-1 step reads
+# below 0.7, so at small batch the step is a lower bound.
 _DECODE_READ = 0.7
 _STEP_OVERHEAD_S = 1.9e-3
 _ENGINE = ("decode: FlashInfer, arXiv 2501.01005; Qwen's SGLang 0.4.6 speed benchmark, "

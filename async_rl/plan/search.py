@@ -269,24 +269,23 @@ def predict(workload: Workload, cluster: Cluster, p: Placement, *, steps: int = 
   """Simulates `steps` training steps and measures those after the first
   `_WARMUP_STEPS` (the pipeline's fill).
 
-  `scale` > 1 simulates 1/scale of the system: the engines and the batch divided by it,
-  and the trainer's devices too, by making each token cost `scale` times as much on
-  them, so each device sees the same load (the throughput is scaled back). The longest
-  sample of a smaller batch is a little shorter, which flatters sync slightly.
-  `measured`: as `sim_config` takes it.
+  `scale` > 1 simulates 1/scale of the system: the engines divided by it, the batch
+  too (to whole groups: the nearest), and the trainer's devices too, by making each
+  token cost as much more on them as the batch shrank, so each device sees the same
+  load (the throughput is scaled back). The longest sample of a smaller batch is a
+  little shorter, which flatters sync slightly. `measured`: as `sim_config` takes it.
 
   Raises:
-    ValueError: if `scale` divides the engines or the batch's groups unevenly.
+    ValueError: if `scale` divides the engines unevenly.
   """
   cfg = sim_config(workload, cluster, p, measured)
   if scale > 1:
-    if cfg.num_generators % scale or cfg.batch_groups % scale:
-      raise ValueError(f"scale {scale} must divide the {cfg.num_generators} engines and the "
-                       f"{cfg.batch_groups} groups of a batch")
+    if cfg.num_generators % scale:
+      raise ValueError(f"scale {scale} must divide the {cfg.num_generators} engines")
+    groups = max(1, round(cfg.batch_groups / scale))
     cfg = dataclasses.replace(
-        cfg, num_generators=cfg.num_generators // scale,
-        batch_groups=cfg.batch_groups // scale,
-        trainer_per_token=cfg.trainer_per_token * scale)
+        cfg, num_generators=cfg.num_generators // scale, batch_groups=groups,
+        trainer_per_token=cfg.trainer_per_token * cfg.batch_groups / groups)
   res = simulate(cfg, steps, seed)
   ends = res.step_end_times
   step_s = (ends[-1] - ends[_WARMUP_STEPS - 1]) / (steps - _WARMUP_STEPS)
@@ -451,10 +450,11 @@ def _shape(p: Placement) -> tuple:
 
 
 def sim_scale(workload: Workload, p: Placement, limit: int) -> int:
-  """The smallest divisor of the engines and the batch's groups that brings the batch
-  within `limit` samples (their largest common one if none does)."""
-  common = math.gcd(workload.batch_groups, p.engines)
-  for k in range(1, common + 1):
-    if common % k == 0 and workload.batch_groups * workload.group_size // k <= limit:
-      return k
-  return common
+  """The smallest divisor of the engines that brings the batch within `limit` samples
+  (`predict`'s `scale`), preferring one that divides the batch's groups too (the
+  batch then shrinks exactly); the engine count if none does."""
+  divisors = [k for k in range(1, p.engines + 1) if p.engines % k == 0]
+  fitting = [k for k in divisors
+             if max(1, round(workload.batch_groups / k)) * workload.group_size <= limit]
+  exact = [k for k in fitting if workload.batch_groups % k == 0]
+  return (exact or fitting or [p.engines])[0]

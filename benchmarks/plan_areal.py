@@ -1,6 +1,6 @@
 r"""The capacity planner against AReaL's published measurements, across sizes, and timed.
 
-  python -m benchmarks.plan_areal            # a quarter of an hour on a loaded 2-core CPU
+  python -m benchmarks.plan_areal            # a few minutes on a loaded 2-core CPU
   python -m benchmarks.plan_areal --quick    # the published points alone, without bands
 
 1. Every published point of `async_rl.plan.published` (AReaL, arXiv 2505.24298: Table

@@ -16,6 +16,7 @@ model cannot tell apart.
 """
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 from async_rl.plan.search import (Cluster, Placement, Prediction, Workload, fits,
@@ -154,7 +155,7 @@ class Band:
     range of `f` over them and the nominal ("" if nothing varies)."""
     values = self.values(f)
     nominal = [v for s, v in values if not s.assumption]
-    best = ("", *(2 * nominal[:1] or [float("nan")] * 2))
+    best = ("", min(nominal, default=math.nan), max(nominal, default=math.nan))
     for assumption in dict.fromkeys(s.assumption for s, _ in values if s.assumption):
       vs = nominal + [v for s, v in values if s.assumption == assumption]
       if max(vs) - min(vs) > best[2] - best[1]:

@@ -34,7 +34,7 @@ from async_rl.sim import SimConfig, sample_lengths, simulate
 
 # The share of a device's memory a run may fill: what the runtime, the compiled
 # programs' scratch and fragmentation leave. SGLang's `mem_fraction_static` defaults to
-# 0.8-0.9 of the GPU by its size, and AReaL's benchmark sets 0.7 for models above 1.5B
+# about 0.8-0.9 (less at larger TP degrees), and AReaL's benchmark sets 0.7 above 1.5B
 # (benchmark/verl_312a8cb/build_cmd.py); the middle is the nominal value, and the band
 # (`plan.band`) sweeps the range.
 MEMORY_FRACTION = 0.8

@@ -3,8 +3,10 @@ TensorBoard hides their events); every line names its run and time. TensorBoard 
 W&B get grouped tags; the warm start and sample completions have their own lines."""
 
 import json
+import logging
 import math
 import struct
+import subprocess
 import sys
 import time
 import types
@@ -13,7 +15,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from async_rl.rl import metrics_log, tensorboard
+from async_rl.rl import metrics_log
 from async_rl.rl.metrics_log import FILE, SAMPLES_FILE, MetricsLog
 
 
@@ -35,9 +37,12 @@ def _events(path):
   return events
 
 
-def test_crc32c_is_castagnolis():
-  assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the standard check value
-  assert tensorboard.crc32c(b"") == 0
+def test_logging_imports_neither_tensorflow_nor_torch():
+  # Both are installed here (the test extra), as in many users' environments.
+  code = ("import sys, async_rl.rl.metrics_log; "
+          "print(sorted(m for m in ('tensorflow', 'torch', 'tensorboardX') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]"
 
 
 def _first_run(workdir):
@@ -102,7 +107,9 @@ def test_tensorboard_groups_the_tags_and_plots_no_process_ids():
           "prompts": ["a", "b"], "skipped": 0, "grad_norm": math.nan,
           "rollout": {"admitted": 4, "pid": 4243}, "server": {"version": 3},
           "lengths": {"trained": {"p50": 16}}}
-  assert dict(metrics_log.tags(line)) == {
+  tagged = dict(metrics_log.tags(line))
+  assert math.isnan(tagged.pop("train/grad_norm"))  # TensorBoard plots nan as nan
+  assert tagged == {
       "train/loss": 0.5, "train/lr": 1e-4, "train/reward_mean": 0.25, "train/skipped": 0,
       "perf/time_train_s": 1.5, "perf/gen_tokens_per_s": 9.0,
       "perf/longest_unreported_wait_s": 2.0,
@@ -111,6 +118,48 @@ def test_tensorboard_groups_the_tags_and_plots_no_process_ids():
       "lengths/trained/p50": 16}
   assert dict(metrics_log.tags({"eval": {"accuracy": 0.5, "rewards": {"calls": 8}}})) == {
       "eval/accuracy": 0.5, "eval/rewards/calls": 8}
+
+
+def _scalars(path):
+  return {(e.step, v.tag): v.simple_value for e in _events(path) for v in e.summary.value}
+
+
+def test_inf_nan_and_values_beyond_float32_are_plotted_as_float32_holds_them(tmp_path):
+  # TensorBoard stores scalars as float32: a reward of 1e39 is +inf there.
+  log = MetricsLog(str(tmp_path), "first")
+  log.write(1, {"reward_mean": 1e39, "loss": -1e39, "grad_norm": math.nan, "lr": math.inf,
+                "server": {"tokens": 10**400, "dropped": -10**400}, "skipped": 1})
+  log.write(2, {"reward_mean": 0.5})
+  log.close()
+  (path,) = (tmp_path / "tensorboard").glob("events.*")
+  scalars = _scalars(path)
+  assert math.isnan(scalars.pop((1, "train/grad_norm")))
+  assert scalars == {(1, "train/reward_mean"): math.inf, (1, "train/loss"): -math.inf,
+                     (1, "train/lr"): math.inf, (1, "server/tokens"): math.inf,
+                     (1, "server/dropped"): -math.inf, (1, "train/skipped"): 1.0,
+                     (2, "train/reward_mean"): 0.5}
+  assert [(l["step"], l["reward_mean"]) for l in _lines(tmp_path)] == [(1, 1e39), (2, 0.5)]
+
+
+def test_a_metric_tensorboard_cannot_take_is_left_out_with_one_warning_and_logging_goes_on(
+    tmp_path, caplog):
+  bad = "acc\udc80"  # not UTF-8: no protocol buffer string can hold it
+  log = MetricsLog(str(tmp_path), "first")
+  with caplog.at_level(logging.WARNING):
+    for step in (1, 2):
+      log.write(step, {"loss": float(step), "eval": {bad: 0.5}})
+    log.write_samples(2, [{"prompt": "2+2=", "completion": "4\udc80", "reward": 1.0}])
+    log.write(3, {"loss": 3.0})
+  log.close()
+  (path,) = (tmp_path / "tensorboard").glob("events.*")
+  assert _scalars(path) == {(1, "train/loss"): 1.0, (2, "train/loss"): 2.0,
+                            (3, "train/loss"): 3.0}
+  warnings = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+  assert len(warnings) == 2  # once per metric, however often it comes
+  assert "eval/acc\\udc80" in warnings[0] and "samples" in warnings[1]
+  assert [l["eval"] for l in _lines(tmp_path) if "eval" in l] == [{bad: 0.5}] * 2
+  sample = json.loads((tmp_path / SAMPLES_FILE).read_text())
+  assert sample["completion"] == "4\udc80"
 
 
 def test_the_warm_start_logs_before_rl_and_no_resume_supersedes_it(tmp_path):

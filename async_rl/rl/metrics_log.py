@@ -19,12 +19,15 @@ The warm start's lines sit before RL (`step` 0, their own step under `sft`), so 
 resume supersedes them; TensorBoard plots them as a run of their own
 (`tensorboard/sft`), whose steps a resumed run's purge cannot reach.
 
-TensorBoard's event files are written by `rl.tensorboard`, which needs no TensorFlow.
+TensorBoard's event files are written by `rl.tensorboard`, which imports neither
+TensorFlow nor PyTorch. Every number is plotted, inf and nan included. Logging never
+ends a run: a metric TensorBoard or W&B cannot take (a tag that is not UTF-8, say) is
+left out of them with a warning, once per name, and `metrics.jsonl` still holds it.
 """
 
 import importlib
 import json
-import math
+import logging
 import os
 import time
 from typing import Any, Iterator, Optional
@@ -84,6 +87,7 @@ class MetricsLog:
     self._tb = EventWriter(os.path.join(workdir, "tensorboard"), purge_step=through + 1,
                            suffix=f".{run_id}")
     self._tb_sft = None
+    self._unwritable = set()  # names already warned of
     self._wandb = None
     if wandb_project is not None:
       import wandb  # noqa: PLC0415 - an optional extra, checked by `check_wandb`
@@ -98,7 +102,8 @@ class MetricsLog:
     self._line(self._jsonl, {"step": step, **metrics})
     scalars = dict(tags(metrics))
     for name, value in scalars.items():
-      self._tb.add_scalar(name, value, step)
+      self._unless_unwritable(f"{name!a} to TensorBoard", self._tb.add_scalar, name, value,
+                              step)
     self._to_wandb(scalars, "version", step)
 
   def write_warm_start(self, sft_step: int, metrics: dict[str, float],
@@ -111,7 +116,8 @@ class MetricsLog:
                                  purge_step=0, suffix=f".{self.run_id}")
     scalars = dict(tags({"sft": metrics}))
     for name, value in scalars.items():
-      self._tb_sft.add_scalar(name, value, sft_step)
+      self._unless_unwritable(f"{name!a} to TensorBoard", self._tb_sft.add_scalar, name,
+                              value, sft_step)
     self._to_wandb(scalars, "sft/step", sft_step)
 
   def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
@@ -121,7 +127,8 @@ class MetricsLog:
       self._samples = open(self._samples_path, "a", buffering=1)
     for sample in samples:
       self._line(self._samples, {"step": step, **sample})
-    self._tb.add_text("samples/completions", _markdown(samples), step)
+    self._unless_unwritable("the samples to TensorBoard", self._tb.add_text,
+                            "samples/completions", _markdown(samples), step)
     if self._wandb is not None:
       import wandb  # noqa: PLC0415
       columns = sorted({k for sample in samples for k in sample})
@@ -149,12 +156,23 @@ class MetricsLog:
     for group in {name.split("/")[0] for name in values} - self._wandb_groups:
       self._wandb.define_metric(f"{group}/*", step_metric=axis)
       self._wandb_groups.add(group)
-    self._wandb.log({**values, axis: x})
+    self._unless_unwritable("the metrics to W&B", self._wandb.log, {**values, axis: x})
+
+  def _unless_unwritable(self, what: str, write, *args) -> None:
+    """`write(*args)`; if it cannot encode what it is given, a warning (once for each
+    `what`) instead of an error: logging never ends a run."""
+    try:
+      write(*args)
+    except (ValueError, TypeError) as e:
+      if what not in self._unwritable:
+        self._unwritable.add(what)
+        logging.warning("the metrics log cannot write %s (%s: %a); %s holds it", what,
+                        type(e).__name__, str(e), FILE)
 
 
 def tags(metrics: dict[str, Any]) -> Iterator[tuple[str, float]]:
-  """The finite scalars of a log line (lists, strings, and `pid`s left out) under the
-  tags TensorBoard groups them by (the module docstring)."""
+  """The numbers of a log line, inf and nan included (lists, strings, and `pid`s left
+  out), under the tags TensorBoard groups them by (the module docstring)."""
   for path, value in _scalars(metrics, ()):
     if path[-1] in _NOT_METRICS:
       continue
@@ -174,7 +192,7 @@ def _scalars(metrics, prefix):
   for k, v in metrics.items():
     if isinstance(v, dict):
       yield from _scalars(v, (*prefix, str(k)))
-    elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+    elif isinstance(v, (int, float)) and not isinstance(v, bool):
       yield (*prefix, str(k)), v
 
 

@@ -1,5 +1,5 @@
 """Workflows: multi-turn episodes (hand-scripted and on a real pool), per-turn samples,
-and the runner that validates what a workflow returns."""
+the runner that validates what a workflow returns, and the methods a run calls."""
 
 import functools
 import threading
@@ -13,9 +13,13 @@ import pytest
 from async_rl import models, policy
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
 from async_rl.rl.episodes import EpisodeRunner
-from async_rl.tasks.workflow import MultiTurn, SingleTurn
+from async_rl.rl import build
+from async_rl.rl.errors import ConfigError
+from async_rl.tasks.registry import make_task
+from async_rl.tasks.workflow import MultiTurn, SingleTurn, Workflow
 from async_rl.trajectory import Trajectory, split_turns
 from conftest import one_layer_model, wait_until
+from rl_test_utils import small_config
 
 CALL, EOS = 9, 2  # A turn ending in CALL is answered by the environment; EOS ends it.
 PROMPT = types.SimpleNamespace(id="p", tokens=(1, 5))
@@ -256,7 +260,7 @@ def test_a_seeded_group_repeats_exactly(params):
   assert a != c and len({tuple(e) for e in a}) == 3, "and differ between samples and seeds"
 
 
-class _Returns:
+class _Returns(Workflow):
   def __init__(self, trajectories):
     self.trajectories = trajectories
 
@@ -301,3 +305,30 @@ def test_single_turn_is_one_request_of_the_group():
   out = SingleTurn().run(PROMPT, 2, gen)
   assert [t.completion_C.tolist() for t in out] == [[3, EOS], [4, EOS]]
   assert gen.calls == [((1, 5), 2, None, None)]
+
+
+class _Counting(_Returns):
+  def metrics(self):
+    return {"episodes": len(self.trajectories)}
+
+
+class _RunOnly:
+  def run(self, prompt, n, generate):
+    return []
+
+
+def test_a_workflow_s_optional_methods_are_declared_and_one_without_them_is_refused_first():
+  pool = types.SimpleNamespace(submit=None)
+  assert SingleTurn().metrics() == {} and SingleTurn().close() is None
+  for workflow, metrics in ((_Returns([]), {}), (_Counting([1, 2]), {"episodes": 2})):
+    runner = EpisodeRunner(pool, workflow)
+    assert runner.metrics() == metrics
+    runner.close()
+  cfg = build.resolve(small_config())
+  task = make_task(cfg.task)
+  task.workflow = _RunOnly()
+  with pytest.raises(ConfigError, match=r"workflow must have run, metrics and close .*"
+                     r"_RunOnly has no metrics, close"):
+    build.preflight(cfg, task)
+  task.workflow = _Counting([])
+  assert build.preflight(cfg, task) is task

@@ -46,6 +46,7 @@ from async_rl.rl.trainer import Trainer
 from async_rl.rl.trainer_loop import Outputs, Publishing, Restored, Settings, TrainLoop
 from async_rl.sft import warm_start
 from async_rl.tasks.registry import check_task, make_task
+from async_rl.tasks.workflow import Workflow
 from async_rl.timeline import Timeline
 
 
@@ -119,8 +120,9 @@ def preflight(cfg: ExperimentConfig, task=None):
 
   None: `check`, then the task `cfg.task` names, built (`task_of`). A task given
   instead is not `cfg.task`'s, so of `check` only the objective's checks concern it.
-  Then, on either: that the task fits the model, that its reward functions load, and
-  that what the log needs imports.
+  Then, on either: that the task fits the model, that its workflow has the methods a
+  run calls (`tasks.workflow.Workflow`), that its reward functions load, and that what
+  the log needs imports.
 
   Raises:
     ConfigError: naming the field whose value a part rejects.
@@ -134,6 +136,11 @@ def preflight(cfg: ExperimentConfig, task=None):
     reward_fn(cfg, task)
     correct_fn(cfg, task)
     check_wandb(cfg.log.wandb_project)
+  if task.workflow is not None and not isinstance(task.workflow, Workflow):
+    missing = [m for m in ("run", "metrics", "close") if not hasattr(task.workflow, m)]
+    raise ConfigError(f"the task's workflow must have run, metrics and close (subclass "
+                      f"async_rl.tasks.Workflow for the defaults of the last two); "
+                      f"{type(task.workflow).__name__} has no {', '.join(missing)}")
   if task.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size must hold the task's tokenizer "
                       f"({task.tokenizer.vocab_size} ids), got {cfg.model.vocab_size}")

@@ -103,9 +103,8 @@ def _in_process(cfg, workdir, task, *, init_params, stop, echo, progress, run_id
       if part is not None:
         part.close()
     # A workflow that serves (an agent's endpoint) frees its port for the next run.
-    close_workflow = getattr(getattr(task, "workflow", None), "close", None)
-    if close_workflow is not None:
-      close_workflow()
+    if task.workflow is not None:
+      task.workflow.close()
 
 
 def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,

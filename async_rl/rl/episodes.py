@@ -58,9 +58,8 @@ class EpisodeRunner:
     return self._executor.submit(self._run, prompt, request)
 
   def metrics(self) -> dict[str, int]:
-    """The workflow's own counters (an agent's lost episodes, say), if it keeps any."""
-    counters = getattr(self._workflow, "metrics", None)
-    return counters() if counters is not None else {}
+    """The workflow's own counters (an agent's lost episodes, say; `Workflow.metrics`)."""
+    return self._workflow.metrics()
 
   def close(self) -> None:
     """Cancels groups not yet started and fails the pool requests running ones wait on."""

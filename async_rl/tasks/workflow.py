@@ -1,6 +1,9 @@
 """Workflows: how one prompt group becomes trajectories.
 
-A workflow is a small object with `run(prompt, n, generate) -> list[Trajectory]`. It runs
+A workflow (`Workflow`) is a small object with `run(prompt, n, generate) ->
+list[Trajectory]`, and two methods a run calls whose defaults a subclass inherits:
+`metrics()`, its own counters for the metrics log, and `close()`, which frees what it
+holds when the run ends (an agent's endpoint, say). It runs
 on a thread of its own (`rl.episodes`), so it may block on the futures `generate`
 returns: `generate(tokens, n=1, *, max_new_tokens=None, stop_ids=None, hold_slot=False,
 slot=None)` submits one generator request whose prompt is `tokens` and returns a future
@@ -34,7 +37,7 @@ each of them.
 import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -52,11 +55,23 @@ class Generate(Protocol):
   def release(self, slot: Any) -> None: ...
 
 
+@runtime_checkable
 class Workflow(Protocol):
+  """Turns a prompt group into trajectories (the module docstring). A subclass inherits
+  `metrics` and `close`, which keep no counters and hold nothing; a workflow of its own
+  that does not subclass it must have all three methods (`rl.build.preflight` checks)."""
+
   def run(self, prompt, n: int, generate: Generate) -> Sequence[Trajectory]: ...
 
+  def metrics(self) -> dict[str, int]:
+    """The workflow's own counters (an agent's lost episodes, say), for the metrics log."""
+    return {}
 
-class SingleTurn:
+  def close(self) -> None:
+    """Frees what the workflow holds; the run is over."""
+
+
+class SingleTurn(Workflow):
   """n samples of the prompt, in one request."""
 
   def run(self, prompt, n: int, generate: Generate) -> list[Trajectory]:
@@ -90,7 +105,7 @@ class _Episode:
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiTurn:
+class MultiTurn(Workflow):
   """Policy turns and environment turns, n episodes of a prompt in lockstep.
 
   Turn 1 of the n episodes is one request of n samples; later turns are one request

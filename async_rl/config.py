@@ -564,9 +564,9 @@ class RunConfig:
       True, "record every training batch as trained in the workdir's `schedule/`, so that "
       "`--replay` can re-execute the run (`rl.replay`).")
   prune_schedule: bool = _field(
-      True, "delete the recorded batches of the steps up to the oldest kept checkpoint "
-      "(a replay starts from it), so the record is as bounded as the checkpoints; False: "
-      "keep every batch from the first.")
+      True, "delete the recorded batches of the steps up to the oldest checkpoint "
+      "retention kept (a replay starts from it), so the record is as bounded as the "
+      "checkpoints; False: keep every batch from the first.")
 
   def __post_init__(self):
     _check_finite("run", self)

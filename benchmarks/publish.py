@@ -76,8 +76,8 @@ class _Fetcher:
     self._engine = Engine(cfg, max_concurrent_decodes=1, max_prefill_length=16,
                           max_target_length=32)
     if lora_cfg.enabled:  # the base from its pointer (a seed), as a rollout worker loads it
-      self._engine = AdaptedEngine(self._engine, lambda: models.init_params(
-          cfg, jax.random.key(0)), lora_cfg.scale)
+      self._engine = AdaptedEngine(self._engine, lora_cfg.scale,
+                                   models.init_params(cfg, jax.random.key(0)))
 
   def fetch_and_load(self):
     version, params = ray.get(self._server.fetch.remote(self._version))

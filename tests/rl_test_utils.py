@@ -2,12 +2,11 @@
 as `rl.entry.run` builds them, for loop tests."""
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
 from async_rl.cli import from_dict
-from async_rl.rl import build
+from async_rl.rl import build, checkpoint
 from async_rl.rl.audit import prompt_accounting
 from async_rl.tasks.registry import make_task
 
@@ -44,12 +43,10 @@ def run_parts(cfg, workdir, server, **loop_kw):
   return loop, build.rollout_worker(cfg, server, task=task, engines=engines)
 
 
-def checkpoint_meta(workdir, step=None):
-  steps = sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir()
-                 if p.name.isdigit())
-  step = steps[-1] if step is None else step
-  return json.loads((Path(workdir) / "checkpoints" / str(step) / "meta" / "metadata")
-                    .read_text())
+def checkpoint_meta(workdir, step=None) -> checkpoint.Meta:
+  """The meta of the run's checkpoint `step` (default: the newest)."""
+  directory = str(Path(workdir) / "checkpoints")
+  return checkpoint.read_meta(directory, checkpoint.steps(directory)[-1] if step is None else step)
 
 
 def check_prompt_accounting(workdir, worker=0):

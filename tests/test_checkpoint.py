@@ -22,8 +22,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import struct
 
-from async_rl.rl import entry, schedule, workdir
-from async_rl.rl.checkpoint import Checkpointer, NoUsableCheckpointError
+from async_rl.rl import checkpoint, entry, workdir
+from async_rl.rl.checkpoint import Checkpointer, Meta, NoUsableCheckpointError, Restored
 from async_rl.rl.errors import CheckpointError
 from rl_test_utils import check_prompt_accounting, small_config
 
@@ -43,7 +43,7 @@ def _state(step):
 def _checkpoints(tmp_path, steps=(1, 2, 3)):
   checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
   for step in steps:
-    checkpointer.save(step, _state(step), {"version": step, "step_meta": step}, wait=True)
+    checkpointer.save(step, _state(step), Meta(step, applied_updates=step), wait=True)
   return checkpointer
 
 
@@ -65,16 +65,16 @@ def _truncate(path):
 def test_a_truncated_newest_checkpoint_falls_back_and_is_moved_aside(tmp_path):
   checkpointer = _checkpoints(tmp_path)
   _truncate(_largest_file(tmp_path / "checkpoints" / "3" / "state"))
-  restored = checkpointer.restore_latest(_abstract())
-  assert restored.step == 2 and restored.meta["step_meta"] == 2
-  np.testing.assert_array_equal(restored.state.params["w"], np.arange(4096.0) * 2)
+  state, restored = checkpointer.restore_latest(_abstract())
+  assert restored.step == 2 and restored.meta.applied_updates == 2
+  np.testing.assert_array_equal(state.params["w"], np.arange(4096.0) * 2)
   ((step, why, moved),) = restored.damaged
   assert step == 3 and why and Path(moved).name.startswith("3.damaged-")
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[:2] == ["1", "2"]
   # The run goes on from step 2 and writes step 3 again.
   assert checkpointer.latest_step() == 2
-  checkpointer.save(3, _state(3), {"version": 3, "step_meta": 3}, wait=True)
-  assert checkpointer.restore_latest(_abstract()).step == 3
+  checkpointer.save(3, _state(3), Meta(3, applied_updates=3), wait=True)
+  assert checkpointer.restore_latest(_abstract())[1].step == 3
   checkpointer.close()
 
 
@@ -85,11 +85,11 @@ def test_missing_items_and_a_rejected_meta_count_as_damage(tmp_path):
   seen = []
 
   def accept(state, meta):
-    seen.append(meta["step_meta"])
-    if meta["step_meta"] == 2:
+    seen.append(meta.applied_updates)
+    if meta.applied_updates == 2:
       raise ValueError("server state is missing ['ledger']")
 
-  restored = checkpointer.restore_latest(_abstract(), accept=accept)
+  _, restored = checkpointer.restore_latest(_abstract(), accept=accept)
   assert restored.step == 1 and seen == [2, 1]
   assert [d[0] for d in restored.damaged] == [3, 2]
   assert "missing ['ledger']" in restored.damaged[1][1]
@@ -105,16 +105,39 @@ def test_no_usable_checkpoint_is_a_clear_error_and_leaves_them_in_place(tmp_path
     checkpointer.restore_latest(_abstract())
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
   checkpointer.close()
-  assert Checkpointer(str(tmp_path / "empty"), keep=1).restore_latest(_abstract()) is None
+  assert Checkpointer(str(tmp_path / "empty"), keep=1).restore_latest(_abstract()) == (
+      None, Restored())
 
 
 def test_a_step_whose_contents_disagree_with_its_number_is_damaged(tmp_path):
   checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
-  checkpointer.save(1, _state(1), {"version": 1}, wait=True)
-  checkpointer.save(2, _state(7), {"version": 2}, wait=True)  # its state says step 7
-  restored = checkpointer.restore_latest(_abstract())
+  checkpointer.save(1, _state(1), Meta(1), wait=True)
+  checkpointer.save(2, _state(7), Meta(2), wait=True)  # its state says step 7
+  _, restored = checkpointer.restore_latest(_abstract())
   assert restored.step == 1 and "train state is at step 7" in restored.damaged[0][1]
   checkpointer.close()
+
+
+def test_the_meta_is_one_type_its_steps_are_the_complete_checkpoints_and_both_read_alone(
+    tmp_path):
+  meta = Meta(2, skipped_steps=1, applied_updates=1, packed_shapes=[[1, 2, 8]],
+              server={"gate": {"rejected": 0}}, lora_base={"seed": 0})
+  assert Meta.from_json(json.loads(json.dumps(meta.to_json()))) == meta
+  assert "replay_of" not in meta.to_json() and meta.packed_shapes == ((1, 2, 8),)
+  with pytest.raises(ValueError, match=r"version and only the fields of Meta .* got "
+                     r"\['verison'\]"):
+    Meta.from_json({"verison": 2})
+  checkpointer = _checkpoints(tmp_path, steps=(1,))
+  checkpointer.save(2, _state(2), meta, wait=True)
+  directory = tmp_path / "checkpoints"
+  (directory / "3.orbax-checkpoint-tmp-1").mkdir()  # a write still under way
+  (directory / "0.damaged-1").mkdir()  # set aside
+  assert checkpoint.steps(str(directory)) == checkpointer.steps() == [1, 2]
+  assert checkpoint.read_meta(str(directory), 2) == meta
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint 3 under .* \[1, 2\]"):
+    checkpoint.read_meta(str(directory), 3)
+  checkpointer.close()
+  assert checkpoint.steps(str(tmp_path / "nowhere")) == []
 
 
 def _fail_writes_after(monkeypatch, good: int, code: int = errno.ENOSPC) -> dict:
@@ -141,7 +164,7 @@ def test_a_failed_background_write_surfaces_at_once_and_keeps_the_last_good_one(
     tmp_path, monkeypatch, code):
   checkpointer = _checkpoints(tmp_path, steps=(1,))
   _fail_writes_after(monkeypatch, good=0, code=code)
-  checkpointer.save(2, _state(2), {"version": 2})  # returns: the write is in the background
+  checkpointer.save(2, _state(2), Meta(2))  # returns: the write is in the background
   deadline = time.monotonic() + 30
   with pytest.raises(CheckpointError) as e:
     while time.monotonic() < deadline:
@@ -151,14 +174,14 @@ def test_a_failed_background_write_surfaces_at_once_and_keeps_the_last_good_one(
   assert os.strerror(code) in message and str(tmp_path / "checkpoints") in message
   assert "a checkpoint needs ~0 MiB" in message and "the last good checkpoint is 1" in message
   assert checkpointer.latest_step() == 1
-  assert checkpointer.restore_latest(_abstract()).step == 1
+  assert checkpointer.restore_latest(_abstract())[1].step == 1
 
 
 def test_the_first_save_refuses_a_directory_without_room(tmp_path, monkeypatch):
   checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=2)
   monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000))
   with pytest.raises(CheckpointError, match=r"no room for a checkpoint in .*checkpoints"):
-    checkpointer.save(1, _state(1), {"version": 1})
+    checkpointer.save(1, _state(1), Meta(1))
   assert checkpointer.latest_step() is None
 
 
@@ -168,7 +191,7 @@ def test_a_checkpoint_directory_removed_or_moved_away_is_caught_though_orbax_rec
     checkpointer = _checkpoints(tmp_path / how, steps=(1,))
     directory = tmp_path / how / "checkpoints"
     if how == "moved":
-      checkpointer.save(2, _state(2), {"version": 2})  # in flight while the directory goes
+      checkpointer.save(2, _state(2), Meta(2))  # in flight while the directory goes
       os.rename(directory, tmp_path / how / "elsewhere")
     else:
       shutil.rmtree(directory)
@@ -179,7 +202,7 @@ def test_a_checkpoint_directory_removed_or_moved_away_is_caught_though_orbax_rec
         checkpointer.check()
         time.sleep(0.05)
     with pytest.raises(CheckpointError, match="removed or moved away"):
-      checkpointer.save(3, _state(3), {"version": 3})
+      checkpointer.save(3, _state(3), Meta(3))
     with contextlib.suppress(Exception):  # the write in flight may have failed
       checkpointer.close()
 
@@ -194,7 +217,7 @@ def test_a_failed_read_at_resume_falls_back_or_says_what_is_wrong(tmp_path, monk
     return read(self, step, *args, **kwargs)
 
   monkeypatch.setattr(ocp.CheckpointManager, "restore", failing_read)
-  restored = checkpointer.restore_latest(_abstract())
+  _, restored = checkpointer.restore_latest(_abstract())
   assert restored.step == 2 and restored.damaged[0][0] == 3
   assert "Input/output error" in restored.damaged[0][1]
   unreadable.update({1, 2})
@@ -264,7 +287,7 @@ def test_a_workdir_moved_away_during_a_run_stops_it_and_frees_the_lock(tmp_path)
                      "was removed or moved away"):
     entry.run(small_config(num_steps=5), str(run_dir), progress=False, echo=echo)
   assert max(_step_lines(moved)) == 3  # it stopped at the step it happened in
-  assert schedule.checkpoint_steps(moved / "checkpoints")  # the last good one is kept
+  assert checkpoint.steps(str(moved / "checkpoints"))  # the last good one is kept
   for held in (moved, run_dir):  # the lock is free, wherever the workdir went
     with workdir.hold(str(held), echo=lambda _: None):
       pass

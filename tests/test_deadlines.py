@@ -160,7 +160,7 @@ def test_a_generator_that_never_returns_stops_the_run_checkpointed_and_named(tmp
   message = str(stall.value)
   assert f"for rollout worker 0 generator (run.stall_timeout_s={_STALL_S:g})" in message
   assert "checkpoint 0 holds the params; rerun the same command to resume" in message
-  assert checkpoint_meta(tmp_path)["version"] == 0
+  assert checkpoint_meta(tmp_path).version == 0
 
 
 def test_a_reward_function_that_never_returns_is_killed_and_the_run_goes_on(tmp_path):

@@ -52,6 +52,6 @@ def test_eval_reward_workers_get_the_run_s_memory_limit(monkeypatch):
 
   monkeypatch.setattr(build, "RewardService", reward_service)
   with pytest.raises(Built) as built:
-    export.score(small_config(**{"rollout.reward_memory_mb": 1234,
-                                 "rollout.reward_workers": 3}), params=None)
+    export.score(export.load_policy(small_config(**{"rollout.reward_memory_mb": 1234,
+                                                    "rollout.reward_workers": 3})))
   assert built.value.args[0]["memory_mb"] == 1234 and built.value.args[0]["num_workers"] == 3

@@ -22,7 +22,7 @@ import pytest
 
 from async_rl.cli import from_dict
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams
-from async_rl.rl.checkpoint import Checkpointer
+from async_rl.rl.checkpoint import Checkpointer, Meta
 from async_rl.sharding import make_mesh
 from async_rl.tasks import CharTokenizer
 from async_rl.train_step import create_train_state
@@ -116,11 +116,11 @@ def test_serve_binary_serves_the_latest_checkpoint(tmp_path):
   for step, seed in ((2, 1), (5, 3)):
     states[step], _ = create_train_state(cfg.model, optax.adam(1e-3), mesh,
                                          jax.random.key(seed))
-    checkpointer.save(step, states[step], {"version": step}, wait=True)
+    checkpointer.save(step, states[step], Meta(step), wait=True)
   checkpointer.close()
 
   prompts, max_tokens, tokenizer = ["3+4=", "12*3=", "(5-1)*"], 8, CharTokenizer()
-  # The engine launch/serve_jetstream.py builds (rl.export.serve_checkpoint):
+  # The engine launch/serve_jetstream.py builds (rl.export.serve):
   # micro's max_prompt_len 24 rounds up to JetStream's prefill length 32.
   engine = Engine(cfg.model, max_concurrent_decodes=cfg.generation.num_slots,
                   max_prefill_length=32, max_target_length=32 + cfg.generation.max_new_tokens)

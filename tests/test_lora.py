@@ -20,8 +20,10 @@ from async_rl.configs import qwen2_5, tiny
 from async_rl.generation import GeneratorPool, Request, SamplingParams
 from async_rl.models import lora
 from async_rl.models.memory import GIB, describe, estimate_memory
-from async_rl.rl import build, checkpoint
+from async_rl.rl import build, lora_base
+from async_rl.rl.checkpoint import Checkpointer, Meta
 from async_rl.rl.errors import NoUsableCheckpointError
+from async_rl.rl.lora_base import LoraBase
 from async_rl.trajectory import Group, Trajectory
 
 from conftest import two_layer_model
@@ -98,7 +100,7 @@ def test_the_trainer_trains_the_adapters_alone_and_the_base_is_the_reference():
   trainer = build.make_trainer(cfg, mesh)
   state = trainer.state
   # The base is what its pointer (here the seed) names, which every generator loads.
-  base = jax.device_get(build.lora_base(cfg))
+  base = jax.device_get(LoraBase(cfg).load())
   for got, want in zip(jax.tree.leaves(state.base), jax.tree.leaves(base)):
     np.testing.assert_array_equal(got, want)
   assert state.ref_params is None and state.lora_scale == cfg.lora.scale
@@ -161,9 +163,9 @@ def test_the_generator_samples_with_the_published_adapter_and_reports_its_versio
   at, and their log-probs are those of that adapter on the base, not of a stale one or of
   the base alone."""
   cfg = small_config(**{"lora.rank": 4})
-  base = build.lora_base(cfg)  # the trainer's own (test above), and the generator's
+  base = LoraBase(cfg).load()  # the trainer's own (test above), and the generator's
   adapters = {v: _random_adapters(cfg.model, cfg.lora, jax.random.key(v)) for v in (1, 2)}
-  engine = build.make_engine(cfg)
+  engine = build.make_engine(cfg, base=base)
   requests = lambda tag: [Request(f"{tag}{i}", [1 + i, 2, 3, 4], n=2,
                                   sampling=SamplingParams(max_new_tokens=10, seed=i))
                           for i in range(3)]
@@ -201,18 +203,18 @@ def test_a_warm_started_base_is_served_checkpoints_point_to_it_and_resume_is_exa
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   task = build.task_of(cfg)
   trainer, checkpointer, _ = build.restored_trainer(cfg, str(tmp_path), mesh, task)
-  path = tmp_path / checkpoint.BASE_FILE
-  base = build.lora_base(cfg, str(tmp_path))  # what every generator loads
-  digest = checkpoint.base_digest(base)
-  assert trainer.base_pointer == {"warm_start": checkpoint.BASE_FILE, "sha256": digest}
-  assert checkpoint.base_digest(trainer.state.base) == digest
+  path = tmp_path / lora_base.BASE_FILE
+  base = LoraBase(cfg, str(tmp_path)).load()  # what every generator loads
+  digest = lora_base.digest(base)
+  assert trainer.base_pointer == {"warm_start": lora_base.BASE_FILE, "sha256": digest}
+  assert lora_base.digest(trainer.state.base) == digest
   seeded = small_config(**{"lora.rank": 4})  # no warm start: the base is the seed's init
-  assert build.lora_pointer(seeded) == {"seed": cfg.seed, "model": dataclasses.asdict(cfg.model)}
-  seed_init = build.lora_base(seeded)
-  assert checkpoint.base_digest(seed_init) != digest  # the warm start trained it
+  assert LoraBase(seeded).pointer == {"seed": cfg.seed, "model": dataclasses.asdict(cfg.model)}
+  seed_init = LoraBase(seeded).load()
+  assert lora_base.digest(seed_init) != digest  # the warm start trained it
 
   adapters = _random_adapters(cfg.model, cfg.lora, jax.random.key(1))
-  engine = build.make_engine(cfg, base=functools.partial(build.lora_base, cfg, str(tmp_path)))
+  engine = build.make_engine(cfg, base=LoraBase(cfg, str(tmp_path)).load())
   with GeneratorPool(engine, adapters, version=1) as pool:
     drawn = [s for f in [pool.submit(Request(f"r{i}", [1 + i, 2, 3, 4], n=2, sampling=(
         SamplingParams(max_new_tokens=6, seed=i)))) for i in range(2)] for s in f.result(60)]
@@ -222,11 +224,11 @@ def test_a_warm_started_base_is_served_checkpoints_point_to_it_and_resume_is_exa
   assert error["warm"] < rounding < error["seed"] / 100, error
 
   trainer.train(_groups())
-  meta = {"version": 1, "skipped_steps": 0, "applied_updates": 1,
-          "packed_shapes": trainer.packed_shapes, "lora_base": trainer.base_pointer}
+  meta = Meta(1, skipped_steps=0, applied_updates=1, packed_shapes=trainer.packed_shapes,
+              lora_base=trainer.base_pointer)
   checkpointer.save(1, trainer.state, meta, wait=True)
   checkpointer.close()
-  assert checkpoint_meta(tmp_path)["lora_base"] == trainer.base_pointer
+  assert checkpoint_meta(tmp_path).lora_base == trainer.base_pointer
   saved_fields = {key.split("'")[1] for key in json.loads(
       (tmp_path / "checkpoints" / "1" / "state" / "_METADATA").read_text())["tree_metadata"]}
   assert saved_fields == {"step", "params", "opt_state"}  # no base
@@ -244,7 +246,7 @@ def test_a_warm_started_base_is_served_checkpoints_point_to_it_and_resume_is_exa
   path.rename(tmp_path / "elsewhere.npz")
   with pytest.raises(NoUsableCheckpointError, match=f"{re.escape(str(path))} is missing"):
     build.restored_trainer(cfg, str(tmp_path), mesh, task)
-  checkpoint.save_base(str(path), seed_init)  # a sound base file, of another run
+  lora_base.save_file(str(path), seed_init)  # a sound base file, of another run
   with pytest.raises(NoUsableCheckpointError, match=f"trained on a base of sha256 {digest}"):
     build.restored_trainer(cfg, str(tmp_path), mesh, task)
 
@@ -252,23 +254,23 @@ def test_a_warm_started_base_is_served_checkpoints_point_to_it_and_resume_is_exa
 def test_the_base_file_round_trips_and_a_damaged_one_is_an_error_naming_it(tmp_path):
   params = {"embed": np.arange(6, dtype=np.float32).reshape(2, 3),
             "layers": {"q": jnp.ones((2, 2), jnp.bfloat16)}}
-  path = str(tmp_path / checkpoint.BASE_FILE)
-  digest = checkpoint.save_base(path, params)
+  path = str(tmp_path / lora_base.BASE_FILE)
+  digest = lora_base.save_file(path, params)
   abstract = jax.eval_shape(lambda: params)
-  loaded, got = checkpoint.load_base(path, abstract)
-  assert got == digest == checkpoint.base_digest(loaded) and os.listdir(tmp_path) == [
-      checkpoint.BASE_FILE]  # no temporary file left
+  loaded, got = lora_base.load_file(path, abstract)
+  assert got == digest == lora_base.digest(loaded) and os.listdir(tmp_path) == [
+      lora_base.BASE_FILE]  # no temporary file left
   assert loaded["layers"]["q"].dtype == jnp.bfloat16
   for g, w in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
     np.testing.assert_array_equal(g, w)
   with pytest.raises(NoUsableCheckpointError, match="holds other params"):
-    checkpoint.load_base(path, {**abstract, "embed": jax.ShapeDtypeStruct((3, 2), jnp.float32)})
+    lora_base.load_file(path, {**abstract, "embed": jax.ShapeDtypeStruct((3, 2), jnp.float32)})
   data = bytearray(open(path, "rb").read())
   at = data.index(np.arange(6, dtype=np.float32)[1:].tobytes())  # inside "embed"'s bytes
   data[at] ^= 1
   open(path, "wb").write(bytes(data))
   with pytest.raises(NoUsableCheckpointError, match=re.escape(path)):
-    checkpoint.load_base(path, abstract)
+    lora_base.load_file(path, abstract)
 
 
 def test_the_24gb_config_quotes_its_estimate_and_leaves_room_for_temporaries():
@@ -283,44 +285,47 @@ def test_the_24gb_config_quotes_its_estimate_and_leaves_room_for_temporaries():
   assert 24e9 - resident > 7 * GIB
 
 
-def test_scoring_a_warm_started_run_serves_its_adapters_on_the_base_in_its_workdir(
-    tmp_path, monkeypatch):
-  from async_rl.rl import export  # noqa: PLC0415
-  cfg = small_config(**{"lora.rank": 4, "sft.steps": 2})
+def test_a_warm_started_run_is_loaded_as_its_adapters_merged_into_the_base_in_its_workdir(
+    tmp_path):
+  from async_rl.rl import export, workdir as workdir_lib  # noqa: PLC0415
+  cfg = build.resolve(small_config(**{"lora.rank": 4, "sft.steps": 2}))
   # Not the seed's init, which a base read from elsewhere would be.
-  base = jax.tree.map(lambda x: x + 1, build.lora_base(small_config(**{"lora.rank": 4})))
-  checkpoint.save_base(str(tmp_path / checkpoint.BASE_FILE), base)
+  base = jax.tree.map(lambda x: x + 1, LoraBase(small_config(**{"lora.rank": 4})).load())
+  digest = lora_base.save_file(str(tmp_path / lora_base.BASE_FILE), base)
   adapters = _random_adapters(cfg.model, cfg.lora, jax.random.key(1))
-  served = []
-
-  class Evaluator:
-    rewards = None
-
-    def evaluate(self):
-      raise StopIteration  # what the engine served is all this test checks
-
-    def close(self):
-      pass
-
-  def make_evaluator(cfg, task, params, *, engines=None, **kw):
-    served.append(jax.device_get(engines[0].load_params(params)))
-    return Evaluator()
-
-  monkeypatch.setattr(build, "make_evaluator", make_evaluator)
-  with pytest.raises(StopIteration):
-    export.score(cfg, adapters, workdir=str(tmp_path))
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  state = build.make_trainer(cfg, mesh, base).state
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=1)
+  pointer = {"warm_start": lora_base.BASE_FILE, "sha256": digest}
+  checkpointer.save(1, state.replace(step=state.step + 1, params=adapters),
+                    Meta(1, lora_base=pointer), wait=True)
+  checkpointer.close()
+  workdir_lib.write_config(str(tmp_path), cfg)
+  policy = export.load_policy(workdir=str(tmp_path))
+  assert policy.source == {"workdir": str(tmp_path), "step": 1}
   want = jax.device_get(lora.merge(base, adapters, cfg.lora.scale))
-  np.testing.assert_array_equal(served[0]["embed"], want["embed"])
+  for got, w in zip(jax.tree.leaves(jax.device_get(policy.params)), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(got, w)
+  # Another run's sound base file is refused, naming the digest the checkpoint records.
+  lora_base.save_file(str(tmp_path / lora_base.BASE_FILE), jax.tree.map(lambda x: x + 2, base))
+  with pytest.raises(NoUsableCheckpointError, match=f"trained on a base of sha256 {digest}"):
+    export.load_policy(workdir=str(tmp_path))
 
 
-def test_an_adapted_engine_lets_go_of_its_base_loader_once_it_holds_the_base():
+def test_an_adapted_engine_serves_the_base_it_was_given_and_keeps_no_reference_to_it():
   import gc  # noqa: PLC0415
   import weakref  # noqa: PLC0415
   cfg = small_config(**{"lora.rank": 4})
-  loader = functools.cache(functools.partial(build.lora_base, cfg))
-  held = weakref.ref(loader)
-  engine = build.make_engine(cfg, base=loader)
-  del loader
-  engine.load_params(_random_adapters(cfg.model, cfg.lora, jax.random.key(1)))
+  engine = build.make_engine(cfg)
+  adapters = _random_adapters(cfg.model, cfg.lora, jax.random.key(1))
+  with pytest.raises(RuntimeError, match=r"needs its frozen base \(set_base\)"):
+    engine.load_params(adapters)
+  base = LoraBase(cfg).load()
+  held = weakref.ref(base["embed"])
+  engine.set_base(base)
+  del base
   gc.collect()
-  assert held() is None  # nor the copy of the base a cache holds
+  assert held() is None  # the engine holds its own copy, on its devices, only
+  merged = jax.device_get(engine.load_params(adapters))
+  want = jax.device_get(lora.merge(LoraBase(cfg).load(), adapters, cfg.lora.scale))
+  np.testing.assert_array_equal(merged["embed"], want["embed"])

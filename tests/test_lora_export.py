@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 from async_rl import sharding, train_step  # noqa: E402
 from async_rl.models import hf, lora  # noqa: E402
 from async_rl.rl import build, workdir as workdir_lib  # noqa: E402
-from async_rl.rl.checkpoint import Checkpointer  # noqa: E402
+from async_rl.rl.checkpoint import Checkpointer, Meta  # noqa: E402
 from async_rl.rl.export import export_hf  # noqa: E402
 from hf_test_utils import COMMON, our_logits, torch_logits, torch_model  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
@@ -45,8 +45,8 @@ def test_the_merged_model_and_the_peft_adapter_compute_the_adapted_model(tmp_pat
   workdir.mkdir()
   workdir_lib.write_config(str(workdir), cfg)
   checkpointer = Checkpointer(str(workdir / "checkpoints"), keep=1)
-  checkpointer.save(1, state.replace(step=state.step + 1, params=adapters), {"version": 1},
-                    wait=True)
+  checkpointer.save(1, state.replace(step=state.step + 1, params=adapters),
+                    Meta(1, lora_base={"hf_model_dir": cfg.hf_model_dir}), wait=True)
   checkpointer.close()
   tokens = np.random.default_rng(0).integers(0, COMMON["vocab_size"], 12)
   want = our_logits(cfg.model, lora.attach(base, adapters, cfg.lora.scale), tokens)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_rl.rl import entry, replay, schedule
+from async_rl.rl import checkpoint, entry, replay, schedule
 from async_rl.rl.errors import ConfigError, WorkdirError
 from async_rl.trajectory import Group, Trajectory
 from rl_test_utils import small_config
@@ -87,7 +87,7 @@ def test_a_recorded_async_run_replays_bit_for_bit_at_every_checkpoint(tmp_path, 
   assert summary["logp_unchecked"] == 0 or mode == "keep"
   replayed = _lines(tmp_path / "new")
   assert [replayed[s]["loss"] for s in (1, 2, 3)] == [logged[s]["loss"] for s in (1, 2, 3)]
-  assert schedule.checkpoint_steps(tmp_path / "new" / "checkpoints")[-1] == 3
+  assert checkpoint.steps(str(tmp_path / "new" / "checkpoints"))[-1] == 3
 
 
 def _generated(directory, steps):
@@ -109,12 +109,42 @@ def test_a_pruned_record_replays_from_the_checkpoint_it_starts_after(tmp_path, r
   # initial params, which the replay makes as the run did).
   assert summary["logp_tokens"] == _generated(_schedule(old), (2, 3)) > 0
   assert summary["logp_unchecked"] == 0
-  # A record that starts after every kept checkpoint cannot be replayed.
+  # Once retention has deleted checkpoint 1, a replay starts from checkpoint 2, the
+  # oldest the record goes on from.
   shutil.rmtree(old / "checkpoints" / "1")
-  with pytest.raises(ConfigError, match=r"starts at step 2; a replay starts from .*'s "
-                     r"checkpoint 1, which is gone \(its checkpoints: \[2, 3\]\)"):
-    entry.replay(_config("retract"), str(tmp_path / "other"), str(old), progress=False,
+  lines = []
+  summary = entry.replay(_config("retract"), str(tmp_path / "other"), str(old), progress=False,
+                         echo=lines.append)
+  assert (f"the replay starts from {old}'s checkpoint 2, the oldest its record (from step 2) "
+          f"goes on from") in lines
+  assert summary["start_version"] == 2 and summary["compared"] == [2, 3]
+  # With no checkpoint left that the record goes on from, there is nothing to start from.
+  shutil.rmtree(old / "checkpoints" / "2")
+  with pytest.raises(ConfigError, match=r"holds the batches of steps 2 to 3; a replay starts "
+                     r"from a checkpoint of .* that they go on from, and none is \(its "
+                     r"checkpoints: \[3\]\)"):
+    entry.replay(_config("retract"), str(tmp_path / "third"), str(old), progress=False,
                  echo=lambda _: None)
+
+
+def test_a_default_run_longer_than_its_kept_checkpoints_prunes_its_record_and_replays(tmp_path):
+  # The default retention (checkpoint.keep=3) and prune (run.prune_schedule): checkpoints
+  # 1 and 2 are deleted on the way. The record follows what retention kept (no batch a
+  # replay cannot use), and a replay starts from the oldest checkpoint kept.
+  cfg = _config("retract", **{"run.prune_schedule": True, "checkpoint.every_steps": 1,
+                              "num_steps": 5})
+  run = tmp_path / "run"
+  entry.run(cfg, str(run), progress=False, echo=lambda _: None)
+  assert checkpoint.steps(str(run / "checkpoints")) == [3, 4, 5]
+  assert schedule.recorded_steps(_schedule(run)) == [4, 5]
+  lines = []
+  summary = entry.replay(cfg, str(tmp_path / "new"), str(run), progress=False,
+                         echo=lines.append)
+  assert f"the replay starts from {run}'s checkpoint 3, where its record starts" in lines
+  assert summary["start_version"] == 3 and summary["compared"] == [3, 4, 5]
+  # Tokens of versions neither the replay produced nor the run kept are counted, unchecked.
+  assert summary["end_version"] == 5
+  assert summary["logp_tokens"] + summary["logp_unchecked"] == _generated(_schedule(run), (4, 5))
 
 
 def test_a_resumed_run_records_the_batches_its_checkpoint_keeps_and_replays_in_two_parts(
@@ -242,10 +272,10 @@ def test_a_resume_keeps_the_record_through_its_checkpoint_and_a_gap_stops_record
   context = {"grad_threads": 1}
   record = schedule.recorder(str(tmp_path), None, context)
   for step in (1, 2, 3, 4):
-    record(step, batch)
+    record.record(step, batch)
   record = schedule.recorder(str(tmp_path), 2, context)
   assert schedule.recorded_steps(str(tmp_path)) == [1, 2]
-  record(3, batch)
+  record.record(3, batch)
   groups, got = schedule.read_batch(str(tmp_path), 3)
   assert got == context and groups[0].prompt_id == "p"
   for a, b in zip(groups[0].trajectories, batch[0].trajectories, strict=True):
@@ -255,7 +285,7 @@ def test_a_resume_keeps_the_record_through_its_checkpoint_and_a_gap_stops_record
 
   warnings = []
   record = schedule.recorder(str(tmp_path), 5, context, echo=warnings.append)  # 4 and 5 missing
-  record(6, batch)
+  record.record(6, batch)
   assert schedule.recorded_steps(str(tmp_path)) == [1, 2, 3]
   assert "does not record its schedule" in warnings[0]
   schedule.recorder(str(tmp_path), None, context, enabled=False)  # a fresh run keeps none
@@ -272,26 +302,40 @@ def test_the_first_difference_names_the_leaf_and_how_many_elements_differ():
   assert "['w']: 1 of 4" in replay.first_difference(a, c)
 
 
+def test_a_replay_starts_from_the_initial_params_or_the_oldest_checkpoint_the_record_goes_on_from():
+  assert schedule.replay_start([1, 2, 3], [2, 3]) == 0
+  # The record and checkpoints of a default micro run of 16 steps, every 4th kept 3 deep.
+  assert schedule.replay_start(list(range(5, 17)), [8, 12, 16]) == 8
+  assert schedule.replay_start(list(range(5, 17)), [4, 8, 12]) == 4
+  assert schedule.replay_start([2, 3], [1, 3]) == 1
+  assert schedule.replay_start([2, 3], [3]) is None  # a batch after it is needed
+  assert schedule.replay_start([], [1]) is None
+
+
 def test_the_record_is_pruned_up_to_the_oldest_kept_checkpoint_and_resumes_after_it(tmp_path):
   batch = [Group("p", (_traj([0, 0]).with_reward(1.0),))]
   directory, checkpoints = str(tmp_path / "schedule"), tmp_path / "checkpoints"
-  record = schedule.recorder(directory, None, {}, checkpoints=str(checkpoints))
-  record(1, batch)
-  record(2, batch)
+  kept = lambda: checkpoint.steps(str(checkpoints))
+  record = schedule.recorder(directory, None, {}, checkpoints=kept)
+  record.record(1, batch)
+  record.record(2, batch)
   assert schedule.recorded_steps(directory) == [1, 2]  # no checkpoint yet
   for step in (2, 3):
     (checkpoints / str(step)).mkdir(parents=True)
-  record(3, batch)
+  record.record(3, batch)
   assert schedule.recorded_steps(directory) == [3]  # a replay starts from checkpoint 2
   # Resumed from checkpoint 3, the run goes on recording after it...
-  record = schedule.recorder(directory, 3, {}, checkpoints=str(checkpoints))
-  record(4, batch)
+  record = schedule.recorder(directory, 3, {}, checkpoints=kept)
+  record.record(4, batch)
   assert schedule.recorded_steps(directory) == [3, 4]
-  # ...unless the checkpoint the record starts after is gone.
+  # ...and once retention has deleted checkpoint 2, the prune follows: a replay starts
+  # from checkpoint 3 (`replay_start`), and a resume goes on recording.
   (checkpoints / "2").rmdir()
+  record.prune()
+  assert schedule.recorded_steps(directory) == [4]
   warnings = []
-  schedule.recorder(directory, 4, {}, checkpoints=str(checkpoints), echo=warnings.append)(5, batch)
-  assert schedule.recorded_steps(directory) == [3, 4] and "does not record" in warnings[0]
+  schedule.recorder(directory, 4, {}, checkpoints=kept, echo=warnings.append).record(5, batch)
+  assert schedule.recorded_steps(directory) == [4, 5] and not warnings
   # Compressed: a batch of repeated tokens takes fewer bytes than its arrays.
   long = [Group("p", (_traj([0] * 4000).with_reward(1.0),))]
   schedule.write_batch(directory, 9, long, context={})
@@ -303,4 +347,4 @@ def test_a_record_that_cannot_be_written_stops_the_run_naming_the_file(tmp_path)
   shutil.rmtree(tmp_path / "schedule")  # the workdir went away
   with pytest.raises(WorkdirError, match=r"writing the record of step 1 to .*schedule/00000001"
                      r"\.npz failed \(FileNotFoundError: .*\); the directory is gone"):
-    record(1, [Group("p", (_traj([0]).with_reward(1.0),))])
+    record.record(1, [Group("p", (_traj([0]).with_reward(1.0),))])

@@ -57,10 +57,6 @@ def _steps(workdir):
   return [json.loads(l) for l in path.read_text().splitlines() if '"eval"' not in l]
 
 
-def _meta(workdir, step):
-  return json.loads((Path(workdir) / "checkpoints" / str(step) / "meta" / "metadata").read_text())
-
-
 def test_smoke_run_prints_steps_and_writes_outputs(tmp_path):
   proc = _train(tmp_path, "--config.num_steps=2")
   out, _ = proc.communicate(timeout=600)

@@ -73,8 +73,8 @@ class _Trainer:
 def _loop(trainer, max_staleness, recorded):
   settings = Settings(num_steps=10, eval_every=0, checkpoint_every=1, max_consecutive_skips=1,
                       learning_rate=lambda _: 0.0, decode=str, max_staleness=max_staleness)
-  outputs = Outputs(checkpointer=None, log=types.SimpleNamespace(evals={}),
-                    record=lambda step, groups: recorded.append(step))
+  schedule = types.SimpleNamespace(record=lambda step, groups: recorded.append(step))
+  outputs = Outputs(checkpointer=None, log=types.SimpleNamespace(evals={}), schedule=schedule)
   return TrainLoop(trainer, None, None, Deadlines(60, 600, echo=lambda _: None), settings,
                    outputs)
 

@@ -16,10 +16,11 @@ def serve(cfg: ExperimentConfig, *, workdir: Optional[str] = None, step: Optiona
           host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
           max_tokens: Optional[int] = None) -> Iterator[Endpoint]:
   """The started endpoint over a pool of `cfg`'s generator (`generation` sizes), serving
-  the params of a run's checkpoint (`workdir`, its latest or `step`) through its task's
-  tokenizer or, without `workdir`, the model in `cfg.hf_model_dir` through its own.
-  Plain `/v1/...` requests sample as they ask, up to `max_tokens` (default
-  `generation.max_new_tokens`) each; everything stops on exit.
+  the policy of a run's checkpoint (`workdir`, its latest or `step`; a LoRA run's
+  adapters on their base) through its task's tokenizer or, without `workdir`, the model
+  in `cfg.hf_model_dir` through its own (`rl.export.load_policy`, which the other
+  binaries load with). Plain `/v1/...` requests sample as they ask, up to `max_tokens`
+  (default `generation.max_new_tokens`) each; everything stops on exit.
 
   Raises:
     ValueError: neither a workdir nor `cfg.hf_model_dir`; a host other than loopback
@@ -29,23 +30,13 @@ def serve(cfg: ExperimentConfig, *, workdir: Optional[str] = None, step: Optiona
     raise ValueError("nothing to serve: give a run's workdir or set hf_model_dir")
   if host not in LOOPBACK_HOSTS and not api_key:
     raise ValueError(f"serving on {host!r}, not a loopback address, needs an api_key")
-  from async_rl.models import hf  # noqa: PLC0415 - the serving path only
-  from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
-  from async_rl.rl import build  # noqa: PLC0415
-  from async_rl.rl.checkpoint import restore_params  # noqa: PLC0415
-  from async_rl.tasks.registry import make_task  # noqa: PLC0415
-  cfg = build.resolve(cfg)
-  if workdir is not None:
-    params = restore_params(os.path.join(workdir, "checkpoints"), cfg.model, step=step)
-    tokenizer = make_task(cfg.task).tokenizer
-  else:
-    params = hf.load_hf(cfg.hf_model_dir, cfg.model)
-    tokenizer = HFTokenizer(cfg.task.tokenizer_dir)
-  with build.make_pool([build.make_engine(cfg)], params) as pool:
-    endpoint = Endpoint(tokenizer, host=host, port=port, api_key=api_key, pool=pool,
+  from async_rl.rl import build, export  # noqa: PLC0415 - the serving path only
+  policy = export.load_policy(cfg, workdir=workdir, step=step)
+  with build.make_pool([policy.engine()], policy.params) as pool:
+    endpoint = Endpoint(policy.tokenizer(), host=host, port=port, api_key=api_key, pool=pool,
                         model=os.path.basename(os.path.normpath(workdir or cfg.hf_model_dir)),
-                        max_tokens=max_tokens or cfg.generation.max_new_tokens,
-                        add_bos=cfg.task.agent.add_bos)
+                        max_tokens=max_tokens or policy.cfg.generation.max_new_tokens,
+                        add_bos=policy.cfg.task.agent.add_bos)
     try:
       yield endpoint.start()
     finally:

@@ -10,7 +10,7 @@ token, which measured slower on CPU (decode runs many steps per version).
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -28,29 +28,38 @@ class AdaptedEngine:
 
   Args:
     engine: the engine (or `cpu.SlotGroupEngine`) to serve with.
-    base: returns the frozen base params (stacked layout, host or device arrays); called
-      once, by the first `load_params` (a run's warm-started base is written after its
-      engines are built), and then dropped, with whatever it holds.
     scale: the adapters' alpha / r.
+    base: the frozen base params (stacked layout, host or device arrays), copied onto
+      the engine's devices; None: given later (`set_base`), before the first adapters.
   """
 
-  def __init__(self, engine: Engine, base: Callable[[], Any], scale: float):
-    self._engine = engine
-    self._load_base, self._scale = base, scale
+  def __init__(self, engine: Engine, scale: float, base: Any = None):
+    self._engine, self._scale = engine, scale
     self._base = self._merge = None
     self._adapters_sharding = NamedSharding(engine.mesh, PartitionSpec())
+    if base is not None:
+      self.set_base(base)
 
   def __getattr__(self, name):  # cfg, buckets, prefill, generate_chunk, ...
     if name.startswith("_"):
       raise AttributeError(name)
     return getattr(self._engine, name)
 
+  def set_base(self, base) -> None:
+    """Takes the frozen base: a copy on the engine's devices, in the serving layout, so
+    the caller may drop or donate `base`."""
+    self._base = self._engine.load_params(base)
+    self._merge = jax.jit(functools.partial(lora.merge, scale=self._scale),
+                          out_shardings=jax.tree.map(lambda x: x.sharding, self._base))
+
   def load_params(self, adapters):
     """The base with `adapters` merged in, on the engine's devices, in the serving
-    layout; never aliases `adapters`."""
+    layout; never aliases `adapters`.
+
+    Raises:
+      RuntimeError: no base was given yet (`set_base`).
+    """
     if self._base is None:
-      self._base = self._engine.load_params(self._load_base())
-      self._load_base = None  # a loader that caches would keep a second copy alive
-      self._merge = jax.jit(functools.partial(lora.merge, scale=self._scale),
-                            out_shardings=jax.tree.map(lambda x: x.sharding, self._base))
+      raise RuntimeError("an adapted engine needs its frozen base (set_base) before the "
+                         "first adapters")
     return self._merge(self._base, sharding.reshard(adapters, self._adapters_sharding))

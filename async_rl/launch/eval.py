@@ -7,8 +7,8 @@ r"""Scores a policy on its task's held-out set: a run's checkpoint, or a Hugging
 (in a clone of the repository, also `python -m launch.eval ...`).
 
 With --workdir, the run's own config (WORKDIR/config.json) and the params of its latest
-checkpoint (or --step); with --config, the params of `hf_model_dir` (or of a random
-init, a baseline). Prints, as its last line, and writes to --out, one JSON object:
+checkpoint (or --step; a LoRA run's adapters on their base); with --config, the params
+of `hf_model_dir` (or of a random init, a baseline). Prints, as its last line, and writes to --out, one JSON object:
 greedy accuracy, pass@k (k samples at temperature 1), the mean completion length, the
 number of prompts and of reward calls that failed. --num_prompts and --pass_k override
 the config's `eval` section.
@@ -20,8 +20,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from async_rl import cli, config, launch
-from async_rl.rl.errors import ConfigError
+from async_rl import cli, launch
+from async_rl.rl.errors import ConfigError, NoUsableCheckpointError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, launch.CONFIG_HELP + " With --config.hf_model_dir, a Hugging Face model.",
@@ -39,26 +39,16 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO; -v 0 shows it
   if (_WORKDIR.value is None) == (_CONFIG.value is None):
     raise app.UsageError("give --workdir (a run's checkpoint) or --config (a model)")
-  import jax  # noqa: PLC0415 - after flag parsing, so a usage error costs no JAX start
-  from async_rl import sharding  # noqa: PLC0415
-  from async_rl.rl import build, export  # noqa: PLC0415
-  from async_rl.tasks.registry import make_task  # noqa: PLC0415
+  # After flag parsing, so that a usage error costs no JAX start.
+  from async_rl.rl import export  # noqa: PLC0415
   try:
     if _WORKDIR.value is not None:
-      cfg = export.run_config(_WORKDIR.value)
-      step = _STEP.value if _STEP.value is not None else export.latest_step(_WORKDIR.value)
-      params = export.checkpoint_params(cfg, _WORKDIR.value, step)
-      source = {"workdir": _WORKDIR.value, "step": step}
+      policy = export.load_policy(workdir=_WORKDIR.value, step=_STEP.value)
     else:
-      cfg = build.resolve(cli.from_dict(_CONFIG.value))
-      mesh = sharding.make_mesh(config.MeshConfig(), jax.devices()[:1])
-      params = build.initial_params(cfg, mesh, make_task(cfg.task)) if cfg.hf_model_dir \
-          else build.random_params(cfg, mesh)
-      source = {"hf_model_dir": cfg.hf_model_dir}
-    report = {**source, "task": cfg.task.name,
-              **export.score(cfg, params, workdir=_WORKDIR.value,
-                             num_prompts=_NUM_PROMPTS.value, pass_k=_PASS_K.value)}
-  except (ConfigError, ValueError, FileNotFoundError) as e:
+      policy = export.load_policy(cli.from_dict(_CONFIG.value))
+    report = {**policy.source, "task": policy.cfg.task.name,
+              **export.score(policy, num_prompts=_NUM_PROMPTS.value, pass_k=_PASS_K.value)}
+  except (ConfigError, ValueError, FileNotFoundError, NoUsableCheckpointError) as e:
     sys.exit(f"eval: {e}")
   if _OUT.value is not None:
     with open(_OUT.value, "w") as f:

@@ -4,7 +4,7 @@ its stream gave out."""
 import json
 from pathlib import Path
 
-from async_rl.rl import metrics_log
+from async_rl.rl import checkpoint, metrics_log
 
 
 def step_lines(workdir: str) -> list[dict]:
@@ -26,17 +26,15 @@ def prompt_accounting(workdir: str, worker: int = 0) -> dict:
   others (skipped, or issued twice), `trained_twice` the prompts trained more than
   once. Stream positions must be `{"index": i, ...}` (the arithmetic task).
   """
-  steps = sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir()
-                 if p.name.isdigit())
-  meta = json.loads((Path(workdir) / "checkpoints" / str(steps[-1]) / "meta" / "metadata")
-                    .read_text())
-  server = meta["server"]
-  trained = [p for line in step_lines(workdir) if line["step"] <= meta["version"]
+  directory = str(Path(workdir) / "checkpoints")
+  meta = checkpoint.read_meta(directory, checkpoint.steps(directory)[-1])
+  server = meta.server
+  trained = [p for line in step_lines(workdir) if line["step"] <= meta.version
              for p in line["prompts"]]
   drawn = server["ledger"]["cursor"][str(worker)]["index"]
   to_replay = len(server["ledger"]["replay"].get(str(worker), []))
   rejected = server["gate"]["rejected"]
-  return {"version": meta["version"], "server": server, "drawn": drawn,
+  return {"version": meta.version, "server": server, "drawn": drawn,
           "trained": len(trained), "trained_twice": len(trained) - len(set(trained)),
           "rejected": rejected, "to_replay": to_replay,
           "unaccounted": drawn - len(set(trained)) - rejected - to_replay}

@@ -1,5 +1,5 @@
 """How a run's parts are built: the one place that builds them, in the order a run
-needs them (`rl.entry` starts the run and places the parts).
+needs them (`rl.entry` starts the run, or a replay, and places the parts).
 
 `resolve` reads what the config names on disk, `check` and `preflight` check every
 part's settings before anything is compiled, and the functions below build each part
@@ -33,17 +33,20 @@ from async_rl.generation.adapted import AdaptedEngine
 from async_rl.generation.replicas import ReplicatedPool
 from async_rl.models import hf, hf_config, pretrained
 from async_rl.rewards import Reward, RewardService
-from async_rl.rl import checkpoint, multihost, schedule
+from async_rl.rl import multihost, schedule
 from async_rl.rl import workdir as workdir_lib
-from async_rl.rl.checkpoint import Checkpointer
+from async_rl.rl.checkpoint import Checkpointer, Restored
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import ConfigError
 from async_rl.rl.evaluate import Evaluator
+from async_rl.rl.lora_base import LoraBase
 from async_rl.progress import Progress
 from async_rl.rl.metrics_log import MetricsLog, check_wandb
+from async_rl.rl.replay import (LOGP_ATOL, RecordedRun, Replay, read_log,
+                                recompute_behaviour_logp)
 from async_rl.rl.rollout import PromptSource, RolloutController, RolloutWorker
 from async_rl.rl.trainer import Trainer
-from async_rl.rl.trainer_loop import Outputs, Publishing, Restored, Settings, TrainLoop
+from async_rl.rl.trainer_loop import Outputs, Publishing, Settings, TrainLoop
 from async_rl.sft import warm_start
 from async_rl.tasks.registry import check_task, make_task
 from async_rl.tasks.workflow import Workflow
@@ -251,7 +254,7 @@ def split_devices(placement: config.PlacementConfig, local_devices, global_devic
   return Devices(trainer, tuple(tuple(pool[i * k:(i + 1) * k]) for i in range(n)))
 
 
-def make_engine(cfg: ExperimentConfig, devices=None, base: Optional[Callable[[], Any]] = None):
+def make_engine(cfg: ExperimentConfig, devices=None, base=None):
   """A generator engine on `devices` (default: the first local device); with several,
   its params split over heads and MLP width (the `tensor` axis of its own mesh). Its
   prefill takes whole episodes so far, not only prompts: a multi-turn workflow's next
@@ -259,9 +262,9 @@ def make_engine(cfg: ExperimentConfig, devices=None, base: Optional[Callable[[],
   decoded at once (`cpu.SlotGroupEngine`), each with its share of the KV cache's
   `generation.kv_blocks`, so no more groups than shares that hold a sequence of
   `generation.max_length`; on CPU devices its decode steps read the cache as the CPU's
-  `cpu.PagedDecoding`. With `cfg.lora` it serves adapters on a frozen base
-  (`generation.adapted.AdaptedEngine`): the one `base()` returns (None: `lora_base`'s
-  of a run without a warm start), when the first adapters are loaded."""
+  `cpu.PagedDecoding`. With `cfg.lora` it serves adapters on the frozen base `base`
+  (`generation.adapted.AdaptedEngine`; None: given later, `set_base`, before the first
+  adapters)."""
   g = cfg.generation
   devices = list(devices or jax.local_devices()[:1])
   mesh = Mesh(np.array(devices).reshape(1, 1, len(devices)), sharding.AXES)
@@ -278,51 +281,8 @@ def make_engine(cfg: ExperimentConfig, devices=None, base: Optional[Callable[[],
                   decoding=cpu.PagedDecoding() if devices[0].platform == "cpu" else None)
   engine = engine if groups == 1 else cpu.SlotGroupEngine(engine, groups)
   if cfg.lora.enabled:
-    engine = AdaptedEngine(engine, base or functools.partial(lora_base, cfg), cfg.lora.scale)
+    engine = AdaptedEngine(engine, cfg.lora.scale, base)
   return engine
-
-
-# A LoRA checkpoint's pointer when its base was handed to the run (`init_params`).
-GIVEN_BASE = {"init_params": "given to the run, not named by its config"}
-
-
-def warm_started(cfg: ExperimentConfig) -> bool:
-  """Whether a run's initial params are its own warm start (`sft.steps`, no
-  `hf_model_dir`)."""
-  return cfg.hf_model_dir is None and cfg.sft.steps > 0
-
-
-def lora_pointer(cfg: ExperimentConfig, digest: Optional[str] = None) -> dict[str, Any]:
-  """Where a LoRA run's frozen base comes from, as a checkpoint records it: the Hugging
-  Face directory; the warm start's file in the workdir (`checkpoint.BASE_FILE`) and its
-  `digest`; or the model and seed of a random init."""
-  if cfg.hf_model_dir is not None:
-    return {"hf_model_dir": cfg.hf_model_dir}
-  if warm_started(cfg):
-    return {"warm_start": checkpoint.BASE_FILE, "sha256": digest}
-  return {"seed": cfg.seed, "model": dataclasses.asdict(cfg.model)}
-
-
-def lora_base(cfg: ExperimentConfig, workdir: Optional[str] = None, init_params=None):
-  """The frozen base of a LoRA run's adapters, as its pointer names it: `init_params`
-  when given, else `hf_model_dir`'s weights, else the warm start the run wrote to
-  `workdir` (`checkpoint.load_base`), else the seed's random init (the trainer's own,
-  `make_trainer` without params). Every process that generates loads it itself: only
-  adapters are published.
-
-  Raises:
-    NoUsableCheckpointError: the warm start's file is missing or damaged.
-  """
-  if init_params is not None:
-    return init_params
-  if cfg.hf_model_dir is not None:
-    return hf.load_hf(cfg.hf_model_dir, cfg.model)
-  if warm_started(cfg):
-    if workdir is None:
-      raise ValueError("a warm-started LoRA base is read from its run's workdir; none given")
-    return checkpoint.load_base(os.path.join(workdir, checkpoint.BASE_FILE),
-                                models.abstract_params(cfg.model))[0]
-  return jax.jit(functools.partial(models.init_params, cfg.model))(jax.random.key(cfg.seed))
 
 
 def make_pool(engines, params, *, version: int = 0, seed: int = 0):
@@ -376,7 +336,7 @@ def make_trainer(cfg: ExperimentConfig, mesh, params=None) -> Trainer:
                  advantage_fn=advantages.from_config(cfg.advantage, cfg.generation.max_new_tokens),
                  group_size=cfg.generation.group_size, max_length=cfg.generation.max_length,
                  sample_per_turn=cfg.task.sample_per_turn,
-                 base_pointer=lora_pointer(cfg) if cfg.lora.enabled else None)
+                 base_pointer=LoraBase(cfg).pointer if cfg.lora.enabled else None)
 
 
 def initial_params(cfg: ExperimentConfig, mesh, task, echo: Callable[[str], None] = print,
@@ -471,36 +431,29 @@ def restored_trainer(cfg: ExperimentConfig, workdir: str, mesh, task, *, server=
   checkpointer and what it resumed. Process 0 then writes the run's `config.json`:
   after the restore, so that a resume that fails leaves the run's own.
 
-  A LoRA run's warm start is its adapters' base: a fresh run writes it to `workdir`
-  (`checkpoint.save_base`) before its first step, and a resumed one reads it from there
-  rather than warm-starting again.
+  A LoRA checkpoint holds no base: the trainer is built on the one its `LoraBase`
+  makes or reads (`LoraBase.for_trainer`). A warm start is the base: a fresh run writes
+  it to `workdir` before its first step, and a resumed one reads it from there rather
+  than warm-starting again, and checks it against the restored checkpoint's pointer.
 
   Raises:
     NoUsableCheckpointError: the checkpoints cannot be restored, or a resumed LoRA run's
       warm-started base is missing, damaged or not the one its checkpoints record."""
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep)
   try:
-    # A LoRA checkpoint holds no base: a resumed trainer loads it from its pointer.
-    fresh = checkpointer.latest_step() is None
-    given = init_params is not None
-    digest = None
-    if not given and cfg.lora.enabled and warm_started(cfg):
-      # The warm start runs once: its params are the base of every later process.
-      path = os.path.join(workdir, checkpoint.BASE_FILE)
-      if fresh:
-        init_params = initial_params(cfg, mesh, task, echo, record=record)
-        digest = (checkpoint.save_base(path, init_params) if multihost.is_leader()
-                  else checkpoint.base_digest(init_params))
-      else:
-        init_params, digest = checkpoint.load_base(path, models.abstract_params(cfg.model))
-        checkpoint.check_base(path, digest, checkpoint.saved_pointer(
-            checkpointer.directory, checkpointer.latest_step()))
-    elif not given and (fresh or cfg.lora.enabled):
-      init_params = initial_params(cfg, mesh, task, echo, record=record)
+    resumed = checkpointer.latest_step() is not None
+    make = lambda: initial_params(cfg, mesh, task, echo, record=record)
+    base = LoraBase(cfg, workdir, given=init_params) if cfg.lora.enabled else None
+    if base is not None:
+      init_params = base.for_trainer(make, resumed=resumed, write=multihost.is_leader())
+    elif init_params is None and not resumed:
+      init_params = make()
     trainer = make_trainer(cfg, mesh, init_params)
-    if cfg.lora.enabled:  # a base given to the run is one no pointer names
-      trainer.base_pointer = GIVEN_BASE if given else lora_pointer(cfg, digest)
+    if base is not None:
+      trainer.base_pointer = base.pointer
     restored = TrainLoop.restore(checkpointer, trainer, server, echo)
+    if base is not None and restored.step is not None:
+      base.check(restored.meta.lora_base)
   except BaseException:
     checkpointer.close()
     raise
@@ -519,11 +472,12 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   server in another process).
 
   `engines` serve the held-out evaluation (None: one new engine); in one process they
-  are the rollout worker's, so their programs compile once. `trainer_devices` carry
-  the trainer's mesh (None: every device). `run_id` marks the run's metrics lines
-  (None: a new id); the log drops the lines the restored checkpoint supersedes. The
-  loop's lines, the deadlines' and the warm start's go to `echo` clear of the progress
-  bar (`progress.Progress`).
+  are the rollout worker's, so their programs compile once. With LoRA they get the
+  frozen base here, once the trainer has made it (a warm start's: written to
+  `workdir`). `trainer_devices` carry the trainer's mesh (None: every device). `run_id`
+  marks the run's metrics lines (None: a new id); the log drops the lines the restored
+  checkpoint supersedes. The loop's lines, the deadlines' and the warm start's go to
+  `echo` clear of the progress bar (`progress.Progress`).
   """
   os.makedirs(workdir, exist_ok=True)
   bar = Progress(echo, enabled=progress)
@@ -532,10 +486,10 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   trainer, checkpointer, restored = restored_trainer(
       cfg, workdir, mesh, task, server=server, init_params=init_params, echo=bar.echo,
       record=lambda *line: warm_start_log.append((*line, time.time())))
-  record = schedule.recorder(
+  recorder = schedule.recorder(
       os.path.join(workdir, schedule.SCHEDULE_DIR), restored.step, record_context(cfg, mesh),
       enabled=cfg.run.record_schedule, echo=bar.echo,
-      checkpoints=checkpointer.directory if cfg.run.prune_schedule else None)
+      checkpoints=checkpointer.steps if cfg.run.prune_schedule else None)
   leader = multihost.Leader() if jax.process_count() > 1 else None
   publishing = Publishing(on_host=publish_on_host or leader is not None,
                           dtype=cfg.placement.publish_dtype, leader=leader)
@@ -545,8 +499,11 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
   server.publish(trainer.version, params)
   deadlines = Deadlines(cfg.run.warn_after_s, cfg.run.stall_timeout_s, bar.echo)
   stop = stop or threading.Event()
-  engines = engines or [make_engine(cfg, base=functools.partial(lora_base, cfg, workdir,
-                                                                 init_params))]
+  engines = engines or [make_engine(cfg)]
+  if cfg.lora.enabled:  # the base the trainer made (a warm start: wrote) is theirs too
+    base = LoraBase(cfg, workdir, given=init_params).load(against=trainer.base_pointer)
+    for engine in engines:
+      engine.set_base(base)
   evaluator = make_evaluator(cfg, task, params, engines=engines, version=trainer.version,
                              wait=functools.partial(deadlines.result, stop=stop))
   log = MetricsLog(workdir, run_id or workdir_lib.new_run_id(), resume_step=restored.step,
@@ -562,8 +519,77 @@ def train_loop(cfg: ExperimentConfig, workdir: str, server, *, task, engines=Non
       correct_threshold=cfg.eval.correct_threshold, log=cfg.log,
       max_staleness=None if cfg.staleness.on_stale == "admit" else cfg.staleness.max_staleness)
   return TrainLoop(trainer, server, evaluator, deadlines, settings,
-                   Outputs(checkpointer, log, echo=bar.echo, progress=bar, record=record),
+                   Outputs(checkpointer, log, echo=bar.echo, progress=bar, schedule=recorder),
                    publishing, restored=restored, stop=stop)
+
+
+def replay(cfg: ExperimentConfig, workdir: str, recorded: str, task, *, run_id: str,
+           stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
+           progress: bool = True) -> Replay:
+  """The replay in `workdir` of the run recorded in the workdir `recorded` (`rl.replay`),
+  ready to run: the trainer, restored from the replay's own newest checkpoint, else at
+  the recorded run's initial params or restored from its checkpoint that its record
+  goes on from (`schedule.replay_start`); its checkpointer and log; and the recorded
+  run's record, log and checkpoints, to check every step against.
+
+  Raises:
+    ConfigError: `recorded` holds no record, or a record with a step missing, or none
+      of its checkpoints is one its record goes on from; or the replay's own checkpoint
+      is older than where the record lets it start.
+  """
+  record = os.path.join(recorded, schedule.SCHEDULE_DIR)
+  steps = schedule.recorded_steps(record)
+  if not steps:
+    raise ConfigError(f"{recorded} holds no recorded schedule ({record} has no batch): "
+                      f"its run had run.record_schedule=False, or trained no step, or its "
+                      f"record was pruned up to its newest checkpoint (run.prune_schedule)")
+  if steps != list(range(steps[0], steps[-1] + 1)):
+    raise ConfigError(f"--replay needs the batches of consecutive steps in {record}, found "
+                      f"those of steps {steps[:10]}")
+  reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
+  checkpoints = reference.steps()
+  start = schedule.replay_start(steps, checkpoints)
+  if start is None:
+    reference.close()
+    raise ConfigError(f"the record in {record} holds the batches of steps {steps[0]} to "
+                      f"{steps[-1]}; a replay starts from a checkpoint of {recorded} that "
+                      f"they go on from, and none is (its checkpoints: {checkpoints})")
+  bar = Progress(echo, enabled=progress)
+  mesh = sharding.make_mesh(cfg.mesh, split_devices(cfg.placement, jax.local_devices(),
+                                                    jax.devices()).trainer)
+  closing = [reference]
+  try:
+    trainer, checkpointer, restored = restored_trainer(cfg, workdir, mesh, task, echo=bar.echo)
+    closing.append(checkpointer)
+    abstract, initial = trainer.abstract_state(), None
+    if restored.step is None and start > 0:
+      initial = trainer.device_params()  # version 0's, which the run kept no checkpoint of
+      state, meta = reference.restore(start, abstract)
+      trainer.restore(state, meta.packed_shapes)
+      restored = Restored(start, meta)
+      where = ("where its record starts" if start == steps[0] - 1 else
+               f"the oldest its record (from step {steps[0]}) goes on from")
+      bar.echo(f"the replay starts from {recorded}'s checkpoint {start}, {where}")
+    elif (restored.step or 0) < start:
+      raise ConfigError(f"a replay of the record in {record} starts from checkpoint {start}, "
+                        f"after this replay's checkpoint {restored.step}: replay into a new "
+                        f"workdir")
+    log = MetricsLog(workdir, run_id, resume_step=restored.step, hparams=cli.to_dict(cfg))
+  except BaseException:
+    for part in closing:
+      part.close()
+    raise
+  recorded_run = RecordedRun(recorded, reference, abstract, checkpoints=checkpoints,
+                             logged=read_log(recorded), initial=initial)
+  float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
+  return Replay(
+      trainer, checkpointer, log, recorded_run, steps=min(cfg.num_steps, steps[-1]),
+      context=record_context(cfg, mesh),
+      recompute=functools.partial(recompute_behaviour_logp, trainer, batching=cfg.batching,
+                                  max_length=cfg.generation.max_length, compiled=set()),
+      update_mode=cfg.generation.update_mode, max_staleness=cfg.staleness.max_staleness,
+      logp_atol=LOGP_ATOL if float32 else None, checkpoint_every=cfg.checkpoint.every_steps,
+      restored=restored, stop=stop, echo=bar.echo, progress=bar)
 
 
 def record_context(cfg: ExperimentConfig, mesh) -> dict[str, Any]:
@@ -576,8 +602,8 @@ def record_context(cfg: ExperimentConfig, mesh) -> dict[str, Any]:
 def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
                    engines=None) -> RolloutWorker:
   """Rollout worker `index`: its prompt stream, generator pool (over `engines`, one per
-  generator replica; None: one new engine), reward service and controller, starting
-  at the server's weights.
+  generator replica, a LoRA run's holding its base; None: one new engine), reward
+  service and controller, starting at the server's weights.
 
   Registering with the server writes off anything an earlier worker of that index
   left running and says where its prompt stream resumes (the prompts to issue again,
@@ -588,7 +614,9 @@ def rollout_worker(cfg: ExperimentConfig, server, *, index: int = 0, task=None,
   version, params = server.fetch(-1)
   prompts = PromptSource(lambda state: task.stream(state, worker_index=index),
                          cursor=start["cursor"], replay=start["replay"])
-  pool = make_pool(engines or [make_engine(cfg)], params, version=version, seed=cfg.seed + index)
+  if engines is None:  # a LoRA run's base named by its config: not a warm start's
+    engines = [make_engine(cfg, base=LoraBase(cfg).load() if cfg.lora.enabled else None)]
+  pool = make_pool(engines, params, version=version, seed=cfg.seed + index)
   rewards = reward_service(cfg, num_workers=cfg.rollout.reward_workers)
   controller = RolloutController(
       server=server, pool=pool, rewards=rewards, prompts=prompts, reference=task.reference,

@@ -1,20 +1,17 @@
 """Orbax checkpoints of a run: the train state plus the host-side bookkeeping.
 
 A checkpoint at step v holds the params, optimizer state, version and, with a KL
-penalty, the reference policy's params (`state`), and a JSON item (`meta`) with the
-parameter server's counters, the prompt streams' positions and anything else the loop
-needs to resume exactly. With LoRA the params are the adapters, and the frozen base is
-not saved: the meta holds its pointer (`lora_base`), and a resumed trainer is built on
-the base that pointer names. A base that only the run itself made (a warm start) is
-written once beside the checkpoints (`save_base`), and the pointer names that file and
-its digest (`load_base` checks the file against its own digest, `check_base` against
-the checkpoint's).
+penalty, the reference policy's params (`state`), and a JSON item (`meta`): the loop's
+`Meta`, the one type every checkpoint's bookkeeping is written and read as. With LoRA
+the params are the adapters, and the frozen base is not saved: the meta holds its
+pointer (`Meta.lora_base`, `rl.lora_base`).
 
 Writes are atomic: Orbax writes a step into a temporary directory and renames it
 when every item is complete, so a process killed mid-save leaves the previous
-checkpoints as they were and no half-written step among them. Damage after the
-fact (a truncated or deleted file, a missing item) shows up when the step is read:
-`restore_latest` then falls back to the newest step that restores whole.
+checkpoints as they were and no half-written step among them (`steps` lists the
+complete ones). Damage after the fact (a truncated or deleted file, a missing item)
+shows up when the step is read: `restore_latest` then falls back to the newest step
+that restores whole.
 
 A write that fails (no space left, a workdir made unwritable or removed) fails in
 Orbax's background thread; `check` raises it without waiting for a write still
@@ -30,18 +27,13 @@ raise a `CheckpointError` once the path no longer names the directory held.
 """
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import shutil
 import time
-import zipfile
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from async_rl import models
@@ -50,20 +42,85 @@ from async_rl.rl.errors import CheckpointError, NoUsableCheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
-class Restored:
-  """What `Checkpointer.restore_latest` found.
+class Meta:
+  """What a checkpoint keeps beside the train state: what the loop needs to resume
+  exactly, written as its JSON item.
 
   Attributes:
-    step: the step restored.
-    state: the train state, with the shardings asked for.
-    meta: the JSON item saved with it.
+    version: the trainer's version, the checkpoint's step.
+    skipped_steps: the steps skipped as non-finite so far.
+    applied_updates: the optimizer updates applied so far.
+    packed_shapes: the [M, R, T] shapes the train step has run, which packing depends
+      on (`Trainer.packed_shapes`).
+    server: the parameter server's state (`ParameterServer.state_dict`); None in a
+      replay's checkpoints.
+    lora_base: with LoRA, the pointer to the frozen base (`rl.lora_base`); else None.
+    replay_of: in a replay's checkpoints, the workdir of the run it replays.
+  """
+  version: int
+  skipped_steps: int = 0
+  applied_updates: int = 0
+  packed_shapes: tuple[tuple[int, ...], ...] = ()
+  server: Optional[dict[str, Any]] = None
+  lora_base: Optional[dict[str, Any]] = None
+  replay_of: Optional[str] = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "packed_shapes", tuple(tuple(s) for s in self.packed_shapes))
+
+  def to_json(self) -> dict[str, Any]:
+    """The JSON item: every field, but those that are None."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+  @classmethod
+  def from_json(cls, item: dict[str, Any]) -> "Meta":
+    """The `Meta` a JSON item holds.
+
+    Raises:
+      ValueError: the item lacks `version` or holds a field `Meta` does not have.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "version" not in item or set(item) - names:
+      raise ValueError(f"a checkpoint's meta must hold version and only the fields of "
+                       f"Meta ({sorted(names)}), got {sorted(item)}")
+    return cls(**item)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """The checkpoint a run resumes from.
+
+  Attributes:
+    step: its step; None: there was none, the run starts afresh.
+    meta: its meta (a fresh run's: version 0, nothing counted yet).
     damaged: `(step, error, moved_to)` of each newer step that failed to restore,
       newest first; each was moved aside to `moved_to` (no longer a step).
   """
-  step: int
-  state: Any
-  meta: dict[str, Any]
+  step: Optional[int] = None
+  meta: Meta = Meta(version=0)
   damaged: tuple[tuple[int, str, str], ...] = ()
+
+
+def steps(directory: str) -> list[int]:
+  """The steps of the complete checkpoints under `directory`, oldest first (none when it
+  does not exist)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(ocp.utils.checkpoint_steps(directory))
+
+
+def read_meta(directory: str, step: int) -> Meta:
+  """The meta of `directory`'s checkpoint `step`, without reading its train state.
+
+  Raises:
+    FileNotFoundError: no such checkpoint.
+  """
+  if step not in steps(directory):
+    raise FileNotFoundError(f"no checkpoint {step} under {directory} (its checkpoints: "
+                            f"{steps(directory)})")
+  item = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+      os.path.join(os.path.abspath(directory), str(step), "meta"))
+  return Meta.from_json(item)
 
 
 class Checkpointer:
@@ -80,7 +137,11 @@ class Checkpointer:
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
-  def save(self, step: int, state, meta: dict[str, Any], *, wait: bool = False) -> None:
+  def steps(self) -> list[int]:
+    """The steps of the complete checkpoints, oldest first: those retention has kept."""
+    return steps(self.directory)
+
+  def save(self, step: int, state, meta: Meta, *, wait: bool = False) -> None:
     """Saves asynchronously (the arrays are copied first, so `state` may be donated).
 
     Raises:
@@ -100,19 +161,20 @@ class Checkpointer:
     self._check_directory()
     try:
       self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(_arrays(state)), meta=ocp.args.JsonSave(meta)))
+          state=ocp.args.StandardSave(_arrays(state)), meta=ocp.args.JsonSave(meta.to_json())))
       if wait:
         self._manager.wait_until_finished()
     except Exception as e:
       raise CheckpointError(self._describe(f"writing checkpoint {step} failed", e)) from e
 
-  def check(self) -> None:
+  def check(self, *, wait: bool = False) -> None:
     """Raises `CheckpointError` if a background write has failed; returns at once while
-    one is still under way."""
+    one is still under way, or with `wait` once it is done (and retention has deleted
+    the checkpoints it drops)."""
     if self._held is None:
       return
     self._check_directory()
-    if self._manager.is_saving_in_progress():
+    if self._manager.is_saving_in_progress() and not wait:
       return
     try:
       self._manager.wait_until_finished()
@@ -148,7 +210,7 @@ class Checkpointer:
             f"checkpoint is {self.latest_step()}. Fix the cause and rerun the same command "
             f"to resume from it")
 
-  def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
+  def restore(self, step: int, abstract_state) -> tuple[Any, Meta]:
     """The state (with the shardings of `abstract_state`) and meta saved at `step`."""
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
@@ -156,14 +218,15 @@ class Checkpointer:
     out = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     restored = abstract_state.replace(**out["state"])
-    return restored, dict(out["meta"])
+    return restored, Meta.from_json(dict(out["meta"]))
 
-  def restore_latest(self, abstract_state,
-                     accept: Optional[Callable[[Any, dict], None]] = None) -> Optional[Restored]:
-    """The newest step that restores whole; None when there is no checkpoint at all.
+  def restore_latest(self, abstract_state, accept: Optional[Callable[[Any, Meta], None]] = None
+                     ) -> tuple[Any, Restored]:
+    """The train state of the newest step that restores whole, and which step that is;
+    (None, `Restored()`) when there is no checkpoint at all.
 
     A step is damaged when Orbax cannot read it, when its train state's step or its
-    meta's "version" is not the step's number, or when `accept(state, meta)` raises
+    meta's version is not the step's number, or when `accept(state, meta)` raises
     (the caller's own check of the meta; it must change nothing when it raises).
     Damaged steps newer than the one restored are logged and moved aside (renamed
     `<step>.damaged-<unix time>`, kept for inspection), so that the run can write
@@ -188,13 +251,13 @@ class Checkpointer:
                       why[:500])
         continue
       damaged = tuple((s, why, self._set_aside(s, why)) for s, why in failures)
-      return Restored(step, state, meta, damaged)
+      return state, Restored(step, meta, damaged)
     if failures:
       listing = "; ".join(f"step {s}: {why[:300]}" for s, why in failures)
       raise NoUsableCheckpointError(
           f"no checkpoint under {self.directory} can be restored ({listing}). They are "
           f"left in place; move the directory away to start the run afresh.")
-    return None
+    return None, Restored()
 
   def _set_aside(self, step: int, why: str) -> str:
     path = os.path.join(self.directory, str(step))
@@ -230,12 +293,13 @@ def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,
   `abstract`: the params' shapes (default: `cfg`'s model's; a LoRA run's are its
   adapters', `models.lora.abstract_adapters`).
   """
+  if step is None:
+    if not steps(directory):
+      raise FileNotFoundError(f"no checkpoint under {directory}")
+    step = steps(directory)[-1]
   manager = ocp.CheckpointManager(os.path.abspath(directory),
                                   options=ocp.CheckpointManagerOptions(create=False))
   try:
-    step = manager.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {directory}")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {"params": jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
@@ -248,137 +312,11 @@ def restore_params(directory: str, cfg: ModelConfig, *, step: int | None = None,
     manager.close()
 
 
-# A run's own frozen base, beside its `checkpoints/`: a numpy archive of the leaves' bytes
-# and a manifest (the format, each leaf's dtype and shape, the digest of them all).
-BASE_FILE = "lora_base.npz"
-BASE_FORMAT = "async_rl.lora_base.v1"
-_MANIFEST = "__manifest__"
-
-
-def base_digest(params) -> str:
-  """The sha256 of `params`' leaves (their paths, dtypes, shapes and bytes)."""
-  return _digest(_named_leaves(params))
-
-
-def save_base(path: str, params) -> str:
-  """Writes `params` (host or device arrays) to the file `path` atomically (a temporary
-  file, synced, renamed over `path`); returns their digest (`base_digest`)."""
-  leaves = _named_leaves(params)
-  digest = _digest(leaves)
-  manifest = {"format": BASE_FORMAT, "sha256": digest,
-              "leaves": {name: [str(x.dtype), list(x.shape)] for name, x in leaves.items()}}
-  # bfloat16 has no numpy name: every leaf is stored as its bytes.
-  arrays = {name: np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-            for name, x in leaves.items()}
-  arrays[_MANIFEST] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
-  tmp = f"{path}.tmp-{os.getpid()}"
-  try:
-    with open(tmp, "wb") as f:
-      np.savez(f, **arrays)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-      os.fsync(directory)
-    finally:
-      os.close(directory)
-  except OSError as e:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise CheckpointError(f"writing the run's frozen base to {path} failed "
-                          f"({type(e).__name__}: {e})") from e
-  return digest
-
-
-def check_base(path: str, digest: str, pointer) -> None:
-  """Checks that a checkpoint whose meta's `lora_base` is `pointer` was trained on the
-  warm-started base in `path`, whose digest is `digest`: a self-consistent base file of
-  another run is not the run's.
-
-  Raises:
-    NoUsableCheckpointError: naming both digests.
-  """
-  recorded = pointer.get("sha256") if isinstance(pointer, dict) else None
-  if recorded is not None and recorded != digest:
-    raise NoUsableCheckpointError(
-        f"the run's frozen base {path} has sha256 {digest}, but its checkpoints' adapters "
-        f"were trained on a base of sha256 {recorded}: restore the run's own file, or start "
-        f"the run afresh in a new workdir")
-
-
-def saved_pointer(directory: str, step: int):
-  """The `lora_base` pointer in the meta of `directory`'s checkpoint `step`; None if the
-  meta has none or cannot be read (restoring the step reports why)."""
-  try:
-    with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
-      return json.load(f).get("lora_base")
-  except (OSError, ValueError, AttributeError):
-    return None
-
-
-def load_base(path: str, abstract):
-  """The params `save_base` wrote to `path`, as host arrays in the tree of `abstract`
-  (shapes and dtypes as its leaves'); with their digest.
-
-  Raises:
-    NoUsableCheckpointError: naming `path` (no checkpoint of the run can be restored
-      without it): the file is missing or unreadable, of another format, its bytes do
-      not match its digest, or its leaves are not `abstract`'s.
-  """
-  def fail(why):
-    raise NoUsableCheckpointError(
-        f"the run's frozen base {path} {why}. It was written by the run's warm start before "
-        f"its first step, and its checkpoints hold only the adapters trained on it; restore "
-        f"the file, or start the run afresh in a new workdir")
-
-  try:
-    with np.load(path) as archive:
-      manifest = json.loads(bytes(archive[_MANIFEST]))
-      if manifest.get("format") != BASE_FORMAT:
-        fail(f"has format {manifest.get('format')!r}, not {BASE_FORMAT!r}")
-      leaves = {name: archive[name].view(jnp.dtype(dtype)).reshape(shape)
-                for name, (dtype, shape) in manifest["leaves"].items()}
-  except FileNotFoundError:
-    fail("is missing")
-  except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
-    fail(f"cannot be read ({type(e).__name__}: {e})")
-  digest = _digest(leaves)
-  if digest != manifest["sha256"]:
-    fail(f"is damaged: its leaves' sha256 is {digest}, its manifest says {manifest['sha256']}")
-  want = {name: f"{x.dtype}{list(x.shape)}" for name, x in _named_leaves(abstract).items()}
-  got = {name: f"{x.dtype}{list(x.shape)}" for name, x in leaves.items()}
-  if got != want:
-    differ = sorted(set(got.items()) ^ set(want.items()))[:4]
-    fail(f"holds other params than the run's model (leaves that differ: {differ})")
-  paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-  return jax.tree.unflatten(treedef, [leaves[_name(p)] for p, _ in paths]), digest
-
-
-def _name(path) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def _named_leaves(params) -> dict[str, Any]:
-  """`params`' leaves by path; host arrays, but for abstract ones."""
-  return {_name(p): x if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(jax.device_get(x))
-          for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-
-def _digest(leaves: dict[str, np.ndarray]) -> str:
-  h = hashlib.sha256()
-  for name in sorted(leaves):
-    x = leaves[name]
-    h.update(f"{name}:{x.dtype}:{x.shape};".encode())
-    h.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
-  return h.hexdigest()
-
-
-def _check_step(step, state, meta):
+def _check_step(step, state, meta: Meta):
   if int(state.step) != step:
     raise ValueError(f"its train state is at step {int(state.step)}")
-  if meta.get("version") != step:
-    raise ValueError(f"its meta says version {meta.get('version')!r}")
+  if meta.version != step:
+    raise ValueError(f"its meta says version {meta.version!r}")
 
 
 def _nbytes(state) -> int:
@@ -387,7 +325,7 @@ def _nbytes(state) -> int:
 
 def _arrays(state) -> dict[str, Any]:
   """The state's pytree fields that hold something (`ref_params` only with a KL penalty),
-  but a LoRA run's frozen `base`: its pointer is saved instead."""
+  but a LoRA run's frozen `base`: its pointer is saved instead (`Meta.lora_base`)."""
   fields = (f.name for f in dataclasses.fields(state)
             if f.metadata.get("pytree_node", True) and f.name != "base")
   return {name: getattr(state, name) for name in fields if getattr(state, name) is not None}

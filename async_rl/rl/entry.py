@@ -10,23 +10,18 @@ the reward functions in worker processes) or, this module alone deciding, as Ray
 (`rl.ray_placement`), which build their parts with the same `rl.build` functions.
 """
 
-import functools
 import os
 import threading
 from typing import Any, Callable, Optional
 
 import jax
 
-from async_rl import cli, sharding
+from async_rl import sharding
 from async_rl.config import ExperimentConfig
 from async_rl.param_server import ParameterServer
-from async_rl.progress import Progress
-from async_rl.rl import build, multihost, replay as replay_lib, schedule
+from async_rl.rl import build, multihost
 from async_rl.rl import workdir as workdir_lib
-from async_rl.rl.checkpoint import Checkpointer
 from async_rl.rl.errors import ConfigError
-from async_rl.rl.metrics_log import MetricsLog
-from async_rl.rl.trainer_loop import Restored
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, task=None, init_params=None,
@@ -83,17 +78,14 @@ def _in_process(cfg, workdir, task, *, init_params, stop, echo, progress, run_id
     raise ConfigError(str(e)) from None
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   # One engine per generator replica, for the rollout and held-out pools alike: their
-  # programs compile once. With LoRA they read the base once, when the first adapters
-  # are published: after the trainer has written a warm-started one.
-  base = functools.cache(functools.partial(build.lora_base, cfg, workdir, init_params))
-  engines = [build.make_engine(cfg, replica, base=base) for replica in devices.replicas]
+  # programs compile once. With LoRA the trainer loop gives them the base it made.
+  engines = [build.make_engine(cfg, replica) for replica in devices.replicas]
   loop = worker = None
   try:
     loop = build.train_loop(cfg, workdir, server, task=task, engines=engines,
                             trainer_devices=devices.trainer, init_params=init_params, stop=stop,
                             echo=echo, progress=progress, run_id=run_id)
     worker = build.rollout_worker(cfg, server, task=task, engines=engines)
-    base.cache_clear()  # the engines hold the base on their devices now
     summary = loop.run([worker])
     summary["history"] = loop.history
     return summary
@@ -112,8 +104,8 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
            progress: bool = True) -> dict[str, Any]:
   """Re-executes the run recorded in the workdir `recorded` (its `schedule/`) in
   `workdir`, or goes on with the replay `workdir` holds: from the run's initial params
-  (or, when the record was pruned, its checkpoint of the step before the record's
-  first), the recorded batches in order, each step checked against the record and the
+  (or, when the record was pruned, the oldest of its checkpoints the record goes on
+  from: `schedule.replay_start`), the recorded batches in order, each step checked against the record and the
   train state against every checkpoint the recorded run kept, bit for bit (`rl.replay`).
   Nothing is generated or evaluated. Returns the replay's summary.
 
@@ -121,8 +113,8 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
   trainer must get as many devices and gradient threads as the run's did.
 
   Raises:
-    ConfigError: `cfg` differs from the recorded run's, `recorded` holds no record, or
-      `workdir` is `recorded`.
+    ConfigError: `cfg` differs from the recorded run's, `recorded` holds no record it
+      can start from (`build.replay`), or `workdir` is `recorded`.
     WorkdirInUseError: another run holds `workdir` or `recorded`.
     ReplayError: the record is unusable, or a step differs from it.
   """
@@ -136,76 +128,16 @@ def replay(cfg: ExperimentConfig, workdir: str, recorded: str, *,
   if stop is not None and stop.is_set():
     echo(f"stopped before the replay started; {workdir} is as it was")
     return {"stopped": True}
-  record = os.path.join(recorded, schedule.SCHEDULE_DIR)
   # The recorded run's workdir is held too: a resume of it would rewrite its record.
   with workdir_lib.hold(workdir, echo) as me, workdir_lib.hold(recorded, echo):
     echo(f"{me}: replaying {os.path.abspath(recorded)} in workdir {os.path.abspath(workdir)}")
     workdir_lib.check_resume(cfg, workdir)
-    steps = schedule.recorded_steps(record)
-    if not steps:
-      raise ConfigError(f"{recorded} holds no recorded schedule ({record} has no batch): "
-                        f"its run had run.record_schedule=False, or trained no step, or its "
-                        f"record was pruned up to its newest checkpoint (run.prune_schedule)")
-    if steps != list(range(steps[0], steps[-1] + 1)):
-      raise ConfigError(f"--replay needs the batches of consecutive steps in {record}, found "
-                        f"those of steps {steps[:10]}")
-    bar = Progress(echo, enabled=progress)
-    mesh = sharding.make_mesh(cfg.mesh, build.split_devices(
-        cfg.placement, jax.local_devices(), jax.devices()).trainer)
-    # Without a checkpoint the replay starts where the record does: the run's initial
-    # params, or its checkpoint of the step before the record's first.
-    trainer, checkpointer, restored = build.restored_trainer(cfg, workdir, mesh, task,
-                                                             echo=bar.echo)
-    reference = Checkpointer(os.path.join(recorded, "checkpoints"), keep=cfg.checkpoint.keep)
-    abstract = trainer.abstract_state()
-    reference_steps = schedule.checkpoint_steps(reference.directory)
-    start, initial = steps[0] - 1, None
-    if restored.step is None and start > 0:
-      if start not in reference_steps:
-        raise ConfigError(f"the record in {record} starts at step {steps[0]}; a replay "
-                          f"starts from {recorded}'s checkpoint {start}, which is gone (its "
-                          f"checkpoints: {reference_steps})")
-      initial = trainer.device_params()  # version 0's, which the run kept no checkpoint of
-      state, meta = reference.restore(start, abstract)
-      trainer.restore(state, meta.get("packed_shapes", ()))
-      restored = Restored(start, int(meta["skipped_steps"]), int(meta["applied_updates"]))
-      bar.echo(f"the replay starts from {recorded}'s checkpoint {start}, where its record "
-               f"starts")
-    elif (restored.step or 0) < start:
-      raise ConfigError(f"the record in {record} starts at step {steps[0]}, after this "
-                        f"replay's checkpoint {restored.step}: replay into a new workdir")
-    log = MetricsLog(workdir, me.run_id, resume_step=restored.step,
-                     hparams=cli.to_dict(cfg))
-
-    def checkpointed(version):
-      """The recorded run's params of `version`, for tokens made before the replay's start."""
-      if version == 0 and initial is not None:
-        return initial
-      if version in reference_steps:
-        return reference.restore(version, abstract)[0].params
-      return None
-
-    float32 = cfg.model.dtype == "float32" and cfg.placement.publish_dtype is None
-    replayer = replay_lib.Replay(
-        trainer, checkpointer, log, recorded=recorded,
-        read=functools.partial(schedule.read_batch, record),
-        steps=min(cfg.num_steps, steps[-1]),
-        reference=lambda step: reference.restore(step, abstract)[0],
-        reference_steps=reference_steps,
-        logged=replay_lib.read_log(recorded), context=build.record_context(cfg, mesh),
-        recompute=functools.partial(replay_lib.recompute_behaviour_logp, trainer,
-                                    batching=cfg.batching, max_length=cfg.generation.max_length,
-                                    compiled=set()),
-        update_mode=cfg.generation.update_mode, max_staleness=cfg.staleness.max_staleness,
-        checkpointed=checkpointed,
-        logp_atol=replay_lib.LOGP_ATOL if float32 else None,
-        checkpoint_every=cfg.checkpoint.every_steps, restored=restored, stop=stop,
-        echo=bar.echo, progress=bar)
+    replayer = build.replay(cfg, workdir, recorded, task, run_id=me.run_id, stop=stop,
+                            echo=echo, progress=progress)
     try:
       return replayer.run()
     finally:
       replayer.close()
-      reference.close()
 
 
 def follow(cfg: ExperimentConfig, workdir: str, *, task, init_params=None) -> None:

@@ -27,7 +27,6 @@ The user's task and reward modules reach the actors through the `runtime_env`
 (`placement.working_dir`, `placement.py_modules`; `runtime_env`).
 """
 
-import functools
 import logging
 import os
 import queue
@@ -44,6 +43,7 @@ from async_rl.param_server import ParameterServer
 from async_rl.progress import Progress
 from async_rl.rl import build
 from async_rl.rl.errors import ConfigError, RolloutWorkerError, StallError
+from async_rl.rl.lora_base import LoraBase
 from async_rl.rl.rollout import RolloutWorker
 from async_rl.tasks.registry import make_task
 
@@ -155,12 +155,11 @@ class RolloutWorkerActor(RolloutWorker):
   def __init__(self, cfg, workdir, server, index):
     # Every device of this actor (Ray's GPUs for it) serves its generator replicas, on
     # the LoRA base read once (a warm-started one from `workdir`, where the trainer
-    # wrote it before this actor started).
+    # wrote it before this actor started), each engine with a copy on its devices.
     devices = build.split_devices(cfg.placement, jax.local_devices(), with_trainer=False)
-    base = functools.cache(functools.partial(build.lora_base, cfg, workdir))
+    base = LoraBase(cfg, workdir).load() if cfg.lora.enabled else None
     worker = build.rollout_worker(cfg, server, index=index, engines=[
         build.make_engine(cfg, replica, base=base) for replica in devices.replicas])
-    base.cache_clear()  # the engines hold the base on their devices now
     super().__init__(worker.index, worker.controller, worker.pool, worker.rewards)
 
 

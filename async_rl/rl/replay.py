@@ -6,9 +6,10 @@ random init, the warm start and an HF checkpoint being functions of the config a
 seed; the same programs; gradients summed in a fixed order, threads included), and the
 run records what it was fed (`rl.schedule`).
 
-`Replay` re-executes the trainer: from the run's initial params (or the recorded run's
-checkpoint of the step before the record's first) it trains the recorded batches in
-order in a workdir of its own (checkpoints, metrics). After each step it
+`Replay` re-executes the trainer: from the run's initial params (or, when its record
+was pruned, the recorded run's oldest checkpoint that the record goes on from:
+`schedule.replay_start`) it trains the recorded batches in order in a workdir of its
+own (checkpoints, metrics). After each step it
 checks the step against the recorded run's log line (prompts, trained tokens, loss,
 gradient norm), and at each step where the recorded run kept a checkpoint, that the
 train state equals it bit for bit; it stops at the first difference, naming it.
@@ -41,11 +42,11 @@ import numpy as np
 from async_rl import batching as batching_lib, sharding, train_step
 from async_rl.config import BatchingConfig
 from async_rl.progress import Progress, stamped
-from async_rl.rl.checkpoint import Checkpointer
+from async_rl.rl import schedule
+from async_rl.rl.checkpoint import Checkpointer, Meta, Restored
 from async_rl.rl.errors import ReplayError
 from async_rl.rl.metrics_log import MetricsLog
 from async_rl.rl.trainer import Trainer
-from async_rl.rl.trainer_loop import Restored
 from async_rl.trajectory import Group, Trajectory
 
 # Decode and full-forward log-probs of one float32 model agree to about 1e-5 (the
@@ -114,57 +115,88 @@ def first_difference(state, reference) -> Optional[str]:
   return None
 
 
+class RecordedRun:
+  """The recorded run a replay checks against: its record, its log and its checkpoints.
+
+  Built by `rl.build.replay`.
+
+  Args:
+    workdir: its workdir.
+    checkpointer: its checkpoints, read only (closed by `close`).
+    abstract_state: what they restore into (the replay's `Trainer.abstract_state`).
+    checkpoints: their steps.
+    logged: {step: line} of its metrics log (`read_log`).
+    initial: its params of version 0, which it kept no checkpoint of: for the tokens
+      they produced when the replay starts from a later checkpoint (None: not needed).
+  """
+
+  def __init__(self, workdir: str, checkpointer: Checkpointer, abstract_state, *,
+               checkpoints: Sequence[int], logged: dict[int, dict], initial=None):
+    self.workdir, self._checkpointer, self._abstract = workdir, checkpointer, abstract_state
+    self.checkpoints, self.logged, self._initial = frozenset(checkpoints), logged, initial
+
+  def batch(self, step: int) -> tuple[list[Group], dict[str, Any]]:
+    """The batch of `step` and the context it was trained in (`schedule.read_batch`)."""
+    return schedule.read_batch(os.path.join(self.workdir, schedule.SCHEDULE_DIR), step)
+
+  def state(self, step: int):
+    """Its train state at `step`, one of its `checkpoints`."""
+    return self._checkpointer.restore(step, self._abstract)[0]
+
+  def params(self, version: int):
+    """Its params of `version`, or None when it kept no checkpoint of them."""
+    if version == 0 and self._initial is not None:
+      return self._initial
+    if version in self.checkpoints:
+      return self.state(version).params
+    return None
+
+  def close(self) -> None:
+    self._checkpointer.close()
+
+
 class Replay:
   """Trains a recorded run's batches again and checks each step against the record.
 
-  Built by `rl.entry.replay` with the trainer (at the recorded run's initial params,
-  or restored from the replay's own checkpoint), its checkpointer and log.
+  Built by `rl.build.replay` with the trainer (at the recorded run's initial params,
+  restored from the recorded run's checkpoint the replay starts from, or from the
+  replay's own checkpoint), its checkpointer and log.
 
   Args:
-    recorded: the recorded run's workdir (for messages).
-    read: step -> (groups, context) of the record (`read_batch`).
+    recorded: the recorded run.
     steps: the last step to replay.
-    reference: step -> the recorded run's train state at that step, for each step in
-      `reference_steps` (its checkpoints).
-    logged: {step: line} of the recorded run's metrics log.
     context: this replay's numerics (as `recorder`'s), which each batch's must equal.
     recompute: (params, trajectories) -> (recomputed, recorded) behaviour log-probs
       (`recompute_behaviour_logp` of the trainer).
     update_mode: the recorded run's weight update mode.
     max_staleness: the recorded run's η: the replay keeps the params of the last η + 1
-      versions (None: of the last one) to recompute the tokens each produced.
-    checkpointed: version -> the recorded run's params of it, or None when it kept no
-      checkpoint of it: for the versions before the one the replay starts from.
+      versions (None: of the last one) to recompute the tokens each produced; those of
+      the versions before the one it starts from are the recorded run's checkpoints'.
     logp_atol: the bound on their difference; None: reported, not checked.
     checkpoint_every: checkpoint every this many steps (and at the end).
-    restored: the counts the replay resumes with.
+    restored: the checkpoint the replay resumes from.
     stop: set it (a signal) to checkpoint and return early.
     echo: receives a line per step and per comparison.
     progress: the bar of steps; None: none.
   """
 
-  def __init__(self, trainer: Trainer, checkpointer: Checkpointer, log: MetricsLog, *,
-               recorded: str, read: Callable[[int], tuple[list[Group], dict]], steps: int,
-               reference: Callable[[int], Any], reference_steps: Sequence[int],
-               logged: dict[int, dict], context: dict[str, Any],
+  def __init__(self, trainer: Trainer, checkpointer: Checkpointer, log: MetricsLog,
+               recorded: RecordedRun, *, steps: int, context: dict[str, Any],
                recompute: Callable[[Any, Sequence[Trajectory]], tuple[np.ndarray, np.ndarray]],
                update_mode: str, logp_atol: Optional[float], checkpoint_every: int,
-               max_staleness: Optional[int] = 0,
-               checkpointed: Callable[[int], Any] = lambda version: None,
-               restored: Restored = Restored(), stop: Optional[threading.Event] = None,
-               echo: Callable[[str], None] = print, progress: Optional[Progress] = None):
+               max_staleness: Optional[int] = 0, restored: Restored = Restored(),
+               stop: Optional[threading.Event] = None, echo: Callable[[str], None] = print,
+               progress: Optional[Progress] = None):
     self.trainer, self.checkpointer, self.log = trainer, checkpointer, log
-    self.recorded, self.read, self.steps = recorded, read, steps
-    self.reference, self.reference_steps = reference, set(reference_steps)
-    self.logged, self.context, self.recompute = logged, context, recompute
-    self.update_mode, self.logp_atol = update_mode, logp_atol
+    self.recorded, self.steps, self.context = recorded, steps, context
+    self.recompute, self.update_mode, self.logp_atol = recompute, update_mode, logp_atol
     self.checkpoint_every = checkpoint_every
-    self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
+    self.skipped_steps = restored.meta.skipped_steps
+    self.applied_updates = restored.meta.applied_updates
     self.stop = stop or threading.Event()
     self.echo, self.progress = echo, progress or Progress(echo, enabled=False)
     self._warned_software = False
     self._keep = 1 if max_staleness is None else max_staleness + 1
-    self._checkpointed = checkpointed
     # {version: params} of the last `_keep` versions this replay produced.
     self._params = {trainer.version: trainer.device_params()}
 
@@ -179,7 +211,7 @@ class Replay:
     """
     summary = {"start_version": self.trainer.version, "compared": [], "logp_tokens": 0,
                "logp_unchecked": 0, "logp_max_abs_diff": 0.0}
-    if self.trainer.version in self.reference_steps:  # the initial params, or a resume's
+    if self.trainer.version in self.recorded.checkpoints:  # the initial params, or a resume's
       self._compare(self.trainer.version)
       summary["compared"].append(self.trainer.version)
     self.progress.start(self.steps, self.trainer.version)
@@ -201,7 +233,7 @@ class Replay:
 
   def _step(self, summary):
     step = self.trainer.version + 1
-    groups, context = self.read(step)
+    groups, context = self.recorded.batch(step)
     self._check_context(step, context)
     checked, unchecked, diff = self._check_behaviour(step, groups)
     metrics = self.trainer.train(groups)
@@ -220,7 +252,7 @@ class Replay:
     self.log.write(step, metrics)
     self.echo(stamped(f"replay v={step} loss={metrics['loss']:.4f} behaviour log-probs "
                       f"checked={checked} unchecked={unchecked} max|diff|={diff:.2g}"))
-    if step in self.reference_steps:
+    if step in self.recorded.checkpoints:
       self._compare(step)
       summary["compared"].append(step)
     if step % self.checkpoint_every == 0:
@@ -239,7 +271,7 @@ class Replay:
     versions = np.unique(np.concatenate([t.versions_T[t.versions_T >= 0] for t in trajs]))
     checked, diff = 0, 0.0
     for version in map(int, versions):
-      if version not in self._params and (params := self._checkpointed(version)) is not None:
+      if version not in self._params and (params := self.recorded.params(version)) is not None:
         self._params[version] = params  # read once; dropped with the versions it precedes
       params = self._params.get(version)
       if params is None:
@@ -252,7 +284,7 @@ class Replay:
       version_diff = float(np.max(np.abs(got - want), initial=0.0))
       if self.logp_atol is not None and version_diff > self.logp_atol:
         raise ReplayError(
-            f"step {step} of {self.recorded}: a recorded behaviour log-prob differs by "
+            f"step {step} of {self.recorded.workdir}: a recorded behaviour log-prob differs by "
             f"{version_diff:.3g} (more than {self.logp_atol:g}) from the one version "
             f"{version}'s params give: the record's tokens or versions are not what that "
             f"version generated")
@@ -263,47 +295,47 @@ class Replay:
     for key, setting in _CONTEXT_SETTINGS.items():
       if context.get(key) != self.context[key]:
         fix = f"; set {setting}={context.get(key)}" if setting else ""
-        raise ReplayError(f"step {step} of {self.recorded} was trained with {key}="
+        raise ReplayError(f"step {step} of {self.recorded.workdir} was trained with {key}="
                           f"{context.get(key)!r}, this replay has {self.context[key]!r}: "
                           f"its sums would differ in their last bits{fix}")
     if context.get("jax") != self.context["jax"] and not self._warned_software:
       self._warned_software = True
-      self.echo(f"WARNING: {self.recorded} was recorded with jax {context.get('jax')}, this "
-                f"replay runs jax {self.context['jax']}: its programs may round differently")
+      self.echo(f"WARNING: {self.recorded.workdir} was recorded with jax {context.get('jax')}, "
+                f"this replay runs jax {self.context['jax']}: its programs may round "
+                f"differently")
 
   def _check_logged(self, step, metrics):
-    line = self.logged.get(step)
+    line = self.recorded.logged.get(step)
     if line is None:  # the recorded run stopped before it logged the step
       return
     for key in LOGGED:
       if line.get(key) != metrics[key]:
         raise ReplayError(
-            f"step {step} differs from {self.recorded}'s log: {key} is {metrics[key]!r} in "
+            f"step {step} differs from {self.recorded.workdir}'s log: {key} is {metrics[key]!r} in "
             f"the replay, {line.get(key)!r} in the record (so the params after step "
             f"{step - 1} or the batch of step {step} differ)")
 
   def _compare(self, step):
     # A LoRA run's frozen base is not in its checkpoints.
     difference = first_difference(self.trainer.state.replace(base=None),
-                                  self.reference(step).replace(base=None))
+                                  self.recorded.state(step).replace(base=None))
     if difference is not None:
-      raise ReplayError(f"the train state after step {step} differs from {self.recorded}'s "
-                        f"checkpoint {step}: {difference}")
-    self.echo(f"replay v={step}: the train state equals {self.recorded}'s checkpoint {step} "
-              f"bit for bit")
+      raise ReplayError(f"the train state after step {step} differs from "
+                        f"{self.recorded.workdir}'s checkpoint {step}: {difference}")
+    self.echo(f"replay v={step}: the train state equals {self.recorded.workdir}'s checkpoint "
+              f"{step} bit for bit")
 
   def _checkpoint(self, wait=False):
     version = self.trainer.version
     if self.checkpointer.latest_step() == version:
       return
-    meta = {"version": version, "skipped_steps": self.skipped_steps,
-            "applied_updates": self.applied_updates,
-            "packed_shapes": self.trainer.packed_shapes, "replay_of": self.recorded}
+    meta = Meta(version, self.skipped_steps, self.applied_updates, self.trainer.packed_shapes,
+                replay_of=self.recorded.workdir)
     self.checkpointer.save(version, self.trainer.state, meta, wait=wait)
 
   def close(self):
-    self.checkpointer.close()
-    self.log.close()
+    for part in (self.checkpointer, self.log, self.recorded):
+      part.close()
 
 
 def read_log(workdir: str) -> dict[int, dict]:

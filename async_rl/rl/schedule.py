@@ -9,13 +9,17 @@ each weight update hit the sample), prompt length, finish reason and reward. Ste
 batch is `schedule/00000007.npz` in the workdir (deflated), written before the step
 trains (so a step that crashes is in the record) with a digest of its contents and the
 facts that fix the trainer's numerics (`context`). A resumed run first removes the
-batches its restored checkpoint supersedes, as the metrics log removes their lines. The
-record is bounded as the checkpoints are: by default each write deletes the batches up
-to the oldest checkpoint kept, since a replay can start from that checkpoint.
+batches its restored checkpoint supersedes, as the metrics log removes their lines.
+
+A replay starts from the run's initial params when the record starts at step 1, else
+from the oldest checkpoint the record goes on from (`replay_start`). So the record is
+bounded as the checkpoints are: by default each write, and the trainer once its last
+checkpoint is written, delete the batches up to the oldest checkpoint retention has
+kept (`Recorder.prune`), which no replay needs.
 """
 
 import contextlib
-import functools
+import dataclasses
 import hashlib
 import json
 import os
@@ -48,50 +52,80 @@ def recorded_steps(directory: str) -> list[int]:
                 if (m := _BATCH_FILE.match(name)))
 
 
+def replay_start(recorded: Sequence[int], checkpoints: Sequence[int]) -> Optional[int]:
+  """The step a replay of the batches of the consecutive steps `recorded` starts from: 0
+  (the run's initial params) when they start at step 1, else the oldest of the run's
+  `checkpoints` that they go on from, with a batch after it; None: none."""
+  if not recorded:
+    return None
+  first, last = recorded[0], recorded[-1]
+  if first == 1:
+    return 0
+  return min((c for c in checkpoints if first - 1 <= c < last), default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorder:
+  """Records each training batch of a run (`record`) and prunes the record as the
+  run's checkpoints go (`prune`). `recorder` makes it.
+
+  Attributes:
+    directory: the record; None: nothing is recorded.
+    context: the facts that fix the trainer's numerics, written with every batch.
+    checkpoints: the steps of the run's checkpoints now (`Checkpointer.steps`); None:
+      the record keeps every batch.
+  """
+  directory: Optional[str] = None
+  context: dict[str, Any] = dataclasses.field(default_factory=dict)
+  checkpoints: Optional[Callable[[], Sequence[int]]] = None
+
+  def record(self, step: int, groups: Sequence[Group]) -> None:
+    """Writes the batch of `step` (`write_batch`), then prunes."""
+    if self.directory is None:
+      return
+    write_batch(self.directory, step, groups, context=self.context)
+    self.prune()
+
+  def prune(self) -> None:
+    """Deletes the batches up to the oldest checkpoint the record goes on from: a replay
+    starts from it or later (`replay_start`)."""
+    if self.directory is None or self.checkpoints is None:
+      return
+    steps = recorded_steps(self.directory)
+    oldest = min((c for c in self.checkpoints() if steps and c >= steps[0] - 1), default=None)
+    for step in steps:
+      if oldest is not None and step <= oldest:
+        os.remove(_path(self.directory, step))
+
+
 def recorder(directory: str, resume_step: Optional[int], context: dict[str, Any], *,
              enabled: bool = True, echo: Callable[[str], None] = print,
-             checkpoints: Optional[str] = None) -> Callable[[int, Sequence[Group]], None]:
-  """The hook that records each training batch in `directory` (`record(step, groups)`).
+             checkpoints: Optional[Callable[[], Sequence[int]]] = None) -> Recorder:
+  """The recorder of a run's batches in `directory`.
 
   First removes the batches above `resume_step` (the step of the checkpoint the run
   resumes from; None: a run that starts afresh, which keeps none): the run trains
-  those steps again. With `checkpoints` (the run's checkpoint directory), each write
-  also deletes the batches of the steps up to the oldest checkpoint kept there, from
-  which a replay can start instead. The hook records nothing when not `enabled`, or
-  when the record lacks a batch between its start and `resume_step` (recording was off
-  for it): a replay needs every batch after the checkpoint it starts from.
+  those steps again. `checkpoints` lists the run's checkpoints, up to the oldest of
+  which the record is pruned (None: never). The recorder records nothing when not
+  `enabled`, or when the record lacks a batch between its start and `resume_step`
+  (recording was off for it): a replay needs every batch after the checkpoint it
+  starts from.
   """
   through = resume_step or 0
   for step in recorded_steps(directory):
     if step > through:
       os.remove(_path(directory, step))
   if not enabled:
-    return _record_nothing
+    return Recorder()
   steps = recorded_steps(directory)
   first = steps[0] if steps else through + 1
-  startable = first == 1 or (checkpoints is not None
-                             and first - 1 in checkpoint_steps(checkpoints))
-  if steps != list(range(first, through + 1)) or not startable:
+  if steps != list(range(first, through + 1)):
     echo(f"WARNING: {directory} holds the batches of {len(steps)} of the {through} steps "
          f"before this one, not every one after a checkpoint; the run does not record its "
          f"schedule (a replay needs every batch after the checkpoint it starts from)")
-    return _record_nothing
+    return Recorder()
   os.makedirs(directory, exist_ok=True)
-  write = functools.partial(write_batch, directory, context=context)
-  if checkpoints is None:
-    return write
-
-  def write_and_prune(step: int, groups: Sequence[Group]) -> None:
-    write(step, groups)
-    kept = checkpoint_steps(checkpoints)
-    for old in recorded_steps(directory):
-      if kept and old <= kept[0]:
-        os.remove(_path(directory, old))
-  return write_and_prune
-
-
-def _record_nothing(step: int, groups: Sequence[Group]) -> None:
-  del step, groups
+  return Recorder(directory, context, checkpoints)
 
 
 def write_batch(directory: str, step: int, groups: Sequence[Group], *,
@@ -191,11 +225,3 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
       h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
       h.update(a.tobytes())
   return h.hexdigest()
-
-
-
-def checkpoint_steps(directory: str) -> list[int]:
-  """The steps of the checkpoints under `directory`."""
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())

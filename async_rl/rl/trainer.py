@@ -61,7 +61,7 @@ class Trainer:
     max_length: the longest sequence (prompt plus completion).
     sample_per_turn: train each policy turn of an episode as a sample of its own
       (`trajectory.split_turns`).
-    base_pointer: with LoRA, where the frozen base comes from (`build.lora_pointer`),
+    base_pointer: with LoRA, where the frozen base comes from (`rl.lora_base`),
       which checkpoints record in place of the base.
 
   `version` is the number of training steps done (a host int, read from the device

@@ -30,30 +30,19 @@ from async_rl.config import LogConfig
 from async_rl.param_server.buffer import check_versions
 from async_rl.progress import Progress, stamped
 from async_rl.rl import multihost
-from async_rl.rl.checkpoint import Checkpointer
+from async_rl.rl.checkpoint import Checkpointer, Meta, Restored
 from async_rl.rl.deadlines import Deadlines
 from async_rl.rl.errors import (NonFiniteError, NoTrainableGroupError, RolloutWorkerError,
                                 StallError, StopRequested, VersionError)
 from async_rl.rl.evaluate import Evaluator
 from async_rl.rl.metrics_log import MetricsLog
+from async_rl.rl.schedule import Recorder
 from async_rl.rl.step_metrics import (Since, eval_line, samples, skip_cause, step_line,
                                       step_metrics, untrainable_cause)
 from async_rl.rl.trainer import Trainer
 from async_rl.timeline import Timeline
-from async_rl.trajectory import Group
 
 _BATCH_POLL_S = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-  """What a run resumes with: the checkpoint's step (None: it starts afresh), the step
-  counts kept beside the train state, and how many newer checkpoints were damaged (and
-  moved aside)."""
-  step: Optional[int] = None
-  skipped_steps: int = 0
-  applied_updates: int = 0
-  damaged_checkpoints: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +87,14 @@ class Outputs:
     echo: receives the one-line summary of every step, and warnings; give it
       `progress.echo`, so that no line glues onto the bar.
     progress: the bar of training steps (drawn on a terminal only); None: none.
-    record: receives each step and its batch before the step trains (`rl.schedule`).
+    schedule: records each step's batch before the step trains, pruned as the
+      checkpoints go (`rl.schedule`); by default nothing is recorded.
   """
   checkpointer: Checkpointer
   log: MetricsLog
   echo: Callable[[str], None] = print
   progress: Optional[Progress] = None
-  record: Callable[[int, Sequence[Group]], None] = lambda step, groups: None
+  schedule: Recorder = Recorder()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,10 +147,11 @@ class TrainLoop:
     self.trainer, self.server, self.evaluator = trainer, server, evaluator
     self.deadlines, self.settings, self.publishing = deadlines, settings, publishing
     self.checkpointer, self.log = outputs.checkpointer, outputs.log
-    self.echo, self.record = outputs.echo, outputs.record
+    self.echo, self.schedule = outputs.echo, outputs.schedule
     self.progress = outputs.progress or Progress(outputs.echo, enabled=False)
-    self.skipped_steps, self.applied_updates = restored.skipped_steps, restored.applied_updates
-    self.damaged_checkpoints = restored.damaged_checkpoints
+    self.skipped_steps = restored.meta.skipped_steps
+    self.applied_updates = restored.meta.applied_updates
+    self.damaged_checkpoints = len(restored.damaged)
     self.stop = stop or threading.Event()
     self._checkpoint_stalled = False
     self.consecutive_skips = 0
@@ -176,16 +167,15 @@ class TrainLoop:
     """Restores the newest checkpoint that reads whole into `trainer` and `server` (None:
     a process without one, a `jax.distributed` follower)."""
     accept = None if server is None else (
-        lambda state, meta: server.load_state_dict(meta["server"]))
-    restored = checkpointer.restore_latest(trainer.abstract_state(), accept=accept)
-    if restored is None:
-      return Restored()
+        lambda state, meta: server.load_state_dict(meta.server))
+    state, restored = checkpointer.restore_latest(trainer.abstract_state(), accept=accept)
+    if restored.step is None:
+      return restored
     for step, why, moved in restored.damaged:
       echo(f"WARNING: checkpoint {step} is damaged ({why[:200]}); moved to {moved}")
-    trainer.restore(restored.state, restored.meta.get("packed_shapes", ()))
+    trainer.restore(state, restored.meta.packed_shapes)
     echo(f"resumed from checkpoint {restored.step} in {checkpointer.directory}")
-    return Restored(restored.step, int(restored.meta["skipped_steps"]),
-                    int(restored.meta["applied_updates"]), len(restored.damaged))
+    return restored
 
   def evaluate(self) -> dict[str, float]:
     """Held-out metrics of the trainer's current params (greedy, pass@k)."""
@@ -236,6 +226,8 @@ class TrainLoop:
     finally:
       self.progress.close()
     self._checkpoint(wait=True)
+    self.checkpointer.check(wait=True)
+    self.schedule.prune()  # as the checkpoints retention kept
     version = self.trainer.version
     summary.update(end_version=version, stopped=self.stop.is_set(),
                    checkpoint=self.checkpointer.latest_step(),
@@ -340,7 +332,7 @@ class TrainLoop:
         f"training step {version + 1}", may_stall=False):
       self.publishing.announce("train", groups)
       t0 = time.perf_counter()
-      self.record(version + 1, groups)
+      self.schedule.record(version + 1, groups)
       record_s = time.perf_counter() - t0
       metrics = self.trainer.train(groups)
     if self.trainer.version != version + 1:
@@ -417,11 +409,8 @@ class TrainLoop:
     version = self.trainer.version
     if self.checkpointer.latest_step() == version:
       return
-    meta = {"server": self.server.state_dict(), "version": version,
-            "skipped_steps": self.skipped_steps, "applied_updates": self.applied_updates,
-            "packed_shapes": self.trainer.packed_shapes}
-    if self.trainer.base_pointer is not None:
-      meta["lora_base"] = self.trainer.base_pointer
+    meta = Meta(version, self.skipped_steps, self.applied_updates, self.trainer.packed_shapes,
+                server=self.server.state_dict(), lora_base=self.trainer.base_pointer)
     try:
       self.deadlines.call(
           lambda: self._save(version, meta, wait),

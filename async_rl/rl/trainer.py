@@ -203,7 +203,9 @@ class Trainer:
     return batch.replace(advantages=advantages), float(kl_tokens.mean()) if kl_tokens.size else 0.0
 
   def device_params(self):
-    """A copy of the params on the trainer's devices, safe to publish in process.
+    """A copy of the trained params on the trainer's devices, safe to publish in
+    process: the model's, or with LoRA the adapters alone (`TrainState.params`; every
+    generator holds the frozen base itself, `rl.lora_base`).
 
     The next step donates the train state, so the published params must not alias
     it; this copy stays on the devices (no host round trip), and a generator
@@ -212,8 +214,9 @@ class Trainer:
     return jax.device_put(self.state.params, self.state_shardings.params, may_alias=False)
 
   def host_params(self, dtype=None):
-    """A host (numpy) copy of the params, in `dtype` if given (cast on the devices, so
-    fewer bytes leave them): safe to publish, since the state is donated.
+    """A host (numpy) copy of the trained params (as `device_params`: with LoRA, the
+    adapters alone), in `dtype` if given (cast on the devices, so fewer bytes leave
+    them): safe to publish, since the state is donated.
 
     With a trainer over several `jax.distributed` processes, every process gets the
     whole params (an all-gather), since no process holds all their shards.

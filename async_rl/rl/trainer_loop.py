@@ -99,7 +99,8 @@ class Outputs:
 
 @dataclasses.dataclass(frozen=True)
 class Publishing:
-  """How the trainer's params reach the server and the evaluator.
+  """How the trainer's params (with LoRA, its adapters) reach the server and the
+  evaluator.
 
   Args:
     on_host: publish host (numpy) copies of the params: for a server in another
@@ -119,7 +120,8 @@ class Publishing:
       self.leader.announce(step, payload)
 
   def params(self, trainer: Trainer):
-    """The trainer's params to publish."""
+    """The trainer's params to publish: the model's, or a LoRA run's adapters alone,
+    which every generator merges into the base it holds."""
     if self.on_host:
       self.announce("params", self.dtype)
       return trainer.host_params(self.dtype)

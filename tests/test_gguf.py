@@ -29,7 +29,7 @@ from async_rl import config, models, sharding, train_step  # noqa: E402
 from async_rl.models import gguf_convert, hf, pretrained  # noqa: E402
 from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: E402
 from async_rl.rl import build, workdir as workdir_lib  # noqa: E402
-from async_rl.rl.checkpoint import Checkpointer  # noqa: E402
+from async_rl.rl.checkpoint import Checkpointer, Meta  # noqa: E402
 from async_rl.rl.export import export_hf  # noqa: E402
 from hf_test_utils import load_hf, our_logits, torch_logits  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
@@ -177,7 +177,7 @@ def test_a_run_from_the_file_exports_a_directory_transformers_loads(small, tmp_p
   workdir.mkdir()
   workdir_lib.write_config(str(workdir), cfg)
   checkpointer = Checkpointer(str(workdir / "checkpoints"), keep=1)
-  checkpointer.save(1, state.replace(step=state.step + 1, params=params), {"version": 1},
+  checkpointer.save(1, state.replace(step=state.step + 1, params=params), Meta(1),
                     wait=True)
   checkpointer.close()
 

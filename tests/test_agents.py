@@ -3,6 +3,7 @@ the wire format on a scripted pool, agent episodes on a real pool, and agents th
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import re
 import string
@@ -27,7 +28,7 @@ from async_rl.chat import compile_chat_template  # noqa: E402
 from async_rl.config import AgentConfig  # noqa: E402
 from async_rl.generation import Engine, GeneratorPool, Request, SamplingParams  # noqa: E402
 from async_rl.rl.episodes import EpisodeRunner  # noqa: E402
-from async_rl.tasks.tokenizer import ByteTokenizer  # noqa: E402
+from async_rl.tasks.tokenizer import ByteTokenizer, CharTokenizer  # noqa: E402
 from async_rl.trajectory import Trajectory  # noqa: E402
 from conftest import one_layer_model  # noqa: E402
 
@@ -45,7 +46,9 @@ TEMPLATE = (
 
 class ChatChars:
   """Printable ASCII one character a token, with <|im_end|> (EOS) and <|im_start|>, and
-  the template above: a tokenizer whose text round-trips exactly."""
+  the template above: a tokenizer whose text round-trips exactly, except for its
+  special tokens, which text leaves out, and ids past its vocabulary, which decode as
+  U+FFFD and which no text encodes to."""
   SPECIALS = ("<|im_end|>", "<|im_start|>")
   bos_id = None
   eos_id = pad_id = 0
@@ -62,6 +65,8 @@ class ChatChars:
     while i < len(text):
       special = next((s for s in self.SPECIALS if text.startswith(s, i)), None)
       token = special or text[i]
+      if token not in self._ids:
+        raise ValueError(f"{token!r} is not in the vocabulary")
       ids.append(self._ids[token])
       i += len(token)
     return ids
@@ -71,7 +76,8 @@ class ChatChars:
     for t in ids:
       if int(t) in self.stop_ids:
         break
-      out.append(self._vocab[int(t)] if int(t) >= 2 else "")
+      out.append("" if int(t) < 2 else self._vocab[int(t)] if int(t) < self.vocab_size
+                 else "\ufffd")
     return "".join(out)
 
   def render_chat(self, messages, *, add_generation_prompt=True, tools=None):
@@ -83,24 +89,29 @@ TOK = ChatChars()
 
 
 class ScriptedPool:
-  """A pool whose every sample is the next scripted reply (its text, then EOS unless it
-  is cut), with log-prob -0.5 and version 3; it holds no slots."""
+  """A pool whose every sample is the next scripted reply (its text, or its ids, then
+  EOS unless it is cut), with log-prob -0.5 and version 3; it holds no slots. A streamed
+  request gets its tokens one at a time before its future resolves."""
 
-  def __init__(self):
+  def __init__(self, tok=None):
     self.replies, self.requests = [], []
+    self._tok = tok or TOK
 
   def submit(self, request):
     self.requests.append(request)
     samples = []
     for i in range(request.n):
-      ids = TOK.encode(self.replies.pop(0) if self.replies else "ok")
+      reply = self.replies.pop(0) if self.replies else "ok"
+      ids = self._tok.encode(reply) if isinstance(reply, str) else list(reply)
       ids = ids[:request.sampling.max_new_tokens]
       stops = [k for k, t in enumerate(ids) if t in request.sampling.stop_token_ids]
       finish = "stop" if stops else "length"
       if stops:
         ids = ids[:stops[0] + 1]
       elif len(ids) < request.sampling.max_new_tokens:
-        ids, finish = ids + [TOK.eos_id], "stop"
+        ids, finish = ids + [self._tok.eos_id], "stop"
+      for t in ids if request.on_tokens else ():
+        request.on_tokens(i, [t])
       samples.append(Trajectory.from_completion(
           request.prompt, ids, np.full(len(ids), -0.5), np.full(len(ids), 3), finish,
           metadata={"request_id": request.request_id, "index": i}))
@@ -250,12 +261,50 @@ def test_a_bearer_token_is_required_when_set():
     AgentConfig(host="0.0.0.0")
 
 
+def _reply(ids, content=None):
+  return {"role": "assistant", "content": content, "token_ids": ids}
+
+
 def test_reply_glue_is_what_the_template_writes_after_the_generated_tokens():
   im_end, nl = TOK.encode("<|im_end|>\n")
   a, b = TOK.encode("ab")
-  assert reply_glue([a, b, im_end, nl], [a, b, im_end], TOK.stop_ids) == [nl]
-  assert reply_glue([a, b, im_end, nl], [a, b], TOK.stop_ids) == [im_end, nl]  # cut reply
-  assert reply_glue([a, b], [a, b, 7], TOK.stop_ids) == []  # a stop string not rendered
+  assert reply_glue("ab<|im_end|>\n", _reply([a, b, im_end], "ab"), TOK) == [nl]
+  assert reply_glue("ab<|im_end|>\n", _reply([a, b], "ab"), TOK) == [im_end, nl]  # cut reply
+  # A stop string not rendered (the content leaves it out).
+  assert reply_glue("ab", _reply([a, b, 7], "ab"), TOK) == []
+  # A special token the text leaves out, and an id past the vocabulary.
+  im_start = TOK.encode("<|im_start|>")[0]
+  assert reply_glue("ab<|im_end|>\n", _reply([a, im_start, b, im_end], "ab"), TOK) == [nl]
+  assert reply_glue("a\ufffd<|im_end|>\n", _reply([a, 500, im_end], "a\ufffd"), TOK) == [nl]
+
+
+class Pieces:
+  """Longest-match tokens of several characters: text has more than one tokenization."""
+  stop_ids = (0,)
+  eos_id = 0
+
+  def __init__(self, pieces):
+    self.vocab = ["<eos>", *pieces]
+
+  def encode(self, text):
+    ids = []
+    while text:
+      piece = max((p for p in self.vocab[1:] if text.startswith(p)), key=len)
+      ids.append(self.vocab.index(piece))
+      text = text[len(piece):]
+    return ids
+
+  def decode(self, ids):
+    return "".join(self.vocab[t] for t in itertools.takewhile(lambda t: t != 0, ids))
+
+
+def test_reply_glue_holds_for_a_reply_that_retokenizes_otherwise():
+  tok = Pieces(["lo", " hel", " hello", "\n"])
+  generated = tok.encode("lo hel") + tok.encode("lo")  # the model's own split
+  assert tok.encode("lo hello\n") != generated + tok.encode("\n")
+  # Read in ids alone, the reply's last token first appears at the reply's start, and
+  # the glue would repeat " hello".
+  assert reply_glue("lo hello\n", _reply(generated, "lo hello"), tok) == tok.encode("\n")
 
 
 # Episodes on a real pool.
@@ -292,11 +341,11 @@ async def _three_turns(client, row):
   return 1.0
 
 
-def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None):
+def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None, vocab_size=CFG.vocab_size):
   endpoint = Endpoint(TOK)
   workflow = AgentWorkflow(endpoint, agent, row=lambda p: p.question, deadline_s=deadline_s,
                            max_tokens=max_tokens)
-  runner = EpisodeRunner(pool, workflow, vocab_size=CFG.vocab_size)
+  runner = EpisodeRunner(pool, workflow, vocab_size=vocab_size)
   prompt = types.SimpleNamespace(id="p", tokens=(1,), question="go")
   try:
     future = runner.submit(prompt, Request("p", [1], n, SamplingParams(
@@ -407,9 +456,33 @@ async def _talks_too_long(client, row):
   return 1.0
 
 
+async def _sends_other_ids(client, row):
+  """Sends a reply back as an assistant message carrying ids other than its own."""
+  messages = [{"role": "user", "content": "go"}]
+  out = await client.chat.completions.create(model="m", messages=messages, max_tokens=3,
+                                             extra_body={"return_token_ids": True})
+  ids = out.choices[0].token_ids
+  messages += [{"role": "assistant", "content": out.choices[0].message.content,
+                "token_ids": [ids[0] + 1, *ids[1:]]}, {"role": "user", "content": "more"}]
+  await client.chat.completions.create(model="m", messages=messages, max_tokens=3)
+  return 1.0
+
+
+async def _sends_other_prompt_ids(client, row):
+  """Continues with the ids given, one of them changed."""
+  out = await client.completions.create(model="m", prompt="go", max_tokens=3,
+                                        extra_body={"return_token_ids": True})
+  c = out.choices[0]
+  await client.completions.create(
+      model="m", prompt=[*c.prompt_token_ids, *c.token_ids[:-1], c.token_ids[-1] + 1],
+      max_tokens=3)
+  return 1.0
+
+
 @pytest.mark.parametrize("agent, reason", [
     (_crashes, "crashed"), (_hangs, "deadline"), (_edits_history, "mismatch"),
-    (_sends_garbage, "malformed"), (_talks_too_long, "budget")])
+    (_sends_garbage, "malformed"), (_talks_too_long, "budget"),
+    (_sends_other_ids, "mismatch"), (_sends_other_prompt_ids, "mismatch")])
 def test_a_failing_agent_loses_its_episode_not_the_run(agent, reason):
   pool = ScriptedPool()
   # A short deadline only where it is the fault: a loaded machine can take a second over
@@ -555,3 +628,261 @@ def test_a_failed_pool_is_answered_as_unavailable_streamed_or_not():
       list(client.completions.create(model="m", prompt="x", stream=True))
   finally:
     endpoint.close()
+
+
+# Requests OpenAI and vLLM refuse, answered as they answer them.
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("route, body, message", [
+    ("completions", {"prompt": "x", "max_tokens": 10 ** 9}, r"max_tokens must be at most 200,"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 10 ** 9},
+     r"max_completion_tokens must be at most 200,"),
+    ("completions", {"prompt": "x", "logprobs": 10 ** 6}, r"logprobs must be in \[0, 5\]"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 10 ** 6},
+     r"top_logprobs must be in \[0, 20\]")])
+def test_a_request_past_a_limit_is_refused_naming_the_limit(scripted, route, body, message):
+  pool, endpoint = scripted
+  served = len(pool.requests)
+  client = _client(f"{endpoint.url}/v1")
+  create = client.chat.completions.create if "messages" in body else client.completions.create
+  with pytest.raises(openai.BadRequestError, match=message):
+    create(model="m", **body)
+  assert len(pool.requests) == served  # refused before anything was queued
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
+                                 json.dumps({"prompt": "x", "tools": [[[[[[[[[[[[[[[[[[[[[
+                                     [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[
+                                     ]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]
+                                     ]]]]]]]]]]]]]]]]]]]]]}).encode()])
+def test_a_deeply_nested_body_is_the_clients_fault(scripted, raw):
+  import httpx  # noqa: PLC0415 (the `openai` client's)
+  _, endpoint = scripted
+  r = httpx.post(f"{endpoint.url}/v1/completions", content=raw, timeout=30)
+  assert r.status_code == 400, r.text
+  assert r.json()["error"]["message"] == "the request body is nested deeper than 64 levels"
+  assert _client(f"{endpoint.url}/v1").completions.create(model="m", prompt="x").choices
+
+
+def test_a_body_nested_as_deep_as_allowed_is_read():
+  body = {"prompt": "x"}
+  leaf = body
+  for _ in range(wire.MAX_DEPTH - 1):
+    leaf["x"] = {}
+    leaf = leaf["x"]
+  assert wire.parse_body(json.dumps(body).encode()) == body
+  leaf["x"] = [1]
+  with pytest.raises(wire.BadRequest, match="nested deeper than 64"):
+    wire.parse_body(json.dumps(body).encode())
+  for raw, message in [(b"{", "not JSON"), (b"\xff", "not JSON"), (b"[1]", "JSON object")]:
+    with pytest.raises(wire.BadRequest, match=message):
+      wire.parse_body(raw)
+
+
+def test_a_burst_of_requests_is_served_beside_half_open_connections(scripted):
+  import socket  # noqa: PLC0415
+  _, endpoint = scripted
+  host, port = endpoint.url.removeprefix("http://").rsplit(":", 1)
+  half_open = []
+  try:
+    for _ in range(50):  # each sends part of a request and waits
+      sock = socket.create_connection((host, int(port)), timeout=10)
+      sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+      half_open.append(sock)
+
+    async def burst():
+      async with openai.AsyncOpenAI(base_url=f"{endpoint.url}/v1", api_key="unused",
+                                    max_retries=0) as client:
+        return await asyncio.gather(*(client.completions.create(model="m", prompt=f"x{i}")
+                                      for i in range(64)))
+    assert all(out.choices[0].text == "ok" for out in asyncio.run(burst()))
+  finally:
+    for sock in half_open:
+      sock.close()
+
+
+def test_an_episode_turn_asking_past_the_budget_gets_what_remains():
+  async def agent(client, row):
+    out = await client.completions.create(model="m", prompt="go", max_tokens=10 ** 9)
+    agent.finish = out.choices[0].finish_reason
+    return 1.0
+
+  pool = ScriptedPool()
+  pool.replies[:] = ["abcdefgh"]
+  (e,), counts = _run(pool, agent, n=1, max_tokens=5)
+  assert counts["agent_episodes"] == 1 and not any(
+      v for k, v in counts.items() if k.startswith("agent_lost"))
+  assert agent.finish == "length" and len(e) - e.prompt_len == 5
+
+
+# Tools need a template that renders them.
+
+class NoToolChars(ChatChars):
+  """ChatChars with a ChatML template that has no tools."""
+
+  def __init__(self):
+    super().__init__()
+    self._template = compile_chat_template(
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("tok", [NoToolChars(), ByteTokenizer(), CharTokenizer()],
+                         ids=["template without tools", "ChatML", "no template"])
+def test_tools_sent_to_a_template_without_tools_are_refused(tok):
+  pool = ScriptedPool(TOK)
+  endpoint = Endpoint(tok, pool=pool).start()
+  tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+  try:
+    client = _client(f"{endpoint.url}/v1")
+    with pytest.raises(openai.BadRequestError, match="^Error code: 400 .*tools: this model's "
+                       "chat template does not render tools"):
+      client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}],
+                                     tools=tools)
+    assert not pool.requests
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+    assert len(pool.requests) == 1
+  finally:
+    endpoint.close()
+
+
+def test_a_template_that_renders_tools_is_told_apart():
+  assert wire.renders_tools(TOK.render_chat)
+  assert not wire.renders_tools(NoToolChars().render_chat)
+  assert not wire.renders_tools(ByteTokenizer().render_chat)
+
+
+# Token ids out, token ids in.
+
+A, B, C = TOK.encode("abc")
+IM_START = TOK.encode("<|im_start|>")[0]
+PAST_VOCAB = 500  # an id of a model's vocabulary larger than the tokenizer's
+
+
+def test_replies_carry_their_token_ids_and_log_probs_as_vllm_spells_them(scripted):
+  pool, endpoint = scripted
+  client = _client(f"{endpoint.url}/v1")
+  ids = [A, IM_START, B, PAST_VOCAB]  # a special token and an id past the vocabulary
+  as_ids = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+  pool.replies[:] = [ids]
+  out = client.completions.create(model="m", prompt="x", logprobs=0, extra_body=as_ids)
+  c = out.choices[0]
+  assert c.text == "ab\ufffd"  # the special token left out
+  assert c.token_ids == ids + [TOK.eos_id] and c.prompt_token_ids == pool.requests[-1].prompt
+  assert c.logprobs.tokens == [f"token_id:{t}" for t in c.token_ids]
+  assert c.logprobs.token_logprobs == [-0.5] * 5
+
+  pool.replies[:] = [ids]
+  out = client.chat.completions.create(model="m", messages=CHAT, logprobs=True,
+                                       extra_body=as_ids)
+  assert out.prompt_token_ids == pool.requests[-1].prompt
+  assert out.choices[0].token_ids == ids + [TOK.eos_id]
+  assert out.choices[0].message.content == "ab\ufffd"
+  assert [t.token for t in out.choices[0].logprobs.content] == [
+      f"token_id:{t}" for t in ids + [TOK.eos_id]]
+
+  for chat in (True, False):
+    pool.replies[:] = [ids]
+    ask = dict(messages=CHAT) if chat else dict(prompt="x")
+    create = client.chat.completions.create if chat else client.completions.create
+    chunks = list(create(model="m", stream=True, extra_body={"return_token_ids": True}, **ask))
+    first = chunks[0] if chat else chunks[0].choices[0]
+    assert first.prompt_token_ids == pool.requests[-1].prompt
+    assert sum((c.choices[0].token_ids for c in chunks if c.choices), []) == ids + [TOK.eos_id]
+    text = [(c.choices[0].delta.content if chat else c.choices[0].text) or "" for c in chunks
+            if c.choices]
+    assert "".join(text) == "ab\ufffd"
+
+  out = client.completions.create(model="m", prompt="x")
+  assert "token_ids" not in out.choices[0].model_extra
+
+
+def test_an_assistant_message_carrying_its_ids_enters_the_prompt_as_those_ids(scripted):
+  pool, endpoint = scripted
+  ids = [A, IM_START, B, TOK.eos_id]  # its text, "ab", encodes to other ids
+  client = _client(f"{endpoint.url}/v1")
+  client.chat.completions.create(model="m", messages=[
+      *CHAT, {"role": "assistant", "content": "ab", "token_ids": ids},
+      {"role": "user", "content": "more"}])
+  assert pool.requests[-1].prompt == [
+      *TOK.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), *ids,
+      *TOK.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")]
+  with pytest.raises(openai.BadRequestError, match=r"messages\[0\].token_ids: only an "
+                     "assistant"):
+    client.chat.completions.create(model="m", messages=[{**CHAT[0], "token_ids": [1]}])
+
+
+async def _echoes_text(client, row):
+  """Three completions, each prompt the last one, the text given and an environment's."""
+  prompt = "go"
+  for turn in range(3):
+    out = await client.completions.create(model="m", prompt=prompt, max_tokens=8)
+    prompt += out.choices[0].text + f"r{turn}"
+  return 1.0
+
+
+async def _echoes_chat(client, row):
+  """Three chat turns, each reply sent back as its text, then an environment's."""
+  messages = [{"role": "user", "content": "go"}]
+  for turn in range(3):
+    out = await client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+    messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                 {"role": "user", "content": f"r{turn}"}]
+  return 1.0
+
+
+async def _echoes_ids(client, row):
+  """Three completions, each prompt the ids given, then an environment's."""
+  prompt = TOK.encode("go")
+  for turn in range(3):
+    out = await client.completions.create(model="m", prompt=prompt, max_tokens=8,
+                                          extra_body={"return_token_ids": True})
+    c = out.choices[0]
+    prompt = [*c.prompt_token_ids, *c.token_ids, *TOK.encode(f"r{turn}")]
+  return 1.0
+
+
+def _runs(e):
+  """The episode's tokens after its prompt as (trained, ids) runs."""
+  runs = []
+  for t, trained in zip(e.tokens_T[e.prompt_len:], e.loss_mask_T[e.prompt_len:]):
+    if not runs or runs[-1][0] != trained:
+      runs.append((bool(trained), []))
+    runs[-1][1].append(int(t))
+  return runs
+
+
+@pytest.mark.parametrize("agent", [_echoes_text, _echoes_chat, _echoes_ids])
+def test_an_agent_that_sends_back_what_it_was_given_loses_no_episode(agent):
+  """Replies whose text does not encode to their ids (a special token the text leaves
+  out, an id past the tokenizer's vocabulary) are trained as they were generated."""
+  replies = [[A, IM_START, B], [C, PAST_VOCAB], [IM_START]]
+  pool = ScriptedPool()
+  pool.replies[:] = [list(r) for r in replies]
+  (e,), counts = _run(pool, agent, n=1, vocab_size=PAST_VOCAB + 1)
+  assert counts == {"agent_episodes": 1, **{f"agent_lost_{r}": 0 for r in LOSSES}}
+  runs = _runs(e)
+  assert [ids for trained, ids in runs if trained] == [r + [TOK.eos_id] for r in replies]
+  env = ["".join(TOK._vocab[t] for t in ids) for trained, ids in runs if not trained]
+  if agent is _echoes_chat:
+    assert env == [f"\n<|im_start|>user\nr{k}<|im_end|>\n<|im_start|>assistant\n"
+                   for k in range(2)]
+  else:
+    assert env == ["r0", "r1"]
+
+
+@pytest.mark.parametrize("stop", [[], ["界"]])
+def test_a_streamed_reply_never_shows_part_of_a_character(stop):
+  byte = ByteTokenizer()
+  pool = ScriptedPool(byte)
+  endpoint = Endpoint(byte, pool=pool).start()
+  try:
+    pool.replies[:] = ["é世界🚀!"]  # one byte a token, handed over one at a time
+    chunks = [c.choices[0].text for c in _client(f"{endpoint.url}/v1").completions.create(
+        model="m", prompt="x", stream=True, stop=stop) if c.choices]
+  finally:
+    endpoint.close()
+  assert "".join(chunks) == ("é世" if stop else "é世界🚀!")
+  assert not any("\ufffd" in c for c in chunks) and len([c for c in chunks if c]) >= 2

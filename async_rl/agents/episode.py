@@ -3,17 +3,24 @@
 The episode's tokens are the exact ids the generator saw and produced: the first
 request's prompt, then for each turn the tokens generated (policy tokens, with their
 behaviour log-probs and versions) and the tokens the agent sent before the next turn
-(environment tokens: version -1, masked out of the loss). They are never re-derived
-from the agent's text, so what is trained is what was sampled.
+(environment tokens: version -1, masked out of the loss). What the agent sends back is
+never retokenized into the episode: a reply's own ids stand for it, so what is trained
+is what was sampled, whatever its text decodes to (special tokens, which the text
+leaves out, or ids the tokenizer cannot write, which it shows as U+FFFD).
 
 A later request must continue the episode:
-  * a completion request's prompt ids must begin with the episode's ids; what follows
-    them is the environment's turn;
+  * a completion request's prompt text must begin with the episode's text so far (its
+    first prompt's text, then each reply's text as its tokens decode, the stop string
+    included, and each environment text the agent sent), or its prompt ids (a text's
+    ids, or ids as sent: `prompt_token_ids` and `token_ids` of the replies given, say)
+    must begin with the episode's ids; what follows is the environment's turn;
   * a chat request's messages must begin with the previous request's messages and the
-    reply the endpoint gave (compared as `wire.same_message` compares them), with the
-    same tools; the environment's turn is what the chat template renders after that
-    reply: the template's own tokens that close the reply (`reply_glue`), then the
-    new messages and the generation prompt.
+    reply the endpoint gave (compared as `wire.same_message` compares them: an
+    assistant message may carry the reply's `token_ids`, which must then be the ids
+    generated), with the same tools; the prompt is the conversation with each reply as
+    its ids (`conversation_ids`), and the environment's turn is what follows the
+    episode's ids in it: the template's own tokens that close the reply
+    (`reply_glue`), then the new messages and the generation prompt.
 An agent that edits an earlier turn (or a template that renders the history other than
 as it rendered it before) breaks this; the episode is then lost (`EpisodeLost`,
 "mismatch") and never trained on. So is an episode whose tokens, generated and sent
@@ -25,9 +32,9 @@ the environment's tokens.
 """
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -47,21 +54,72 @@ class EpisodeLost(Exception):
     self.reason = reason
 
 
-def reply_glue(reply_ids: Sequence[int], generated: Sequence[int],
-               stop_ids: Sequence[int]) -> list[int]:
-  """The tokens a chat template writes after a reply's generated tokens, before the
-  next message: given `reply_ids`, the template's rendering of the reply turn (from its
-  generation prompt on), they are what follows `generated` when it is a prefix; else
-  what follows the last copy of the reply's final token (a stop token, retokenized
-  content before it); else, for a reply that ended without a stop token the template
-  writes, the template's last stop token on; else nothing."""
-  reply_ids, generated = list(reply_ids), list(generated)
+def reply_glue(turn: str, reply: Mapping[str, Any], tok) -> list[int]:
+  """The tokens a chat template writes after a reply's generated tokens, before the next
+  message.
+
+  Args:
+    turn: the template's rendering of the reply (from its generation prompt on).
+    reply: the assistant message, with the `token_ids` it was generated as.
+    tok: the tokenizer (`encode`, `decode`, `stop_ids`).
+
+  Where `turn` begins with the reply's text (its tokens decoded, or, with no tool calls,
+  its content: a stop string leaves the content shorter), the glue is the rest of
+  `turn`, less the stop token the reply already ended on. Else, in ids: what follows
+  the reply's tokens in `turn`'s ids when they are a prefix; else what follows the last
+  copy of the reply's final token (a stop token, retokenized content before it); else
+  the template's last stop token on; else nothing.
+  """
+  generated = list(reply["token_ids"])
+  texts = [tok.decode(generated)]
+  if not reply.get("tool_calls"):
+    texts.append(reply.get("content") or "")
+  for text in texts:
+    if turn.startswith(text):
+      glue = list(tok.encode(turn[len(text):]))
+      ended = generated[-1:] if generated[-1] in tok.stop_ids else []
+      return glue[len(ended):] if ended and glue[:1] == ended else glue
+  reply_ids = list(tok.encode(turn))
   if reply_ids[:len(generated)] == generated:
     return reply_ids[len(generated):]
-  if generated and generated[-1] in reply_ids:
+  if generated[-1] in reply_ids:
     return reply_ids[len(reply_ids) - reply_ids[::-1].index(generated[-1]):]
-  stops = [i for i, t in enumerate(reply_ids) if t in stop_ids]
+  stops = [i for i, t in enumerate(reply_ids) if t in tok.stop_ids]
   return reply_ids[stops[-1]:] if stops else []
+
+
+class TemplateMismatch(ValueError):
+  """The chat template does not render a conversation as its turns rendered one by one."""
+
+
+def conversation_ids(messages: Sequence[Mapping[str, Any]], render: Callable, tok) -> list[int]:
+  """The token ids of a chat prompt: `messages` as the template renders them
+  (`render(messages, add_generation_prompt)`), up to the generation prompt, where each
+  assistant message that carries `token_ids` stands as those ids and the template's
+  glue after them (`reply_glue`), not as its text retokenized.
+
+  Raises:
+    TemplateMismatch: the template renders a reply other than after the generation
+      prompt of the messages before it, or the conversation other than as it rendered
+      its earlier turns.
+  """
+  ids: list[int] = []
+  done = ""  # the text `ids` stand for
+  for i, m in enumerate(messages):
+    if m.get("role") != "assistant" or "token_ids" not in m:
+      continue
+    before, after = render(messages[:i], True), render(messages[:i + 1], False)
+    if not before.startswith(done) or not after.startswith(before):
+      raise TemplateMismatch(f"the chat template renders messages[{i}] other than after "
+                             f"the generation prompt of the messages before it")
+    ids += [*tok.encode(before[len(done):]), *m["token_ids"],
+            *reply_glue(after[len(before):], m, tok)]
+    done = after
+  text = render(messages, True)
+  if not text.startswith(done):
+    raise TemplateMismatch("the chat template renders the conversation other than as it "
+                           "renders its earlier turns")
+  return ids + list(tok.encode(text[len(done):]))
 
 
 class Episode:
@@ -88,10 +146,12 @@ class Episode:
     self.busy = False
     self._slot = None
     self._closed = False
-    self._last_generated: list[int] = []
-    # After a chat turn: its messages and tools, the prompt text, and the text of the
-    # conversation with the reply (no generation prompt).
-    self._chat: Optional[tuple[list, Any, str, str]] = None
+    # The messages and tools of the chat turn asked (the replies before it carrying
+    # their ids), and after it, the same with the reply last.
+    self._asked: Optional[tuple[list, Any]] = None
+    self._chat: Optional[tuple[list, Any]] = None
+    # The episode's text as a completions agent holds it; None once it sent ids.
+    self._text: Optional[str] = None
 
   @property
   def ids(self) -> np.ndarray:
@@ -109,34 +169,58 @@ class Episode:
     if self.lost is not None:
       raise self.lost
 
-  def env_of_tokens(self, prompt_ids: Sequence[int]) -> list[int]:
-    """The environment's tokens of a completion request whose prompt is `prompt_ids`."""
-    if not self.turns:
-      return list(prompt_ids)
-    ids = self.ids
-    if len(prompt_ids) < ids.size or not np.array_equal(prompt_ids[:ids.size], ids):
-      raise self.lose("mismatch", "the prompt does not begin with the episode so far (the "
-                      "prompt and every completion, token for token)")
-    return list(prompt_ids[ids.size:])
+  def env_of_completion(self, prompt: Union[str, Sequence[int]], encode: Callable,
+                        bos_id: Optional[int]) -> list[int]:
+    """The environment's tokens of a completion request whose prompt is `prompt`, its
+    text (encoded after `bos_id` unless it is None) or its ids (see the module
+    docstring)."""
+    text = prompt if isinstance(prompt, str) else None
+    if text is not None and self._text is not None and text.startswith(self._text):
+      env = list(encode(text[len(self._text):]))
+      self._text = text
+      return env
+    try:
+      ids = ([] if bos_id is None else [bos_id]) + list(encode(text)) if text is not None \
+          else list(prompt)
+    except ValueError as e:  # a text the tokenizer cannot encode
+      if not self.turns:
+        raise
+      raise self.lose("mismatch", f"the prompt does not begin with the episode's text so far, "
+                      f"and does not encode ({e})") from None
+    self._text = text
+    so_far = self.ids
+    if self.turns and (len(ids) < so_far.size or not np.array_equal(ids[:so_far.size], so_far)):
+      raise self.lose("mismatch", "the prompt begins neither with the episode's text so far "
+                      "(the prompt, every reply and every environment text) nor with its "
+                      "ids (token for token)")
+    return ids[so_far.size:]
 
-  def env_of_chat(self, messages: list, tools, text: str, encode: Callable) -> list[int]:
-    """The environment's tokens of a chat request of `messages` and `tools`, whose
-    prompt the template renders as `text` (see the module docstring)."""
-    if not self.turns:
-      return list(encode(text))
-    if self._chat is None:
-      raise self.lose("mismatch", "a chat request continues an episode of completions")
-    before, before_tools, prompt_text, rendered = self._chat
-    if tools != before_tools or len(messages) <= len(before) or not all(
-        wire.same_message(a, b) for a, b in zip(before, messages)):
-      raise self.lose("mismatch", "the messages do not begin with the earlier messages and "
-                      "the replies given to them")
-    if not text.startswith(rendered) or not rendered.startswith(prompt_text):
+  def env_of_chat(self, messages: Sequence[Mapping[str, Any]], tools, render: Callable,
+                  tok) -> list[int]:
+    """The environment's tokens of a chat request of `messages` and `tools`, which
+    `render(messages, add_generation_prompt)` renders with the template, `tok`
+    encodes (see the module docstring)."""
+    if self.turns:
+      if self._chat is None:
+        raise self.lose("mismatch", "a chat request continues an episode of completions")
+      before, before_tools = self._chat
+      if tools != before_tools or len(messages) <= len(before) or not all(
+          wire.same_message(a, b) for a, b in zip(before, messages)):
+        raise self.lose("mismatch", "the messages do not begin with the earlier messages and "
+                        "the replies given to them")
+      messages = [*before, *messages[len(before):]]  # the replies as their ids
+    self._asked = (messages, tools)
+    try:
+      ids = conversation_ids(messages, render, tok)
+    except TemplateMismatch as e:
+      if not self.turns:
+        raise
+      raise self.lose("mismatch", str(e)) from None
+    so_far = self.ids
+    if len(ids) < so_far.size or not np.array_equal(ids[:so_far.size], so_far):
       raise self.lose("mismatch", "the chat template renders the earlier turns differently "
                       "now")
-    glue = reply_glue(encode(rendered[len(prompt_text):]), self._last_generated,
-                      self._stop_ids)
-    return glue + list(encode(text[len(rendered):]))
+    return ids[so_far.size:]
 
   def turn(self, env: Sequence[int], max_tokens: Optional[int], stop_ids: Sequence[int],
            on_tokens: Optional[Callable] = None) -> Future:
@@ -186,7 +270,6 @@ class Episode:
       if self._closed:
         return
       self._slot = slot
-      self._last_generated = [int(t) for t in turn.completion_C[:kept]]
       self._append(turn.completion_C[:kept], turn.logp_T[P:P + kept],
                    turn.versions_T[P:P + kept])
       self.turns += 1
@@ -194,13 +277,16 @@ class Episode:
     if turn.finish_reason == "aborted":
       self.lose("aborted", "a turn was aborted")
 
-  def replied(self, messages: list, tools, prompt_text: str, rendered: str) -> None:
-    """Remembers a chat turn: its messages with the reply, tools and texts."""
-    self._chat = (messages, tools, prompt_text, rendered)
+  def replied(self, reply: Mapping[str, Any]) -> None:
+    """Remembers a chat turn's `reply`, an assistant message with its `token_ids`."""
+    messages, tools = self._asked
+    self._chat, self._text = ([*messages, reply], tools), None
 
-  def completed(self) -> None:
-    """Remembers that the last turn was a completion request."""
+  def completed(self, reply: str) -> None:
+    """Remembers a completion turn, whose tokens decode to `reply`."""
     self._chat = None
+    if self._text is not None:
+      self._text += reply
 
   def close(self) -> None:
     """Frees the held slot; a turn still running frees its own when it ends."""

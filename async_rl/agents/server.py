@@ -14,13 +14,20 @@ Two kinds of request:
     one request at a time and `n` = 1.
   * `/v1/...`: a plain request straight to the pool (`pool`; serving without training),
     sampled as it asks.
-A prompt is the conversation as the tokenizer's own chat template renders it (chat), or
-the prompt's text (after BOS with `add_bos`) or token ids (completions). A
-tokenizer without a chat template renders a conversation as its messages' contents,
-one after another. Streaming sends each choice's text as the pool reads its tokens
-(a decode chunk at a time, `Request.on_tokens`), as OpenAI's chunks followed by
-`data: [DONE]`; text a stop string could still take back waits (`wire.TextStream`),
-and so does a reply with tools, whose calls are parsed from the whole reply.
+Each request is checked by `agents.wire` (`parse_body`, then `parse_chat` or
+`parse_completion` against the endpoint's `wire.Limits`) before anything is queued: a
+bad one is answered with HTTP 400 naming its field; 503 means only that the pool cannot
+serve now. A chat prompt is the conversation as the tokenizer's own chat template
+renders it, each assistant message that carries `token_ids` standing as those ids
+(`agents.episode.conversation_ids`); a completion prompt is its text (after BOS with
+`add_bos`) or its token ids. A tokenizer without a chat template renders a conversation
+as its messages' contents, one after another, and offers no tools. Replies leave special
+tokens out of their text; vLLM's `return_token_ids` gives their ids, with which an agent
+can send back exactly what was generated. Streaming sends each choice's text as the pool
+reads its tokens (a decode chunk at a time, `Request.on_tokens`), as OpenAI's chunks
+followed by `data: [DONE]`; text a stop string could still take back waits, and so does
+a partial character (`wire.TextStream`), and a reply with tools, whose calls are parsed
+from the whole reply.
 
 Binds 127.0.0.1 by default; with `api_key`, every request needs the header
 `Authorization: Bearer <api_key>` (`config.AgentConfig` refuses another address
@@ -29,6 +36,7 @@ without one).
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import itertools
 import json
@@ -37,16 +45,20 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from async_rl.agents import wire
-from async_rl.agents.episode import Episode, EpisodeLost
+from async_rl.agents.episode import Episode, EpisodeLost, conversation_ids
 from async_rl.generation import Request, SamplingParams
 from async_rl.trajectory import Trajectory
 
 _START_TIMEOUT_S = 30.0
 _KEEP_ALIVE_S = 120
+
+# A request as `agents.wire` checked it.
+Checked = Union[wire.ChatRequest, wire.CompletionRequest]
 
 
 class Endpoint:
@@ -59,7 +71,8 @@ class Endpoint:
     api_key: the bearer token requests must carry; None: none.
     pool: the `GeneratorPool` that plain `/v1/...` requests go to; None: episodes only.
     model: the model name the endpoint reports.
-    max_tokens: a plain request's `max_tokens` when it gives none.
+    max_tokens: the most tokens a plain request may ask for, and what it gets when it
+      asks none (a larger `max_tokens` is refused, as OpenAI refuses it).
     add_bos: put the tokenizer's BOS before a completion request's text prompt.
   """
 
@@ -69,6 +82,9 @@ class Endpoint:
     self._tok, self._host, self._port, self._api_key = tokenizer, host, port, api_key
     self._pool, self.model, self._max_tokens = pool, model, max_tokens
     self._bos_id = tokenizer.bos_id if add_bos else None
+    # A tokenizer without a chat template renders a conversation as its contents.
+    self._render_chat = getattr(tokenizer, "render_chat", None)
+    self._tools = self._render_chat is not None and wire.renders_tools(self._render_chat)
     self._lock = threading.Lock()
     self._episodes: dict[str, Episode] = {}
     self._ids = itertools.count()
@@ -191,24 +207,30 @@ class Endpoint:
     elif self._pool is None:
       return _json(wire.error("this endpoint serves the run's episodes only "
                               "(/episodes/<key>/v1/...)", "not_found_error"), 404)
-    response = None
+    streamed = False
     try:
-      try:
-        body = await request.json()
-      except ValueError:
-        raise wire.BadRequest("the request body is not JSON") from None
-      response = await self._answer(body, chat, episode)
-      return response
+      body = wire.parse_body(await request.body())
+      limits = wire.Limits(max_tokens=None if episode else self._max_tokens,
+                           episode=episode is not None, tools=self._tools)
+      checked = (wire.parse_chat(body, self._tok.encode, limits) if chat
+                 else wire.parse_completion(body, self._tok.encode, limits))
+      turn = self._begin(checked, episode)
+      if checked.ask.stream:
+        streamed = True  # the stream frees the episode when it ends
+        return self._stream(turn)
+      choices, counts = await self._finish(turn)
+      return _json(wire.response(choices, chat=chat, model=self.model, ask=checked.ask,
+                                 prompt_ids=turn.prompt_ids, usage_=counts))
     except ValueError as e:  # `wire.BadRequest`, or what the tokenizer or the pool refuses
       return self._bad(episode, str(e))
     except EpisodeLost as e:
       return _json(wire.error(str(e)), 503 if e.reason == "aborted" else 400)
     except _Aborted:
       return _json(wire.error(_Aborted.MESSAGE, "server_error"), 503)
-    except RuntimeError as e:  # the pool is shut down, or its decode thread failed
-      return _json(wire.error(_unavailable(e), "server_error"), 503)
+    except _Unavailable as e:
+      return _json(wire.error(str(e), "server_error"), 503)
     finally:
-      if episode is not None and not getattr(response, "ends_turn", False):
+      if episode is not None and not streamed:
         episode.busy = False
 
   @staticmethod
@@ -217,73 +239,49 @@ class Endpoint:
       message = str(episode.lose("malformed", message))
     return _json(wire.error(message), status)
 
-  async def _answer(self, body, chat: bool, episode: Optional[Episode]):
-    ask = wire.parse_ask(body, self._tok.encode, chat=chat)
-    messages, tools, text = None, None, None
-    if chat:
-      messages = wire.parse_messages(body)
-      tools = body.get("tools") or None
-      if tools is not None and not isinstance(tools, list):
-        raise wire.BadRequest(f"tools must be a list, got {tools!r}")
-      text = self._render(messages, tools, True)
-      prompt_ids = None
-    else:
-      prompt_ids = wire.parse_prompt(body, self._tok.encode, self._bos_id)
+  def _begin(self, checked: Checked, episode: Optional[Episode]) -> "_Turn":
+    """Submits the generation `checked` asks for: to the pool, or as `episode`'s turn."""
+    ask = checked.ask
+    chat = isinstance(checked, wire.ChatRequest)
+    tools = checked.tools if chat else None
+    render = functools.partial(self._render, tools=tools)
     # A streamed reply's text is sent as the pool reads its tokens, except with tools,
     # whose calls are parsed from the whole reply.
-    if episode is not None:
-      episode.check()
-      if ask.n != 1:
-        raise wire.BadRequest(f"n must be 1 within an episode, got {ask.n}")
-    streams, on_tokens = None, None
+    streams, queue, on_tokens = None, None, None
     if ask.stream and not tools:
       loop, queue = asyncio.get_running_loop(), asyncio.Queue()
       streams = [wire.TextStream(self._tok.decode, ask.stop) for _ in range(ask.n)]
 
-      def put(item):  # on the pool's threads
-        try:
-          loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the server's loop has closed: no one reads this stream
-          pass
-
-      def on_tokens(index, tokens):
-        put((index, tokens))
+      def on_tokens(index, tokens):  # on the pool's threads
+        _put(loop, queue, (index, tokens))
     if episode is None:
-      future = self._submit(prompt_ids or self._tok.encode(text), ask, on_tokens)
+      prompt_ids = (conversation_ids(checked.messages, render, self._tok) if chat
+                    else checked.prompt_ids(self._tok.encode, self._bos_id))
+      future = self._submit(prompt_ids, ask, on_tokens)
     else:
-      env = (episode.env_of_chat(messages, tools, text, self._tok.encode) if chat
-             else episode.env_of_tokens(prompt_ids))
+      episode.check()
+      env = (episode.env_of_chat(checked.messages, tools, render, self._tok) if chat
+             else episode.env_of_completion(checked.prompt, self._tok.encode, self._bos_id))
       try:
         future = episode.turn(env, ask.max_tokens, ask.stop_ids, on_tokens=on_tokens)
       except RuntimeError as e:  # the pool or the episode runner is closing
         raise episode.lose("aborted", f"the turn was not generated: {e}") from None
+      prompt_ids = [int(t) for t in episode.ids]  # it holds the environment's turn now
+    if queue is not None:
+      future.add_done_callback(lambda _: _put(loop, queue, None))
+    return _Turn(checked, episode, prompt_ids, future, streams, queue)
 
-    async def finish(recording=lambda: None):
-      """The turn's choices and usage; `recording()` runs when the turn is about to be
-      recorded, after the last await, so a disconnect before it leaves the turn to
-      `_stream`'s cleanup."""
-      try:
-        # Shielded: a disconnect cancels this wait, and must not cancel the turn.
-        samples = await asyncio.shield(asyncio.wrap_future(future))
-      except RuntimeError as e:  # the pool or the episode runner is closing
-        if episode is None:
-          raise
-        raise episode.lose("aborted", f"the turn was not generated: {e}") from None
-      recording()
-      return self._finish(samples, ask, chat, episode, messages, tools, text)
-
-    if not ask.stream:
-      choices, counts = await finish()
-      return _json(wire.response(choices, chat=chat, model=self.model, logprobs=ask.logprobs,
-                                 usage_=counts))
-    if streams is not None:
-      future.add_done_callback(lambda _: put(None))
-    return self._stream(finish, future, queue if streams is not None else None, streams, ask,
-                        chat, episode)
-
-  def _finish(self, samples: list[Trajectory], ask: wire.Ask, chat: bool,
-              episode: Optional[Episode], messages, tools, text):
-    """The choices and usage of finished `samples`, recorded in `episode` if any."""
+  async def _finish(self, turn: "_Turn") -> tuple[list[wire.Choice], dict]:
+    """The choices and usage of `turn`'s samples, recorded in its episode if any."""
+    episode, ask = turn.episode, turn.checked.ask
+    try:
+      # Shielded: a disconnect cancels this wait, and must not cancel the turn.
+      samples = await asyncio.shield(asyncio.wrap_future(turn.future))
+    except RuntimeError as e:  # the pool or the episode runner is closing
+      if episode is None:
+        raise _Unavailable(e) from None
+      raise episode.lose("aborted", f"the turn was not generated: {e}") from None
+    turn.recorded = True  # no await from here on: a disconnect cannot come between
     cuts = [self._stop_cut(s, ask) for s in samples]
     if episode is not None:
       episode.record(samples[0], kept=cuts[0] and cuts[0][0])
@@ -291,86 +289,83 @@ class Endpoint:
     if any(s.finish_reason == "aborted" for s in samples):
       raise _Aborted()
     samples = [_cut(s, c[0]) if c else s for s, c in zip(samples, cuts)]
+    tools = turn.checked.tools if isinstance(turn.checked, wire.ChatRequest) else None
     choices = [self._choice(s, c and c[1], ask, tools) for s, c in zip(samples, cuts)]
-    if episode is not None and chat:
+    if episode is not None and isinstance(turn.checked, wire.ChatRequest):
       reply = {"role": "assistant", "content": choices[0].text,
-               "tool_calls": list(choices[0].tool_calls) or None}
-      history = messages + wire.parse_messages({"messages": [reply]})
-      episode.replied(history, tools, text, self._render(history, tools, False))
+               "tool_calls": list(choices[0].tool_calls) or None,
+               "token_ids": list(choices[0].token_ids)}
+      episode.replied(wire.parse_messages({"messages": [reply]})[0])
     elif episode is not None:
-      episode.completed()
+      episode.completed(self._tok.decode(choices[0].token_ids))
     return choices, wire.usage(samples[0].prompt_len,
                                sum(len(s.completion_C) for s in samples))
 
-  def _stream(self, finish, future: Future, queue, streams, ask: wire.Ask, chat: bool,
-              episode: Optional[Episode]):
-    """A server-sent-event response: each choice's text as its tokens arrive (from
-    `queue`, None once the pool is done; no queue: all of it at the end), then its
+  def _stream(self, turn: "_Turn"):
+    """A server-sent-event response: each choice's text as its tokens arrive (from the
+    turn's queue, None once the pool is done; no queue: all of it at the end), then its
     finish reason, the usage if asked, and `[DONE]`. A failure after the response has
     begun is sent as an error event, which the `openai` client raises. An agent that
     closes the stream before the turn is recorded loses its episode; the turn is
-    recorded when it ends, which frees its slot."""
+    recorded when it ends, which frees its slot. The episode takes its next request
+    once the stream has ended."""
     from starlette.responses import StreamingResponse  # noqa: PLC0415 (the `agents` extra)
-    chunks = wire.Chunks(chat=chat, model=self.model)
+    ask, episode = turn.checked.ask, turn.episode
+    chunks = wire.Chunks(chat=isinstance(turn.checked, wire.ChatRequest), model=self.model,
+                         ask=ask, prompt_ids=turn.prompt_ids)
 
     def event(chunk):
       return f"data: {json.dumps(chunk)}\n\n"
 
     async def events():
-      recorded = False
-
-      def recording():
-        nonlocal recorded
-        recorded = True
-
       try:
         for i in range(ask.n):
           if (chunk := chunks.start(i)) is not None:
             yield event(chunk)
-        while queue is not None and (item := await queue.get()) is not None:
+        while turn.queue is not None and (item := await turn.queue.get()) is not None:
           index, tokens = item
-          if delta := streams[index].add(tokens):
+          if delta := turn.streams[index].add(tokens):
             yield event(chunks.text(index, delta))
-        choices, counts = await finish(recording)
+        choices, counts = await self._finish(turn)
         for i, c in enumerate(choices):
-          rest = streams[i].rest(c.text or "") if streams else c.text or ""
-          if rest or c.tool_calls or ask.logprobs:
-            yield event(chunks.text(i, rest, c, ask.logprobs))
+          rest = turn.streams[i].rest(c.text or "") if turn.streams else c.text or ""
+          if rest or c.tool_calls or ask.logprobs or ask.token_ids:
+            yield event(chunks.text(i, rest, c))
           yield event(chunks.finish(i, c.finish_reason))
         if ask.include_usage:
           yield event(chunks.usage(counts))
         yield "data: [DONE]\n\n"
       except _Aborted:
         yield event(wire.error(_Aborted.MESSAGE, "server_error"))
-      except RuntimeError as e:
-        yield event(wire.error(_unavailable(e), "server_error"))
+      except _Unavailable as e:
+        yield event(wire.error(str(e), "server_error"))
       except (ValueError, EpisodeLost) as e:
         yield event(wire.error(str(e)))
       finally:
-        if episode is not None and not recorded:
+        if episode is not None and not turn.recorded:
           episode.lose("malformed", "the agent closed the stream before the turn ended")
-          future.add_done_callback(
+          turn.future.add_done_callback(
               lambda done: done.exception() is None and episode.record(done.result()[0]))
         if episode is not None:
           episode.busy = False
 
-    response = StreamingResponse(events(), media_type="text/event-stream")
-    response.ends_turn = True  # `events` frees the episode for its next request
-    return response
+    return StreamingResponse(events(), media_type="text/event-stream")
 
-  def _render(self, messages: list, tools, add_generation_prompt: bool) -> str:
-    render = getattr(self._tok, "render_chat", None)
-    if render is None:
+  def _render(self, messages: Sequence, add_generation_prompt: bool, tools=None) -> str:
+    if self._render_chat is None:
       return "".join(m.get("content") or "" for m in messages)
-    return render(messages, add_generation_prompt=add_generation_prompt,
-                  **({"tools": tools} if tools else {}))
+    return self._render_chat(messages, add_generation_prompt=add_generation_prompt,
+                             **({"tools": tools} if tools else {}))
 
   def _submit(self, prompt_ids, ask: wire.Ask, on_tokens) -> Future:
     sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p,
-                              max_new_tokens=ask.max_tokens or self._max_tokens,
+                              max_new_tokens=ask.max_tokens,
                               stop_token_ids=(*self._tok.stop_ids, *ask.stop_ids), seed=ask.seed)
-    return self._pool.submit(Request(f"openai/{next(self._ids)}", prompt_ids, ask.n, sampling,
-                                     on_tokens=on_tokens))
+    try:
+      return self._pool.submit(Request(f"openai/{next(self._ids)}", prompt_ids, ask.n,
+                                       sampling, on_tokens=on_tokens))
+    except RuntimeError as e:  # the pool is shut down, or its decode thread failed
+      raise _Unavailable(e) from None
 
   def _stop_cut(self, sample: Trajectory, ask: wire.Ask) -> Optional[tuple[int, str]]:
     """Where `sample`'s reply ends at a stop string (`wire.stop_cut`), if it holds one."""
@@ -390,11 +385,37 @@ class Endpoint:
     finish = "tool_calls" if calls else sample.finish_reason
     token_texts = [self._tok.decode([t]) for t in generated] if ask.logprobs else []
     logprobs = [float(x) for x in sample.logp_T[sample.prompt_len:]] if ask.logprobs else []
-    return wire.Choice(text, token_texts, logprobs, finish, tuple(calls))
+    return wire.Choice(text, generated, token_texts, logprobs, finish, tuple(calls))
 
 
-def _unavailable(e: RuntimeError) -> str:
-  return f"the generator cannot serve requests now ({e})"
+@dataclasses.dataclass
+class _Turn:
+  """A request being answered: its check, its episode (None: a plain request), its
+  prompt's ids, the generator's future of its samples and, streamed, each choice's
+  text as its tokens arrive (`_put` on `queue`); `recorded` once its samples are taken."""
+  checked: Checked
+  episode: Optional[Episode]
+  prompt_ids: list[int]
+  future: Future
+  streams: Optional[list[wire.TextStream]] = None
+  queue: Optional[asyncio.Queue] = None
+  recorded: bool = False
+
+
+def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+  """Hands a stream's tokens (index, tokens), or its end (None), from the pool's threads
+  to the server's loop."""
+  try:
+    loop.call_soon_threadsafe(queue.put_nowait, item)
+  except RuntimeError:  # the server's loop has closed: no one reads this stream
+    pass
+
+
+class _Unavailable(Exception):
+  """The pool cannot serve: it is shut down, or its decode thread failed."""
+
+  def __init__(self, cause: Exception):
+    super().__init__(f"the generator cannot serve requests now ({cause})")
 
 
 class _Aborted(Exception):

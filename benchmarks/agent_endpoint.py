@@ -1,8 +1,11 @@
-r"""What the OpenAI-compatible endpoint costs: requests/s and time to first token through
-it, against the in-process workflow path, on one pool.
+r"""The OpenAI-compatible endpoint, measured on one pool of the quick start's model
+(`tiny`, random weights, 16 slots): what it costs (`--mode=cost`), and how many
+episodes of an agent that sends back only the text it was given are lost
+(`--mode=echo`).
 
   python -m benchmarks.agent_endpoint                 # about 20 s on a 2-core CPU
   python -m benchmarks.agent_endpoint --requests=32   # the fast mode
+  python -m benchmarks.agent_endpoint --mode=echo     # 1,920 episodes of each API
 
 Both paths run the same single-turn requests (a 16-token prompt, 16 new tokens at
 temperature 1, EOS the only stop) through `rl.episodes.EpisodeRunner` on one
@@ -16,19 +19,34 @@ The time to first token is, per request, from its submission to the first token 
 caller sees: the future's result (in process) or the first streamed chunk the agent
 reads (endpoint). The in-process path hands back whole samples, so there the first
 token arrives with the last; the endpoint streams each decode chunk's tokens. Each
-path runs once untimed first, so nothing compiles in the timed runs; then the two alternate, --reps times each, and the best run of each is
-reported (the machine's load moves the others).
+path runs once untimed first, so nothing compiles in the timed runs; then the two
+alternate, --reps times each, and the best run of each is reported (the machine's
+load moves the others).
 
-Prints a table, then, as the last line, one JSON object.
+Echo: agents that each run three turns, sending back the text of every reply they
+were given followed by an environment's text (`=12` and a newline), with the stop
+string `=`: one agent through the completions API (its transcript as the prompt), one
+through the chat API (the replies as assistant messages, the environment as user
+messages; this tokenizer has no chat template, so a conversation is its contents one
+after another). The model's vocabulary (32) is larger than the tokenizer's (22), as
+in the quick start: random weights sample PAD, BOS and ids the tokenizer cannot write
+(decoded as U+FFFD) often, which is the hardest case for an agent that only has text.
+Counts the episodes lost, by reason, and checks that every kept episode's policy
+tokens are what the generator sampled (their count, and their text against the
+replies the agent was given).
+
+Prints a table (cost) or the counts (echo), then, as the last line, one JSON object.
 """
 
 import json
+import logging
 import statistics
 import threading
 import time
 import types
 
 import jax
+import numpy as np
 from absl import app, flags
 
 from async_rl import models
@@ -40,8 +58,10 @@ from async_rl.rl.episodes import EpisodeRunner
 from async_rl.tasks.tokenizer import CharTokenizer
 from benchmarks.common.peak import matmul_peak
 
-_REQUESTS = flags.DEFINE_integer("requests", 128, "Requests per timed run.")
-_REPS = flags.DEFINE_integer("reps", 2, "Timed runs of each path.")
+_MODE = flags.DEFINE_enum("mode", "cost", ["cost", "echo"], "What to measure.")
+_REQUESTS = flags.DEFINE_integer("requests", 128, "Requests per timed run (cost).")
+_REPS = flags.DEFINE_integer("reps", 2, "Timed runs of each path (cost).")
+_EPISODES = flags.DEFINE_integer("episodes", 1920, "Episodes of each API (echo).")
 
 CFG = ModelConfig(**MODEL_PRESETS["tiny"], vocab_size=32, max_seq_len=64)
 SLOTS, PROMPT_LEN, NEW_TOKENS = 16, 16, 16
@@ -81,12 +101,15 @@ def _run(runner, prompts, first_token_at):
   return wall, [first_token_at.get(p.id, done[p.id]) - submitted[p.id] for p in prompts]
 
 
-def main(argv):
-  del argv
-  n = _REQUESTS.value
+def _pool(max_prefill_length: int):
   params = jax.jit(models.init_params, static_argnums=0)(CFG, jax.random.key(0))
-  engine = Engine(CFG, max_concurrent_decodes=SLOTS, max_prefill_length=PROMPT_LEN,
+  engine = Engine(CFG, max_concurrent_decodes=SLOTS, max_prefill_length=max_prefill_length,
                   max_target_length=CFG.max_seq_len)
+  return GeneratorPool(engine, params)
+
+
+def _cost():
+  n = _REQUESTS.value
   first_token_at: dict = {}
 
   async def agent(client, row):
@@ -100,7 +123,7 @@ def main(argv):
   endpoint = Endpoint(TOKENIZER)
   rows = {}
   results = {}
-  with GeneratorPool(engine, params) as pool:
+  with _pool(PROMPT_LEN) as pool:
     workflow = AgentWorkflow(endpoint, agent, row=lambda p: rows[p.id], deadline_s=600.0)
     paths = {"in_process": EpisodeRunner(pool), "endpoint": EpisodeRunner(pool, workflow)}
     offsets = iter(range(1, 1_000))
@@ -125,6 +148,100 @@ def main(argv):
     print(f"{name:<12}{r['requests_per_s']:>12.1f}{r['ttft_median_ms']:>16.0f}"
           f"{r['ttft_p90_ms']:>14.0f}")
   print(json.dumps({"requests": n, "matmul_gflops": peak, **{f"{name}/{k}": v for name, r in results.items()
+                                       for k, v in r.items()}}))
+
+
+# The echo agents: three turns each, the stop string "=" and the environment's "=12\n".
+TURNS, TURN_TOKENS, ENV, STOP = 3, 8, "=12\n", "="
+GROUP = 8
+
+
+def _key(client) -> str:
+  return str(client.base_url).rstrip("/").split("/")[-2]  # .../episodes/<key>/v1
+
+
+async def _echo_completions(client, row):
+  text = row.text
+  for _ in range(TURNS):
+    out = await client.completions.create(model="policy", prompt=text, max_tokens=TURN_TOKENS,
+                                          stop=[STOP])
+    _echo_completions.given.setdefault(_key(client), []).append(out.choices[0].text)
+    text += out.choices[0].text + ENV
+  return 0.0
+
+
+async def _echo_chat(client, row):
+  messages = [{"role": "user", "content": row.text}]
+  for _ in range(TURNS):
+    out = await client.chat.completions.create(model="policy", messages=messages,
+                                               max_tokens=TURN_TOKENS, stop=[STOP])
+    content = out.choices[0].message.content
+    _echo_chat.given.setdefault(_key(client), []).append(content)
+    messages += [{"role": "assistant", "content": content}, {"role": "user", "content": ENV}]
+  return 0.0
+
+
+def _policy_runs(e):
+  """The runs of consecutive policy tokens of trajectory `e`: one per turn."""
+  runs, run = [], []
+  for t, trained in zip(e.tokens_T[e.prompt_len:], e.loss_mask_T[e.prompt_len:]):
+    if trained:
+      run.append(int(t))
+    elif run:
+      runs.append(run)
+      run = []
+  return runs + ([run] if run else [])
+
+
+def _echo():
+  """Runs `_EPISODES` episodes of each echo agent; returns {api: counts}."""
+  budget = TURNS * (TURN_TOKENS + len(ENV))
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=budget,
+                            stop_token_ids=TOKENIZER.stop_ids)
+  rng = np.random.default_rng(0)
+  results = {}
+  with _pool(CFG.max_seq_len - 1) as pool:
+    for api, agent in (("completions", _echo_completions), ("chat", _echo_chat)):
+      agent.given = {}
+      endpoint = Endpoint(TOKENIZER, add_bos=True)
+      workflow = AgentWorkflow(endpoint, agent, row=lambda p: p, deadline_s=600.0)
+      runner = EpisodeRunner(pool, workflow, vocab_size=CFG.vocab_size)
+      prompts = []
+      for i in range(_EPISODES.value // GROUP):
+        text = "".join(rng.choice(list("0123456789+-*")) for _ in range(PROMPT_LEN - 2)) + "=\n"
+        prompts.append(types.SimpleNamespace(
+            id=f"{api}{i}", text=text, tokens=[TOKENIZER.bos_id, *TOKENIZER.encode(text)]))
+      futures = [runner.submit(p, Request(p.id, p.tokens, GROUP, sampling)) for p in prompts]
+      kept = [e for f in futures for e in f.result(timeout=3600) if e.finish_reason != "aborted"]
+      # Every kept episode holds, turn by turn, the tokens of the replies given (with
+      # the stop string "=" where it ended one).
+      wrong = sum(len(runs := _policy_runs(e)) != len(given := agent.given[e.metadata["episode"]])
+                  or any(TOKENIZER.decode(r) not in (g, g + STOP) for r, g in zip(runs, given))
+                  for e in kept)
+      counts = {k.removeprefix("agent_"): v for k, v in runner.metrics().items() if v}
+      results[api] = {**counts, "kept": len(kept), "kept_not_as_given": wrong}
+      runner.close()
+      workflow.close()
+  return results
+
+
+def main(argv):
+  del argv
+  logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+  if _MODE.value == "cost":
+    _cost()
+    return
+  started = time.perf_counter()
+  results = _echo()
+  wall = time.perf_counter() - started
+  print(f"echoing agents, {TURNS} turns of at most {TURN_TOKENS} tokens, stop {STOP!r}, "
+        f"groups of {GROUP}; {wall:.0f} s")
+  print(f"{'API':<14}{'episodes':>10}{'lost':>8}{'lost %':>9}  by reason")
+  for api, r in results.items():
+    lost = {k.removeprefix("lost_"): v for k, v in r.items() if k.startswith("lost_")}
+    print(f"{api:<14}{r['episodes']:>10}{sum(lost.values()):>8}"
+          f"{100 * sum(lost.values()) / r['episodes']:>8.2f}%  {lost or ''}")
+  print(json.dumps({"wall_s": wall, **{f"{api}/{k}": v for api, r in results.items()
                                        for k, v in r.items()}}))
 
 

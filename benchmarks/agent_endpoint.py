@@ -31,6 +31,7 @@ messages; this tokenizer has no chat template, so a conversation is its contents
 after another). The model's vocabulary (32) is larger than the tokenizer's (22), as
 in the quick start: random weights sample PAD, BOS and ids the tokenizer cannot write
 (decoded as U+FFFD) often, which is the hardest case for an agent that only has text.
+Groups of 8 episodes, 8 groups in flight (as a run's staleness gate keeps them).
 Counts the episodes lost, by reason, and checks that every kept episode's policy
 tokens are what the generator sampled (their count, and their text against the
 replies the agent was given).
@@ -38,6 +39,7 @@ replies the agent was given).
 Prints a table (cost) or the counts (echo), then, as the last line, one JSON object.
 """
 
+import collections
 import json
 import logging
 import statistics
@@ -153,7 +155,7 @@ def _cost():
 
 # The echo agents: three turns each, the stop string "=" and the environment's "=12\n".
 TURNS, TURN_TOKENS, ENV, STOP = 3, 8, "=12\n", "="
-GROUP = 8
+GROUP, IN_FLIGHT = 8, 8
 
 
 def _key(client) -> str:
@@ -211,8 +213,15 @@ def _echo():
         text = "".join(rng.choice(list("0123456789+-*")) for _ in range(PROMPT_LEN - 2)) + "=\n"
         prompts.append(types.SimpleNamespace(
             id=f"{api}{i}", text=text, tokens=[TOKENIZER.bos_id, *TOKENIZER.encode(text)]))
-      futures = [runner.submit(p, Request(p.id, p.tokens, GROUP, sampling)) for p in prompts]
-      kept = [e for f in futures for e in f.result(timeout=3600) if e.finish_reason != "aborted"]
+      # A window of groups in flight, as a run's staleness gate keeps: with every group
+      # at once, each turn would queue behind every episode's turn before it.
+      window, done = collections.deque(), []
+      for p in prompts:
+        window.append(runner.submit(p, Request(p.id, p.tokens, GROUP, sampling)))
+        if len(window) == IN_FLIGHT:
+          done += window.popleft().result(timeout=3600)
+      done += [e for f in window for e in f.result(timeout=3600)]
+      kept = [e for e in done if e.finish_reason != "aborted"]
       # Every kept episode holds, turn by turn, the tokens of the replies given (with
       # the stop string "=" where it ended one).
       wrong = sum(len(runs := _policy_runs(e)) != len(given := agent.given[e.metadata["episode"]])
@@ -235,7 +244,7 @@ def main(argv):
   results = _echo()
   wall = time.perf_counter() - started
   print(f"echoing agents, {TURNS} turns of at most {TURN_TOKENS} tokens, stop {STOP!r}, "
-        f"groups of {GROUP}; {wall:.0f} s")
+        f"groups of {GROUP}, {IN_FLIGHT} in flight; {wall:.0f} s")
   print(f"{'API':<14}{'episodes':>10}{'lost':>8}{'lost %':>9}  by reason")
   for api, r in results.items():
     lost = {k.removeprefix("lost_"): v for k, v in r.items() if k.startswith("lost_")}

@@ -302,8 +302,8 @@ def test_reply_glue_holds_for_a_reply_that_retokenizes_otherwise():
   tok = Pieces(["lo", " hel", " hello", "\n"])
   generated = tok.encode("lo hel") + tok.encode("lo")  # the model's own split
   assert tok.encode("lo hello\n") != generated + tok.encode("\n")
-  # Read in ids alone, the reply's last token first appears at the reply's start, and
-  # the glue would repeat " hello".
+  # Read in ids alone, the reply's last token appears in the reply retokenized only at
+  # its start, and the glue would repeat " hello".
   assert reply_glue("lo hello\n", _reply(generated, "lo hello"), tok) == tok.encode("\n")
 
 

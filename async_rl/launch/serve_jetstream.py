@@ -41,8 +41,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run's workdir (checkpoints/ inside).")
 _PROMPTS = flags.DEFINE_multi_string("prompt", None, "A prompt to complete (repeatable).")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None,
-                                   "Tokens per completion (default: generation.max_new_tokens).")
+_MAX_TOKENS = flags.DEFINE_integer(
+    "max_tokens", None, "Tokens per completion; with --openai, also the most a request may "
+    "ask for (default: generation.max_new_tokens).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to serve (default: the latest).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")

@@ -341,8 +341,9 @@ async def _three_turns(client, row):
   return 1.0
 
 
-def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None, vocab_size=CFG.vocab_size):
-  endpoint = Endpoint(TOK)
+def _run(pool, agent, *, n=2, deadline_s=60.0, max_tokens=None, vocab_size=CFG.vocab_size,
+         tok=TOK):
+  endpoint = Endpoint(tok)
   workflow = AgentWorkflow(endpoint, agent, row=lambda p: p.question, deadline_s=deadline_s,
                            max_tokens=max_tokens)
   runner = EpisodeRunner(pool, workflow, vocab_size=vocab_size)
@@ -871,6 +872,27 @@ def test_an_agent_that_sends_back_what_it_was_given_loses_no_episode(agent):
                    for k in range(2)]
   else:
     assert env == ["r0", "r1"]
+
+
+@pytest.mark.parametrize("agent", [_echoes_text, _echoes_chat])
+def test_an_echoing_agent_loses_no_episode_on_smollm2s_tokenizer(smollm2_gguf, agent):
+  """SmolLM2's byte-level BPE (49,152 ids) and chat template: a reply split other than
+  its text encodes, a character as its two bytes, BOS amid a reply, half a character."""
+  tokenizers = pytest.importorskip("tokenizers")
+  from async_rl.models import pretrained  # noqa: PLC0415 (the `hf` extra)
+  from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+  model_dir = pretrained.model_dir(smollm2_gguf)
+  tok = HFTokenizer(model_dir)
+  byte = tokenizers.Tokenizer.from_file(f"{model_dir}/tokenizer.json").token_to_id
+  replies = [tok.encode("hel") + tok.encode("lo"), [byte("Ã"), byte("©"), tok.bos_id],
+             [byte("Ã")]]
+  assert tok.encode("hello") != replies[0] and tok.encode("é") != replies[1][:2]
+  assert [tok.decode(r) for r in replies] == ["hello", "é", "\ufffd"]
+  pool = ScriptedPool(tok)
+  pool.replies[:] = [list(r) for r in replies]
+  (e,), counts = _run(pool, agent, n=1, vocab_size=tok.vocab_size, tok=tok)
+  assert counts == {"agent_episodes": 1, **{f"agent_lost_{r}": 0 for r in LOSSES}}
+  assert [ids for trained, ids in _runs(e) if trained] == [r + [tok.eos_id] for r in replies]
 
 
 @pytest.mark.parametrize("stop", [[], ["界"]])

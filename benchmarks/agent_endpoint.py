@@ -6,6 +6,7 @@ episodes of an agent that sends back only the text it was given are lost
   python -m benchmarks.agent_endpoint                 # about 20 s on a 2-core CPU
   python -m benchmarks.agent_endpoint --requests=32   # the fast mode
   python -m benchmarks.agent_endpoint --mode=echo     # 1,920 episodes of each API
+  python -m benchmarks.agent_endpoint --mode=echo --model=smollm2-135m-instruct
 
 Both paths run the same single-turn requests (a 16-token prompt, 16 new tokens at
 temperature 1, EOS the only stop) through `rl.episodes.EpisodeRunner` on one
@@ -40,12 +41,15 @@ Prints a table (cost) or the counts (echo), then, as the last line, one JSON obj
 """
 
 import collections
+import dataclasses
 import json
 import logging
 import statistics
 import threading
 import time
 import types
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -64,6 +68,10 @@ _MODE = flags.DEFINE_enum("mode", "cost", ["cost", "echo"], "What to measure.")
 _REQUESTS = flags.DEFINE_integer("requests", 128, "Requests per timed run (cost).")
 _REPS = flags.DEFINE_integer("reps", 2, "Timed runs of each path (cost).")
 _EPISODES = flags.DEFINE_integer("episodes", 1920, "Episodes of each API (echo).")
+_MODEL = flags.DEFINE_string(
+    "model", "tiny", "The echo's model: tiny (random weights, the character tokenizer), or "
+    "a pretrained model with its own tokenizer and chat template: a directory, a .gguf file "
+    "or a shipped name (models.pretrained), e.g. smollm2-135m-instruct.")
 
 CFG = ModelConfig(**MODEL_PRESETS["tiny"], vocab_size=32, max_seq_len=64)
 SLOTS, PROMPT_LEN, NEW_TOKENS = 16, 16, 16
@@ -103,9 +111,9 @@ def _run(runner, prompts, first_token_at):
   return wall, [first_token_at.get(p.id, done[p.id]) - submitted[p.id] for p in prompts]
 
 
-def _pool(max_prefill_length: int):
+def _pool():
   params = jax.jit(models.init_params, static_argnums=0)(CFG, jax.random.key(0))
-  engine = Engine(CFG, max_concurrent_decodes=SLOTS, max_prefill_length=max_prefill_length,
+  engine = Engine(CFG, max_concurrent_decodes=SLOTS, max_prefill_length=PROMPT_LEN,
                   max_target_length=CFG.max_seq_len)
   return GeneratorPool(engine, params)
 
@@ -125,7 +133,7 @@ def _cost():
   endpoint = Endpoint(TOKENIZER)
   rows = {}
   results = {}
-  with _pool(PROMPT_LEN) as pool:
+  with _pool() as pool:
     workflow = AgentWorkflow(endpoint, agent, row=lambda p: rows[p.id], deadline_s=600.0)
     paths = {"in_process": EpisodeRunner(pool), "endpoint": EpisodeRunner(pool, workflow)}
     offsets = iter(range(1, 1_000))
@@ -156,6 +164,7 @@ def _cost():
 # The echo agents: three turns each, the stop string "=" and the environment's "=12\n".
 TURNS, TURN_TOKENS, ENV, STOP = 3, 8, "=12\n", "="
 GROUP, IN_FLIGHT = 8, 8
+PRETRAINED_LEN = 192  # a pretrained model's context here: its episodes' longest
 
 
 def _key(client) -> str:
@@ -195,24 +204,57 @@ def _policy_runs(e):
   return runs + ([run] if run else [])
 
 
+@dataclasses.dataclass(frozen=True)
+class _EchoModel:
+  """The echo's model: its config and params, its tokenizer, whether a completion's text
+  prompt begins with BOS, a question drawn from `rng`, and each episode's token budget."""
+  cfg: ModelConfig
+  params: Any
+  tokenizer: Any
+  add_bos: bool
+  question: Callable[[np.random.Generator], str]
+  budget: int
+
+
+def _echo_model() -> _EchoModel:
+  if _MODEL.value == "tiny":
+    params = jax.jit(models.init_params, static_argnums=0)(CFG, jax.random.key(0))
+    return _EchoModel(CFG, params, TOKENIZER, True, lambda rng: "".join(
+        rng.choice(list("0123456789+-*")) for _ in range(PROMPT_LEN - 2)) + "=\n",
+        budget=TURNS * (TURN_TOKENS + len(ENV)))
+  from async_rl.models import hf, pretrained  # noqa: PLC0415 (the `hf` extra)
+  from async_rl.models.hf_config import read_config  # noqa: PLC0415
+  from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+  model_dir = pretrained.model_dir(_MODEL.value)
+  cfg = ModelConfig(**{**read_config(model_dir), "max_seq_len": PRETRAINED_LEN})
+  # A chat turn's environment is the template's close of the reply, a user message
+  # and the generation prompt: about 12 tokens in ChatML.
+  return _EchoModel(cfg, hf.load_hf(model_dir, cfg), HFTokenizer(model_dir), False,
+                    lambda rng: f"What is {rng.integers(100)} + {rng.integers(100)}?",
+                    budget=TURNS * (TURN_TOKENS + 24))
+
+
 def _echo():
   """Runs `_EPISODES` episodes of each echo agent; returns {api: counts}."""
-  budget = TURNS * (TURN_TOKENS + len(ENV))
-  sampling = SamplingParams(temperature=1.0, max_new_tokens=budget,
-                            stop_token_ids=TOKENIZER.stop_ids)
+  model = _echo_model()
+  tok = model.tokenizer
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=model.budget,
+                            stop_token_ids=tok.stop_ids)
   rng = np.random.default_rng(0)
   results = {}
-  with _pool(CFG.max_seq_len - 1) as pool:
+  engine = Engine(model.cfg, max_concurrent_decodes=SLOTS,
+                  max_prefill_length=model.cfg.max_seq_len - 1,
+                  max_target_length=model.cfg.max_seq_len)
+  with GeneratorPool(engine, model.params) as pool:
     for api, agent in (("completions", _echo_completions), ("chat", _echo_chat)):
       agent.given = {}
-      endpoint = Endpoint(TOKENIZER, add_bos=True)
+      endpoint = Endpoint(tok, add_bos=model.add_bos)
       workflow = AgentWorkflow(endpoint, agent, row=lambda p: p, deadline_s=600.0)
-      runner = EpisodeRunner(pool, workflow, vocab_size=CFG.vocab_size)
+      runner = EpisodeRunner(pool, workflow, vocab_size=model.cfg.vocab_size)
       prompts = []
       for i in range(_EPISODES.value // GROUP):
-        text = "".join(rng.choice(list("0123456789+-*")) for _ in range(PROMPT_LEN - 2)) + "=\n"
-        prompts.append(types.SimpleNamespace(
-            id=f"{api}{i}", text=text, tokens=[TOKENIZER.bos_id, *TOKENIZER.encode(text)]))
+        text = model.question(rng)
+        prompts.append(types.SimpleNamespace(id=f"{api}{i}", text=text, tokens=tok.encode(text)))
       # A window of groups in flight, as a run's staleness gate keeps: with every group
       # at once, each turn would queue behind every episode's turn before it.
       window, done = collections.deque(), []
@@ -225,7 +267,7 @@ def _echo():
       # Every kept episode holds, turn by turn, the tokens of the replies given (with
       # the stop string "=" where it ended one).
       wrong = sum(len(runs := _policy_runs(e)) != len(given := agent.given[e.metadata["episode"]])
-                  or any(TOKENIZER.decode(r) not in (g, g + STOP) for r, g in zip(runs, given))
+                  or any(tok.decode(r) not in (g, g + STOP) for r, g in zip(runs, given))
                   for e in kept)
       counts = {k.removeprefix("agent_"): v for k, v in runner.metrics().items() if v}
       results[api] = {**counts, "kept": len(kept), "kept_not_as_given": wrong}
@@ -243,8 +285,8 @@ def main(argv):
   started = time.perf_counter()
   results = _echo()
   wall = time.perf_counter() - started
-  print(f"echoing agents, {TURNS} turns of at most {TURN_TOKENS} tokens, stop {STOP!r}, "
-        f"groups of {GROUP}, {IN_FLIGHT} in flight; {wall:.0f} s")
+  print(f"echoing agents on {_MODEL.value}, {TURNS} turns of at most {TURN_TOKENS} tokens, "
+        f"stop {STOP!r}, groups of {GROUP}, {IN_FLIGHT} in flight; {wall:.0f} s")
   print(f"{'API':<14}{'episodes':>10}{'lost':>8}{'lost %':>9}  by reason")
   for api, r in results.items():
     lost = {k.removeprefix("lost_"): v for k, v in r.items() if k.startswith("lost_")}

@@ -874,15 +874,33 @@ def test_an_agent_that_sends_back_what_it_was_given_loses_no_episode(agent):
     assert env == ["r0", "r1"]
 
 
+def _smollm2_tokenizer(gguf_path):
+  from async_rl.models import pretrained  # noqa: PLC0415 (the `hf` extra)
+  from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+  model_dir = pretrained.model_dir(gguf_path)
+  return model_dir, HFTokenizer(model_dir)
+
+
+def test_tools_sent_to_smollm2_are_refused_since_its_template_has_none(smollm2_gguf):
+  _, tok = _smollm2_tokenizer(smollm2_gguf)
+  pool = ScriptedPool(tok)
+  endpoint = Endpoint(tok, pool=pool).start()
+  tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+  try:
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+      _client(f"{endpoint.url}/v1").chat.completions.create(model="m", messages=CHAT,
+                                                            tools=tools)
+  finally:
+    endpoint.close()
+  assert not pool.requests
+
+
 @pytest.mark.parametrize("agent", [_echoes_text, _echoes_chat])
 def test_an_echoing_agent_loses_no_episode_on_smollm2s_tokenizer(smollm2_gguf, agent):
   """SmolLM2's byte-level BPE (49,152 ids) and chat template: a reply split other than
   its text encodes, a character as its two bytes, BOS amid a reply, half a character."""
   tokenizers = pytest.importorskip("tokenizers")
-  from async_rl.models import pretrained  # noqa: PLC0415 (the `hf` extra)
-  from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
-  model_dir = pretrained.model_dir(smollm2_gguf)
-  tok = HFTokenizer(model_dir)
+  model_dir, tok = _smollm2_tokenizer(smollm2_gguf)
   byte = tokenizers.Tokenizer.from_file(f"{model_dir}/tokenizer.json").token_to_id
   replies = [tok.encode("hel") + tok.encode("lo"), [byte("Ã"), byte("©"), tok.bos_id],
              [byte("Ã")]]

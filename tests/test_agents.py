@@ -221,6 +221,12 @@ def test_stop_cut_ends_at_the_token_that_completes_the_first_stop_string():
   # A stop string's last character of several bytes is complete only with its last byte.
   byte = ByteTokenizer()
   assert wire.stop_cut(byte.encode("a。b"), byte.decode, ["。"]) == (4, "a")
+  # A token that runs past the stop string is left out, so the tokens kept say no more
+  # than the text and the stop string; so is a first token that does.
+  past = ["ab", "c=(", "x"]
+  decode_past = lambda ids: "".join(past[i] for i in ids)  # noqa: E731
+  assert wire.stop_cut([0, 1, 2], decode_past, ["="]) == (1, "abc")
+  assert wire.stop_cut([1, 2], decode_past, ["="]) == (0, "c")
 
 
 def test_a_stop_string_of_several_tokens_ends_the_reply_and_the_episode_there(scripted):
@@ -911,6 +917,39 @@ def test_an_echoing_agent_loses_no_episode_on_smollm2s_tokenizer(smollm2_gguf, a
   (e,), counts = _run(pool, agent, n=1, vocab_size=tok.vocab_size, tok=tok)
   assert counts == {"agent_episodes": 1, **{f"agent_lost_{r}": 0 for r in LOSSES}}
   assert [ids for trained, ids in _runs(e) if trained] == [r + [tok.eos_id] for r in replies]
+
+
+async def _echoes_past_stop_completions(client, row):
+  prompt = "go"
+  for _ in range(3):
+    out = await client.completions.create(model="m", prompt=prompt, max_tokens=8, stop=["="])
+    prompt += out.choices[0].text + "=1\n"
+  return 1.0
+
+
+async def _echoes_past_stop_chat(client, row):
+  messages = [{"role": "user", "content": "go"}]
+  for _ in range(3):
+    out = await client.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                               stop=["="])
+    messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                 {"role": "user", "content": "=1\n"}]
+  return 1.0
+
+
+@pytest.mark.parametrize("agent", [_echoes_past_stop_completions, _echoes_past_stop_chat])
+def test_a_reply_whose_token_runs_past_its_stop_string_loses_no_echoed_episode(agent):
+  tok = Pieces(["g", "o", "ab", "c", "c=(", "=", "1", "\n"])
+  tok.vocab_size = len(tok.vocab)
+  ab, c_stop = tok.encode("ab") + tok.encode("c=(")
+  pool = ScriptedPool(tok)
+  pool.replies[:] = [[ab, c_stop], [c_stop], [ab]]  # "abc=(": the text "abc"; "c=(": "c"
+  (e,), counts = _run(pool, agent, n=1, vocab_size=tok.vocab_size, tok=tok)
+  assert counts == {"agent_episodes": 1, **{f"agent_lost_{r}": 0 for r in LOSSES}}
+  # The tokens past the stop string are not trained; the text the agent was given and
+  # sent back is the environment's.
+  assert [ids for trained, ids in _runs(e) if trained] == [[ab], [ab, tok.eos_id]]
+  assert tok.decode(e.tokens_T[e.prompt_len:]) == "abc=1\nc=1\nab"
 
 
 @pytest.mark.parametrize("stop", [[], ["界"]])

@@ -77,12 +77,12 @@ def reply_glue(turn: str, reply: Mapping[str, Any], tok) -> list[int]:
   for text in texts:
     if turn.startswith(text):
       glue = list(tok.encode(turn[len(text):]))
-      ended = generated[-1:] if generated[-1] in tok.stop_ids else []
+      ended = generated[-1:] if generated and generated[-1] in tok.stop_ids else []
       return glue[len(ended):] if ended and glue[:1] == ended else glue
   reply_ids = list(tok.encode(turn))
   if reply_ids[:len(generated)] == generated:
     return reply_ids[len(generated):]
-  if generated[-1] in reply_ids:
+  if generated and generated[-1] in reply_ids:
     return reply_ids[len(reply_ids) - reply_ids[::-1].index(generated[-1]):]
   stops = [i for i, t in enumerate(reply_ids) if t in tok.stop_ids]
   return reply_ids[stops[-1]:] if stops else []

@@ -267,9 +267,11 @@ def stop_cut(generated: Sequence[int], decode, stop: Sequence[str]
 
   The stop string that ends first in the text is the one met first in decoding order;
   the tokens kept run to the one that completes it (the fewest whose text holds it), and
-  the text is what comes before it, as OpenAI leaves a stop string out. Decoding a
-  prefix of the tokens must give a prefix of the text, as it does for a tokenizer that
-  decodes token by token.
+  the text is what comes before it, as OpenAI leaves a stop string out. Where that token
+  runs past the stop string (a token `=(` for the stop `=`), it is left out too, so that
+  the tokens kept never say more than the text and the stop string: none may be kept.
+  Decoding a prefix of the tokens must give a prefix of the text, as it does for a
+  tokenizer that decodes token by token.
   """
   text = decode(generated)
   ends = [(at + len(s), at) for s in stop if (at := text.find(s)) >= 0]
@@ -284,7 +286,7 @@ def stop_cut(generated: Sequence[int], decode, stop: Sequence[str]
       hi = mid
     else:
       lo = mid + 1
-  return lo, text[:start]
+  return lo - (decode(generated[:lo]) != text[:end]), text[:start]
 
 
 def parse_messages(body: Mapping) -> list[dict]:
@@ -316,16 +318,18 @@ def parse_messages(body: Mapping) -> list[dict]:
       if m["role"] != "assistant":
         raise BadRequest(f"messages[{i}].token_ids: only an assistant message carries the "
                          f"ids of its reply, not a {m['role']!r} one")
-      m["token_ids"] = _ids(m["token_ids"], f"messages[{i}].token_ids")
+      # Empty for a reply whose only token ran past its stop string (`stop_cut`).
+      m["token_ids"] = _ids(m["token_ids"], f"messages[{i}].token_ids", empty=True)
     out.append(m)
   return out
 
 
-def _ids(value, field: str) -> tuple[int, ...]:
-  if isinstance(value, list) and value and all(
+def _ids(value, field: str, empty: bool = False) -> tuple[int, ...]:
+  if isinstance(value, list) and (value or empty) and all(
       isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_ID for t in value):
     return tuple(value)
-  raise BadRequest(f"{field} must be a non-empty list of token ids, each in [0, 2**31)")
+  raise BadRequest(f"{field} must be a {'' if empty else 'non-empty '}list of token ids, "
+                   f"each in [0, 2**31)")
 
 
 def _decoded_call(i: int, call) -> dict:

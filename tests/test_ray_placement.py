@@ -16,21 +16,39 @@ import ray  # noqa: E402
 from async_rl import config  # noqa: E402
 from async_rl.rl import entry, ray_placement  # noqa: E402
 import reward_fns_for_tests  # noqa: E402
-from rl_test_utils import check_prompt_accounting, small_config  # noqa: E402
+from rl_test_utils import check_prompt_accounting, checkpoint_meta, small_config  # noqa: E402
+
+
+TESTS = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def shared_ray(tmp_path_factory):
-  """One local Ray instance, started as `run_on_ray` starts its own, for the runs that
-  need nothing of their own from it: `run_on_ray` uses it and leaves it up (starting
-  and stopping one takes seconds). Its actors take the environment it starts with: that
-  of `reward_fns_for_tests.kills_its_rollout_worker`, which only that reward reads."""
+def user_task(tmp_path_factory):
+  """The README's user task, as a module outside the package and outside every actor's
+  sys.path: the directory that the module's Ray instance ships to its actors."""
+  user = tmp_path_factory.mktemp("user")
+  examples = TESTS.parent / "examples"
+  (user / "my_sums.py").write_text((examples / "sums.py").read_text())
+  for name in ("sums_train.jsonl", "sums_heldout.jsonl"):
+    (user / name).write_text((examples / name).read_text())
+  return user
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance(user_task, tmp_path_factory):
+  """The module's one local Ray instance (starting one takes seconds, and each run's
+  actors more), started as `run_on_ray` starts its own for a run that ships code:
+  `placement.working_dir`, the user's task; `placement.py_modules`, the tests' reward
+  functions. Every run finds it up, uses it and leaves it up. Its actors take the
+  environment it starts with: that of `reward_fns_for_tests.kills_its_rollout_worker`,
+  which only that reward reads."""
   with pytest.MonkeyPatch.context() as env:
     env.setenv(reward_fns_for_tests.KILL_COUNT_ENV,
                str(tmp_path_factory.mktemp("kill") / "calls"))
     env.setenv(reward_fns_for_tests.KILL_AT_ENV, "13")
-    if not ray.is_initialized():
-      ray_placement._init_ray(config.PlacementConfig(kind="ray"))
+    ray_placement._init_ray(config.PlacementConfig(
+        kind="ray", working_dir=str(user_task),
+        py_modules=(reward_fns_for_tests.__file__,)))
     yield
   ray.shutdown()
 
@@ -48,7 +66,7 @@ def _checkpoints(workdir):
 
 
 def _run(workdir, stop=None, **overrides):
-  # A reward function from a test module: the actors must import what the driver does.
+  # A reward function from a test module, which the Ray instance ships to the actors.
   # A held-out set of one prompt, one sample: these tests do not check the evaluation.
   cfg = small_config(**{"staleness.max_staleness": 1, "placement.kind": "ray",
                         "rollout.reward_fn": "reward_fns_for_tests:length",
@@ -56,11 +74,8 @@ def _run(workdir, stop=None, **overrides):
   return entry.run(cfg, str(workdir), stop=stop, progress=False, echo=lambda _: None)
 
 
-def test_actors_train_within_the_bound_and_resume(tmp_path, request):
-  # The first run starts and stops its own Ray instance (run first, as it is in this
-  # file); the resume uses the shared one.
+def test_actors_train_within_the_bound_and_resume(tmp_path):
   summary = _run(tmp_path, num_steps=3)
-  request.getfixturevalue("shared_ray")
   assert summary["start_version"] == 0 and summary["end_version"] == 3
   pids = summary["pids"]
   assert pids["driver"] == os.getpid()
@@ -80,7 +95,7 @@ def test_actors_train_within_the_bound_and_resume(tmp_path, request):
   assert _checkpoints(tmp_path)[-1] == 4
 
 
-def test_stop_checkpoints_and_returns(tmp_path, shared_ray):
+def test_stop_checkpoints_and_returns(tmp_path):
   stop = threading.Event()
 
   def stop_after_first_step():
@@ -94,11 +109,10 @@ def test_stop_checkpoints_and_returns(tmp_path, shared_ray):
   assert _checkpoints(tmp_path)[-1] == summary["end_version"]
 
 
-def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_path,
-                                                                        shared_ray):
+def test_a_killed_rollout_worker_is_restarted_and_its_prompts_issued_again(tmp_path):
   # The rollout worker's reward subprocess SIGKILLs it while scoring its 7th group (2
   # samples each), which is running then; with η = 1 and B = 2 that group can start
-  # only once version 2 is published, after step 1 is logged. The shared Ray instance
+  # only once version 2 is published, after step 1 is logged. The module's Ray instance
   # gives its actors the reward's environment (its one use of the reward).
   summary = _run(tmp_path, num_steps=5,
                  **{"rollout.reward_fn": "reward_fns_for_tests:kills_its_rollout_worker"})
@@ -126,32 +140,37 @@ def test_pinning_moves_every_thread_of_the_process():
   assert out.strip() == "[(0,)]"
 
 
-def test_two_rollout_workers_train_a_user_task_shipped_by_the_runtime_env(tmp_path,
-                                                                          monkeypatch):
-  # The README's user task, as a module outside the package and outside every actor's
-  # sys.path: Ray ships its directory (`placement.working_dir`) to the actors. The
-  # params cross processes in 16 bits.
-  user = tmp_path / "user"
-  user.mkdir()
-  examples = Path(__file__).parents[1] / "examples"
-  (user / "my_sums.py").write_text((examples / "sums.py").read_text())
-  for name in ("sums_train.jsonl", "sums_heldout.jsonl"):
-    (user / name).write_text((examples / name).read_text())
-  monkeypatch.syspath_prepend(str(user))  # the driver builds the task too (its checks)
-  if ray.is_initialized():  # a runtime_env is the Ray instance's: start one of our own
-    ray.shutdown()
-  summary = _run(tmp_path / "run", num_steps=3, **{
+def test_two_rollout_workers_train_a_user_task_shipped_by_the_runtime_env(
+    tmp_path, monkeypatch, user_task):
+  # The README's user task, which the module's Ray instance ships to the actors
+  # (`placement.working_dir`); its task and held-out set, read by the rollout workers'
+  # streams and the trainer. The params cross processes in 16 bits.
+  monkeypatch.syspath_prepend(str(user_task))  # the driver builds the task too (its checks)
+  train = user_task / "sums_train.jsonl"
+  summary = _run(tmp_path, num_steps=3, **{
       "task.name": "my_sums:make_task",
-      "task.options": {"train": str(user / "sums_train.jsonl"),
-                       "heldout": str(user / "sums_heldout.jsonl")},
+      "task.options": {"train": str(train), "heldout": str(user_task / "sums_heldout.jsonl")},
       "rollout.reward_fn": None, "model.max_seq_len": 32,
       "generation.max_prompt_len": 8, "generation.max_new_tokens": 8,
       "batching.max_tokens_per_mb": 32, "placement.rollout_workers": 2,
-      "placement.working_dir": str(user), "placement.publish_dtype": "bfloat16"})
+      "placement.publish_dtype": "bfloat16"})
   assert summary["end_version"] == 3 and len(summary["pids"]["rollout"]) == 2
-  steps = _steps(tmp_path / "run")
+  steps = _steps(tmp_path)
   assert [s["step"] for s in steps] == [1, 2, 3]
+  # Both workers are up and report to the trainer: each actor built the user's task in
+  # its constructor, so each imported the shipped module. Which of them made the groups
+  # trained is the scheduler's affair, and under load one may make them all.
   workers = list(steps[-1]["workers"].values())
-  assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
-  assert all(w["rollout"]["submitted"] > 0 and w["rewards"]["calls"] > 0
-             and w["rewards"]["errors"] == 0 for w in workers)
+  assert len(workers) == 2 and {w["pid"] for w in workers} == set(summary["pids"]["rollout"])
+  assert sum(w["rollout"]["submitted"] for w in workers) > 0
+  assert sum(w["rewards"]["calls"] for w in workers) > 0
+  assert all(w["rewards"]["errors"] == 0 for w in workers)
+  # Every prompt that either worker's stream gave out, by the last checkpoint, was
+  # trained once, rejected, or is queued to be issued again.
+  server = checkpoint_meta(tmp_path)["server"]
+  rows = len(train.read_text().splitlines())
+  drawn = sum(c["epoch"] * rows + c["index"] for c in server["ledger"]["cursor"].values())
+  queued = sum(len(r) for r in server["ledger"]["replay"].values())
+  trained = [p for s in steps for p in s["prompts"]]
+  assert set(server["ledger"]["cursor"]) == {"0", "1"}
+  assert drawn == len(trained) + server["gate"]["rejected"] + queued > 0, server

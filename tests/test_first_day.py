@@ -86,11 +86,15 @@ def test_a_task_whose_prompts_never_fit_is_refused_at_once():
 
 
 def test_prompts_too_long_are_rejected_and_counted_and_the_run_goes_on(tmp_path):
+  lines = []
   summary = entry.run(small_config(**{"num_steps": 2}), str(tmp_path), task=_LongPrompts(40, 2),
-                      echo=lambda _: None, progress=False)
+                      echo=lines.append, progress=False)
   assert summary["end_version"] == 2
   rollout = summary["history"][-1]["rollout"]
   assert rollout["too_long"] >= 2 and rollout["admitted"] >= 4
+  # The step line shows the reward error rate.
+  step = next(line for line in lines if " v=1 reward=" in line)
+  assert step.endswith("reward_err=0.00")
 
 
 def _train(workdir, *args):
@@ -209,13 +213,6 @@ def test_groups_that_can_never_be_trained_stop_the_run_saying_why(tmp_path):
   assert "were filtered as all rewards equal" in message
   assert "checkpoint 0 holds the params" in message  # saved on the way out
   assert not any(re.search(r"\bv=\d+ reward=", line) for line in lines)  # none trained
-
-
-def test_the_step_line_shows_the_reward_error_rate(tmp_path):
-  lines = []
-  entry.run(small_config(**{"num_steps": 1}), str(tmp_path), echo=lines.append, progress=False)
-  step = next(line for line in lines if " v=1 reward=" in line)
-  assert step.endswith("reward_err=0.00")
 
 
 def test_a_warm_start_without_reference_completions_is_refused_up_front():

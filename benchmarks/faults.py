@@ -5,8 +5,11 @@ r"""Fault injection: the micro config through a schedule of faults, and what sur
 
 Deadlines are seconds here (`run.warn_after_s=2`, `run.stall_timeout_s` from
 --stall_timeout_s, 45 by default, `rollout.reward_timeout_s=1`), not the minutes of a
-real run; the stall timeout leaves room for the first compilations on a loaded CPU,
-which the deadlines count, and the stalled generator (fault 4) is reported after it. The faults:
+real run, and the stalled generator (fault 4) is reported after the stall timeout. The
+deadlines count compiling: an in-process run compiles its engine's calls before it
+starts (`Engine.warmup`), so that its deadlines time the run however long compiling
+takes on a loaded CPU, and the stall timeout of the subprocess runs leaves room for
+their first compilations. The faults:
 
   in this process, one run of --steps steps, then its resume:
   1. non_finite_step       the batch of step 2 carries NaN behaviour log-probs;
@@ -104,14 +107,17 @@ class _Poisoning:
 
 
 def _run_here(cfg, workdir, *, poison=None, stall_at=None):
-  """One in-process run; with `stall_at`, the rollout pool's decode step hangs from then."""
+  """One in-process run, its rollout and held-out pools on one engine as `entry.run`
+  builds them, with every call of the engine compiled before it starts; with
+  `stall_at`, the decode step hangs from then."""
   server = ParameterServer(cfg.staleness, cfg.batch_groups)
   lines = []
   cfg = build.resolve(cfg)
   task = make_task(cfg.task)
+  engines = [build.make_engine(cfg)]
   loop = build.train_loop(cfg, workdir, server if poison is None else _Poisoning(server, poison),
-                          task=task, echo=lines.append, progress=False)
-  worker = build.rollout_worker(cfg, server, task=task)
+                          task=task, engines=engines, echo=lines.append, progress=False)
+  worker = build.rollout_worker(cfg, server, task=task, engines=engines)
   release = threading.Event()
 
   def stall():
@@ -119,9 +125,10 @@ def _run_here(cfg, workdir, *, poison=None, stall_at=None):
       time.sleep(0.05)
     worker.pool.engine.generate_chunk = lambda *args, **kwargs: release.wait()
 
-  if stall_at is not None:
-    threading.Thread(target=stall, daemon=True).start()
   try:
+    engines[0].warmup(server.fetch(-1)[1])
+    if stall_at is not None:
+      threading.Thread(target=stall, daemon=True).start()
     return loop.run([worker]), lines, None
   except StallError as e:
     return None, lines, e

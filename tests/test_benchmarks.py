@@ -30,7 +30,7 @@ def _run(module, *args, timeout=600, config=("--config=configs/micro.py",)):
 def test_sync_vs_async_measures_both_modes_and_checks_the_simulator(tmp_path):
   pytest.importorskip("ray")
   cpus = sorted(os.sched_getaffinity(0))
-  stdout, summary = _run("benchmarks.sync_vs_async", "--steps=3", "--runs=sync",
+  stdout, summary = _run("benchmarks.sync_vs_async", "--steps=2", "--runs=sync",
                          "--etas=0,1", "--frozen", "--sweep_steps=2",
                          f"--trainer_cpus={cpus[0]}", f"--generator_cpus={cpus[-1]}",
                          f"--out_dir={tmp_path}")

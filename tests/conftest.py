@@ -32,19 +32,26 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # its size (jax's defaults skip programs under a second).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# The tests' programs are small, so compiling them is most of the suite's time. Without
-# LLVM's optimisations XLA:CPU compiles them in about 60% of the time, and with its
-# older elemental emitters in place of the MLIR fusion emitters (which every jaxlib the
-# project allows still has) in about a fifth of that again (a train step of the
-# two-layer model: 3.2 s to 0.7 s); they run no slower overall. Subprocesses inherit
-# both; the scripts that set a device count add theirs.
+# The tests' programs are small, so compiling them is most of the suite's time; without
+# LLVM's optimisations XLA:CPU compiles them in about 60% of the time, and they run no
+# slower overall. Subprocesses inherit it; the scripts that set a device count add theirs.
+_FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-     "--xla_cpu_use_fusion_emitters=false"]).strip()
-
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if f != _FAST_EMITTERS]
+    + ["--xla_backend_optimization_level=0"])
 
 # pytest imports this file before any test module, so jax is imported after the above.
 import jax  # noqa: E402
+
+# XLA:CPU reads its flags when its backend starts: the tests in this process compile
+# with its fusion emitters, as a run does, so that the tests that compare two programs
+# (remat against none, the threaded step against the fused one) compare what users
+# run, to float32 rounding. The processes the tests start (whole runs, benchmarks)
+# compile with the older elemental emitters, in about a fifth of the time (a micro
+# 3-step launch.train from a cold cache: 23 s CPU, 13.5 s); their runs are compared
+# with each other, never with this process's numbers.
+jax.devices()
+os.environ["XLA_FLAGS"] += " " + _FAST_EMITTERS
 
 from async_rl.config import ModelConfig  # noqa: E402
 

@@ -136,11 +136,12 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh):
 
 
 def _logp_and_entropy(params, mb: PackedBatch, *, model_cfg, temperature, rows, kernels):
-  """`policy.logp_and_entropy` of a micro-batch, on the truncated support its tokens
-  were sampled from where the batch carries one."""
+  """`policy.logp_and_entropy` of a micro-batch's loss-mask tokens (0 elsewhere), on the
+  truncated support its tokens were sampled from where the batch carries one."""
   return policy.logp_and_entropy(params, model_cfg, mb.tokens, mb.positions, mb.segment_ids,
                                  temperature=temperature, top_k_BT=mb.top_k,
-                                 top_p_BT=mb.top_p, rows=rows, kernels=kernels)
+                                 top_p_BT=mb.top_p, scored_BT=mb.loss_mask != 0, rows=rows,
+                                 kernels=kernels)
 
 
 def mismatch(logp, behav_logp, on, num_tokens):

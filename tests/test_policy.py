@@ -138,3 +138,37 @@ def test_truncated_scoring_renormalises_over_the_support_chunked_as_unchunked():
   assert np.all(np.asarray(logp_1) >= np.asarray(full) - 1e-6)
   truncated = (top_k > 0) | (top_p < 1)
   assert np.all(np.asarray(logp_1)[~truncated] == np.asarray(full)[~truncated])
+
+
+def test_scored_tokens_only_equal_every_token_and_skip_the_rest():
+  cfg, params = _setup()
+  rng = np.random.default_rng(3)
+  B, T = 2, 32
+  tokens = rng.integers(0, 37, (B, T))
+  pos = np.concatenate([np.arange(20), np.arange(12)])[None].repeat(B, 0)
+  seg = np.concatenate([np.full(20, 1), np.full(12, 2)])[None].repeat(B, 0)
+  # Prompts of 10 and 4 tokens, and one row's second sequence unscored.
+  scored = np.concatenate([np.arange(20) >= 10, np.arange(12) >= 4])[None].repeat(B, 0)
+  scored[1, 20:] = False
+  weights = rng.normal(size=(2, B, T))
+
+  def loss(params, scored_BT):
+    logp, ent = policy.logp_and_entropy(params, cfg, tokens, pos, seg, temperature=0.7,
+                                        scored_BT=scored_BT)
+    return jnp.sum(jnp.where(scored, weights[0] * logp + weights[1] * ent, 0.0)), (logp, ent)
+
+  run = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (_, (logp_all, ent_all)), grads_all = run(params, None)
+  (_, (logp, ent)), grads = run(params, scored)
+  np.testing.assert_allclose(np.where(scored, logp_all, 0.0), logp, atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(np.where(scored, ent_all, 0.0), ent, atol=1e-6, rtol=1e-6)
+  # The chunks differ (4 positions, in another order, against 32), so the head's gradient
+  # sums its 64 positions' terms in another order: float32 rounding of a few 1e-6.
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_all)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  # Chunks of T / SKIP_CHUNKS = 4 positions: the 18 columns some row needs (the
+  # predictions at 9..18 and 23..30) first, in 5 chunks; the other 3 are skipped.
+  needed = np.pad(scored[:, 1:], ((0, 0), (0, 1)))
+  C, order, active = policy.chunk_plan(B, T, 37, policy.MAX_CHUNK_LOGITS, needed)
+  assert C == 4 and list(active) == [True] * 5 + [False] * 3
+  assert list(order[:18]) == list(range(9, 19)) + list(range(23, 31))

@@ -3,6 +3,14 @@ r"""The GRPO workload (`benchmarks/grpo_step.py`) through Hugging Face TRL's `GR
   python -m venv /tmp/trl_venv
   /tmp/trl_venv/bin/pip install torch==2.13.0 trl==1.16.0   # pinned torch: the CPU build
   /tmp/trl_venv/bin/python benchmarks/peers/trl_grpo.py [--steps 10] [--seed 0] [--threads N]
+  /tmp/trl_venv/bin/python benchmarks/peers/trl_grpo.py --workload=real_model
+
+`--workload=real_model` runs `benchmarks/real_model.py`'s workload instead (which starts
+this script itself when given `--trl_python`): a Llama model of SmolLM2-135M's shapes
+(vocab 49152, hidden 576, 30 layers, 9 query / 3 KV heads, head_dim 64, MLP 1536, no
+bias, tied embeddings, RoPE theta 1e5, RMS eps 1e-5) with weights ~ N(0, 0.02), per RL
+step 8 prompts of 40 ids uniform in [3, 49151], otherwise as below; it also reports the
+seconds each step spent in `generate` (TRL's `_generate`), the rest being training.
 
 A peer baseline, for a side-by-side comparison with the library's synchronous run,
 `python -m benchmarks.grpo_step --variants=sync_naive`, whose docstring fixes the
@@ -42,20 +50,36 @@ import transformers
 import trl
 from datasets import Dataset
 
-from peer_workload import (GROUP, INIT_STD, NEW_TOKENS, PROMPT_LEN, PROMPTS, VOCAB, WARMUP,
-                           even_fraction, make_tokenizer, prompt_ids)
+from peer_workload import (GROUP, INIT_STD, NEW_TOKENS, PROMPT_LEN, PROMPTS, REAL_PROMPT_LEN,
+                           REAL_PROMPTS, REAL_VOCAB, VOCAB, WARMUP, even_fraction, make_tokenizer,
+                           prompt_ids)
+
+# workload: (prompts per step, prompt length, vocab)
+WORKLOADS = {"grpo_step": (PROMPTS, PROMPT_LEN, VOCAB),
+             "real_model": (REAL_PROMPTS, REAL_PROMPT_LEN, REAL_VOCAB)}
 
 
-def make_model(seed: int) -> transformers.Qwen2ForCausalLM:
+def make_model(workload: str, seed: int) -> transformers.PreTrainedModel:
   """The workload's model with transformers' init, checked against the workload's rules."""
-  config = transformers.Qwen2Config(
-      vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-      max_position_embeddings=PROMPT_LEN + NEW_TOKENS, initializer_range=INIT_STD,
-      pad_token_id=None, dtype="float32")  # No pad id: no zeroed, frozen embedding row.
+  _, prompt_len, vocab = WORKLOADS[workload]
+  # No pad id: no zeroed, frozen embedding row.
+  common = dict(vocab_size=vocab, tie_word_embeddings=True, initializer_range=INIT_STD,
+                max_position_embeddings=prompt_len + NEW_TOKENS, pad_token_id=None,
+                dtype="float32")
+  if workload == "real_model":
+    config = transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, attention_bias=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5}, **common)
+    model_class = transformers.LlamaForCausalLM
+  else:
+    config = transformers.Qwen2Config(
+        hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
+    model_class = transformers.Qwen2ForCausalLM
   torch.manual_seed(seed)
-  model = transformers.Qwen2ForCausalLM(config).float()
+  model = model_class(config).float()
   for name, p in model.named_parameters():
     if name.endswith("bias"):
       assert not p.any(), name
@@ -88,6 +112,23 @@ class StepClock(transformers.TrainerCallback):
     self.ends.append(time.perf_counter())
 
 
+class GenerateClock:
+  """Wraps a trainer's `_generate`, keeping the end time and seconds of every call."""
+
+  def __init__(self, generate):
+    self.generate, self.calls = generate, []
+
+  def __call__(self, *args, **kwargs):
+    start = time.perf_counter()
+    out = self.generate(*args, **kwargs)
+    self.calls.append((time.perf_counter(), time.perf_counter() - start))
+    return out
+
+  def per_step(self, ends) -> list[float]:
+    """Seconds in `_generate` within each step (between consecutive `ends`)."""
+    return [sum(s for end, s in self.calls if a < end <= b) for a, b in zip(ends, ends[1:])]
+
+
 class EvenFraction:
   """The reward (the share of even completion ids), keeping the lengths and step means."""
   __name__ = "even_fraction"
@@ -107,46 +148,56 @@ def main():
   parser.add_argument("--steps", type=int, default=10, help="RL steps, the first 2 untimed.")
   parser.add_argument("--seed", type=int, default=0, help="Seed of params, prompts, sampling.")
   parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads.")
+  parser.add_argument("--workload", choices=sorted(WORKLOADS), default="grpo_step",
+                      help="Whose workload: benchmarks/grpo_step.py's or real_model.py's.")
   flags = parser.parse_args()
   if flags.steps <= WARMUP:
     parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
   torch.set_num_threads(flags.threads)
 
-  tokenizer = make_tokenizer()
-  prompts = [" ".join(map(str, ids)) for ids in prompt_ids(flags.seed, PROMPTS * flags.steps)]
-  assert tokenizer(prompts)["input_ids"] == prompt_ids(flags.seed, len(prompts))
+  num_prompts, prompt_len, vocab = WORKLOADS[flags.workload]
+  tokenizer = make_tokenizer(vocab)
+  ids = prompt_ids(flags.seed, num_prompts * flags.steps, prompt_len, vocab)
+  prompts = [" ".join(map(str, p)) for p in ids]
+  assert tokenizer(prompts)["input_ids"] == ids
   reward, clock = EvenFraction(), StepClock()
   with tempfile.TemporaryDirectory(prefix="trl_grpo_") as workdir:
     args = trl.GRPOConfig(
         output_dir=workdir, max_steps=flags.steps, seed=flags.seed, use_cpu=True, bf16=False,
-        fp16=False, activation_checkpointing=False, per_device_train_batch_size=PROMPTS * GROUP,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        num_generations=GROUP, max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0,
-        top_p=1.0, beta=0.0, epsilon=0.2, scale_rewards="group", learning_rate=1e-4,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        shuffle_dataset=False, report_to="none", save_strategy="no", logging_strategy="no",
-        disable_tqdm=True)
+        fp16=False, activation_checkpointing=False,
+        per_device_train_batch_size=num_prompts * GROUP, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=1, num_generations=GROUP,
+        max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
+        epsilon=0.2, scale_rewards="group", learning_rate=1e-4, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, shuffle_dataset=False,
+        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
     trainer = trl.GRPOTrainer(
-        model=make_model(flags.seed), reward_funcs=reward, args=args, processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[clock])
+        model=make_model(flags.workload, flags.seed), reward_funcs=reward, args=args,
+        processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": prompts}),
+        callbacks=[clock])
+    trainer._generate = generate = GenerateClock(trainer._generate)
     peaks = [matmul_peak()]
     trainer.train()
     peaks.append(matmul_peak())
 
   step_s = np.diff(clock.ends)[WARMUP - 1:]
+  gen_s = np.array(generate.per_step(clock.ends))[WARMUP - 1:]
   peak = max(peaks)
   print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads; {flags.steps} steps, the "
-        f"first {WARMUP} untimed\nstep: median {np.median(step_s):.3f} s, min {step_s.min():.3f}"
+        f"{torch.__version__}, {torch.get_num_threads()} threads; {flags.steps} steps of the "
+        f"{flags.workload} workload, the first {WARMUP} untimed\nstep: median "
+        f"{np.median(step_s):.3f} s (generate {np.median(gen_s):.3f} s), min {step_s.min():.3f}"
         f" s over {len(step_s)} steps; float32 1024^3 matmul best {peak / 1e9:.1f} GFLOP/s of "
         f"{', '.join(f'{p / 1e9:.0f}' for p in peaks)} (before and after)\ncompletion lengths "
         f"{dict(reward.lengths)}; mean reward per step {np.round(reward.means, 3).tolist()}")
   print(json.dumps({
-      "system": "trl", "trl_version": trl.__version__,
+      "system": "trl", "workload": flags.workload, "trl_version": trl.__version__,
       "transformers_version": transformers.__version__, "torch_version": torch.__version__,
       "threads": torch.get_num_threads(), "steps": flags.steps, "warmup": WARMUP,
       "timed_steps": len(step_s), "sec_per_step": round(float(np.median(step_s)), 4),
       "min_step_s": round(float(step_s.min()), 4),
+      "gen_s": round(float(np.median(gen_s)), 4),
+      "train_s": round(float(np.median(step_s - gen_s)), 4),
       "step_s": [round(float(s), 4) for s in step_s], "matmul_gflops": round(peak / 1e9, 2),
       "matmul_gflops_runs": [round(p / 1e9, 2) for p in peaks],
       "completion_lengths": {str(n): c for n, c in sorted(reward.lengths.items())},

@@ -117,8 +117,10 @@ def even_fraction(completion: str, reference) -> float:
 
 class IdTokenizer:
   """Token ids as decimal words; no stop id, so every sample runs to max_new_tokens."""
-  vocab_size = MODEL.vocab_size
   stop_ids = ()
+
+  def __init__(self, vocab_size: int = MODEL.vocab_size):
+    self.vocab_size = vocab_size
 
   def encode(self, text: str) -> list[int]:
     return [int(i) for i in text.split()]
@@ -134,17 +136,20 @@ class RandomPrompt:
 
 
 class RandomPrompts:
-  """An endless stream of random prompts; prompt i is drawn from (seed, i) alone."""
+  """An endless stream of random prompts of `prompt_len` ids in [FIRST_ID, vocab_size);
+  prompt i is drawn from (seed, i) alone."""
 
-  def __init__(self, seed: int, index: int = 0, split: str = "train"):
+  def __init__(self, seed: int, index: int = 0, split: str = "train", *,
+               vocab_size: int = MODEL.vocab_size, prompt_len: int = PROMPT_LEN):
     self.seed, self.index, self.split = seed, index, split
+    self.vocab_size, self.prompt_len = vocab_size, prompt_len
 
   def __iter__(self):
     return self
 
   def __next__(self) -> RandomPrompt:
     rng = np.random.default_rng([self.seed, self.index])
-    tokens = rng.integers(FIRST_ID, MODEL.vocab_size, PROMPT_LEN)
+    tokens = rng.integers(FIRST_ID, self.vocab_size, self.prompt_len)
     prompt = RandomPrompt(f"{self.split}/{self.seed}/{self.index}", tuple(map(int, tokens)))
     self.index += 1
     return prompt
@@ -155,19 +160,20 @@ class RandomPrompts:
 
 class RandomTokenTask:
   """The workload's task (`tasks.protocol.Task`): random prompts, the even-id reward."""
-  tokenizer = IdTokenizer()
   reward_fn = staticmethod(even_fraction)
   workflow = None
 
-  def __init__(self, seed: int):
-    self.seed = seed
+  def __init__(self, seed: int, *, vocab_size: int = MODEL.vocab_size,
+               prompt_len: int = PROMPT_LEN):
+    self.seed, self.tokenizer = seed, IdTokenizer(vocab_size)
+    self._shape = dict(vocab_size=vocab_size, prompt_len=prompt_len)
 
   def stream(self, state: Optional[dict] = None, *, worker_index: int = 0) -> RandomPrompts:
     seed = self.seed + 1000 * (worker_index + 1)  # The held-out set takes seed + 0.
-    return RandomPrompts(seed, state["index"] if state else 0)
+    return RandomPrompts(seed, state["index"] if state else 0, **self._shape)
 
   def heldout(self, n: int) -> list[RandomPrompt]:
-    prompts = RandomPrompts(self.seed, split="heldout")
+    prompts = RandomPrompts(self.seed, split="heldout", **self._shape)
     return [next(prompts) for _ in range(n)]
 
   @staticmethod
@@ -177,8 +183,9 @@ class RandomTokenTask:
 
 def make_task(cfg: TaskConfig) -> RandomTokenTask:
   """The task factory (`task.name="benchmarks.grpo_step:make_task"`); its seed is
-  `task.options["seed"]`."""
-  return RandomTokenTask(cfg.options["seed"])
+  `task.options["seed"]`, and `vocab_size` and `prompt_len` may be given there too
+  (default: the workload's)."""
+  return RandomTokenTask(**cfg.options)
 
 
 def init_params(cfg: ModelConfig, seed: int):

@@ -214,8 +214,8 @@ def _head_scores(h_nBCD, head, next_nBC, truncation_nBC, active_n, *, temperatur
     zeros = (jnp.zeros((B, C, D), h_nBCD.dtype), jnp.zeros((D, head.size // D), jnp.float32))
 
     def one(dhead_DV, xs):
-      active, *chunk = xs
-      dh, d = jax.lax.cond(active, lambda: _chunk_grads(*chunk[:1], head, *chunk[1:], **kw,
+      active, h, *chunk = xs
+      dh, d = jax.lax.cond(active, lambda: _chunk_grads(h, head, *chunk, **kw,
                                                         truncated=bool(truncation_nBC)),
                            lambda: zeros)
       return dhead_DV + d, dh

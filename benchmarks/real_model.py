@@ -8,9 +8,9 @@ given its virtualenv, TRL) doing the same work in the same run.
 
 (`benchmarks/peers/trl_grpo.py` says how to make TRL's virtualenv.)
 
-The model: SmolLM2-135M's shapes (Llama: vocab 49152, d_model 576, 30 layers, 9 query /
-3 KV heads, head_dim 64, MLP 1536, no q/k/v bias, tied embeddings, RoPE theta 1e5, RMS
-eps 1e-5), float32, weight matrices ~ N(0, 0.02) and norm scales 1: a stand-in with
+The model: SmolLM2-135M's shapes (the `smollm2-135m` preset, a Llama: vocab 49152,
+d_model 576, 30 layers, 9 query / 3 KV heads, head_dim 64, MLP 1536, no q/k/v bias, tied
+embeddings, RoPE theta 1e5, RMS eps 1e-5), float32, weight matrices ~ N(0, 0.02) and norm scales 1: a stand-in with
 random weights, since speed does not depend on them. transformers runs a
 `LlamaForCausalLM` of the same config (its own init, at the same std). --quick keeps
 the shapes but 2 layers and a vocab of 4096.
@@ -67,7 +67,7 @@ from absl import app, flags, logging
 from async_rl import cpu, sharding
 from async_rl.config import (CPUConfig, EvalConfig, ExperimentConfig, GenerationConfig,
                              MeshConfig, ModelConfig, OptimizerConfig, PPOConfig,
-                             StalenessConfig, TaskConfig)
+                             StalenessConfig, TaskConfig, model_preset)
 from async_rl.generation import GeneratorPool, Request, SamplingParams
 from async_rl.models import flops
 from async_rl.rl import build, entry
@@ -87,10 +87,7 @@ _TRL_PYTHON = flags.DEFINE_string("trl_python", None, "A Python with TRL 1.16 "
 ROOT = Path(__file__).parents[1]
 PROMPTS, PROMPT_LEN, GROUP, NEW_TOKENS = 8, 40, 4, 64
 SEQUENCES = PROMPTS * GROUP
-MODEL = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                    head_dim=64, d_ff=1536, rope_theta=1e5, rms_eps=1e-5, qkv_bias=False,
-                    tie_embeddings=True, max_seq_len=2048, dtype="float32",
-                    param_dtype="float32")
+MODEL = model_preset("smollm2-135m", dtype="float32", param_dtype="float32")
 QUICK_MODEL = dataclasses.replace(MODEL, n_layers=2, vocab_size=4096)
 PARTS = ("decode", "train", "grpo", "first_step")
 

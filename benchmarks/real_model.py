@@ -10,10 +10,10 @@ given its virtualenv, TRL) doing the same work in the same run.
 
 The model: SmolLM2-135M's shapes (the `smollm2-135m` preset, a Llama: vocab 49152,
 d_model 576, 30 layers, 9 query / 3 KV heads, head_dim 64, MLP 1536, no q/k/v bias, tied
-embeddings, RoPE theta 1e5, RMS eps 1e-5), float32, weight matrices ~ N(0, 0.02) and norm scales 1: a stand-in with
-random weights, since speed does not depend on them. transformers runs a
-`LlamaForCausalLM` of the same config (its own init, at the same std). --quick keeps
-the shapes but 2 layers and a vocab of 4096.
+embeddings, RoPE theta 1e5, RMS eps 1e-5), float32, weight matrices ~ N(0, 0.02) and
+norm scales 1: a stand-in with random weights, since speed does not depend on them.
+transformers runs a `LlamaForCausalLM` of the same config (its own init, at the same
+std). --quick keeps the shapes but 2 layers and a vocab of 4096.
 
 Parts (`--parts`), each comparison taking turns with the other side and with a 1024^3
 float32 matmul, `--rounds` times, its best round reported (others' load on a shared
@@ -38,9 +38,14 @@ machine only adds time):
     reward the share of even ids (`benchmarks/grpo_step.py`'s task), group-normalised
     advantages, naive PPO (η = 0, drain), AdamW 1e-4, every core to the generator and
     the trainer in turn; `--steps` steps, the first 2 untimed, medians of the rest (gen
-    s, train s as `benchmarks/grpo_step.py` splits a step). With --trl_python, TRL 1.16's
-    `GRPOTrainer` on the same workload (`benchmarks/peers/trl_grpo.py
-    --workload=real_model`), after the library's run.
+    s, train s as `benchmarks/grpo_step.py` splits a step). Its floor: the FLOPs of each
+    prompt's forward once (for its group), 63 token forwards per sample, and the train
+    forward and backward, at the peak. With --trl_python, TRL 1.16's `GRPOTrainer` on the
+    same workload (`benchmarks/peers/trl_grpo.py --workload=real_model`), after the
+    library's runs.
+  overlap: the grpo workload with η = 1 (the library's asynchronous mode): the samples
+    of step v + 1 are generated while step v trains, the generator and the trainer on
+    half the cores each (the defaults of `cpu`), naive PPO as above.
   first_step: seconds from starting a process that runs the grpo workload to the end of
     its first RL step, with an empty compilation cache (cold: a fresh
     `JAX_COMPILATION_CACHE_DIR`) and again with the cache that run filled (warm: the grpo
@@ -78,8 +83,8 @@ from benchmarks.common.run_stats import measured_config
 
 # --quick and --seed are benchmarks/train_step.py's flags and --steps grpo_step.py's,
 # which grpo_step imports.
-_PARTS = flags.DEFINE_list("parts", ["decode", "train", "grpo", "first_step"],
-                           "Which parts, of decode, train, grpo, first_step.")
+_PARTS = flags.DEFINE_list("parts", ["decode", "train", "grpo", "overlap", "first_step"],
+                           "Which parts, of decode, train, grpo, overlap, first_step.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Turns of each side-by-side comparison.")
 _TRL_PYTHON = flags.DEFINE_string("trl_python", None, "A Python with TRL 1.16 "
                                   "(benchmarks/peers/trl_grpo.py): runs its GRPOTrainer too.")
@@ -89,17 +94,18 @@ PROMPTS, PROMPT_LEN, GROUP, NEW_TOKENS = 8, 40, 4, 64
 SEQUENCES = PROMPTS * GROUP
 MODEL = model_preset("smollm2-135m", dtype="float32", param_dtype="float32")
 QUICK_MODEL = dataclasses.replace(MODEL, n_layers=2, vocab_size=4096)
-PARTS = ("decode", "train", "grpo", "first_step")
+PARTS = ("decode", "train", "grpo", "overlap", "first_step")
 
 
 def model_cfg(quick: bool) -> ModelConfig:
   return QUICK_MODEL if quick else MODEL
 
 
-def experiment(cfg: ModelConfig, *, steps: int, seed: int, num_slots: int = SEQUENCES
-               ) -> ExperimentConfig:
-  """The GRPO workload's run: synchronous, naive PPO, every core to each side in turn."""
-  cores = cpu.cores()
+def experiment(cfg: ModelConfig, *, steps: int, seed: int, num_slots: int = SEQUENCES,
+               eta: int = 0) -> ExperimentConfig:
+  """The GRPO workload's run, naive PPO: synchronous (η = 0) with every core to each side
+  in turn, or overlapping (η = 1) with half each."""
+  cores = cpu.cores() if eta == 0 else 0
   return measured_config(ExperimentConfig(
       seed=seed, batch_groups=PROMPTS, model=cfg,
       task=TaskConfig(name="benchmarks.grpo_step:make_task",
@@ -111,13 +117,21 @@ def experiment(cfg: ModelConfig, *, steps: int, seed: int, num_slots: int = SEQU
       generation=GenerationConfig(max_prompt_len=PROMPT_LEN, max_new_tokens=NEW_TOKENS,
                                   group_size=GROUP, temperature=1.0, top_k=0, top_p=1.0,
                                   num_slots=num_slots, update_mode="drain"),
-      staleness=StalenessConfig(max_staleness=0), eval=EvalConfig(num_prompts=1, pass_k=1)),
+      staleness=StalenessConfig(max_staleness=eta), eval=EvalConfig(num_prompts=1, pass_k=1)),
       steps)
 
 
 def forward_flops(cfg: ModelConfig, lengths) -> float:
   """FLOPs of one forward of every position of sequences of `lengths` tokens."""
   return flops.train_flops(cfg, np.concatenate([np.arange(n) for n in lengths])) / 3
+
+
+def gen_flops(cfg: ModelConfig) -> float:
+  """The least FLOPs of a step's generation: each prompt's forward once for its group,
+  then 63 token forwards per sample (the 64th token needs none)."""
+  prompts = np.tile(np.arange(PROMPT_LEN), PROMPTS)
+  samples = np.tile(np.arange(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS - 1), SEQUENCES)
+  return flops.train_flops(cfg, np.concatenate([prompts, samples])) / 3
 
 
 def _torch_model(cfg: ModelConfig, seed: int):
@@ -252,11 +266,11 @@ def train_part(cfg: ModelConfig, rounds: int, seed: int, peaks: list) -> dict:
   return out
 
 
-def run_child(quick: bool, steps: int, seed: int) -> dict:
+def run_child(quick: bool, steps: int, seed: int, eta: int) -> dict:
   """The GRPO workload in this process (started by `_grpo_process`): its step figures,
   when its first step ended (`time.time()`) and its peak RSS."""
   logging.set_verbosity(logging.WARNING)
-  cfg = experiment(model_cfg(quick), steps=steps, seed=seed)
+  cfg = experiment(model_cfg(quick), steps=steps, seed=seed, eta=eta)
   with tempfile.TemporaryDirectory(prefix="real_model_") as workdir:
     summary = entry.run(cfg, workdir, init_params=grpo_step.init_params(cfg.model, seed),
                         task=grpo_step.make_task(cfg.task), echo=lambda _: None,
@@ -271,11 +285,11 @@ def run_child(quick: bool, steps: int, seed: int) -> dict:
   return out
 
 
-def _grpo_process(quick: bool, steps: int, seed: int, cache_dir: str) -> dict:
+def _grpo_process(quick: bool, steps: int, seed: int, cache_dir: str, eta: int = 0) -> dict:
   """`run_child` in a new Python process with `cache_dir` as its compilation cache; with
   the seconds from starting it to the end of its first step."""
   code = (f"import json; from benchmarks import real_model; "
-          f"print(json.dumps(real_model.run_child({quick}, {steps}, {seed})))")
+          f"print(json.dumps(real_model.run_child({quick}, {steps}, {seed}, {eta})))")
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=cache_dir)
   start = time.time()
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -322,6 +336,9 @@ def main(argv):
     if "grpo" in parts or "first_step" in parts:
       peaks.append(matmul_peak())
       result["grpo"] = _grpo_process(quick, steps, seed, cache)
+    if "overlap" in parts:
+      peaks.append(matmul_peak())
+      result["overlap"] = _grpo_process(quick, steps, seed, cache, eta=1)
   if "grpo" in parts and _TRL_PYTHON.value:
     peaks.append(matmul_peak())
     result["trl"] = trl_part(_TRL_PYTHON.value, steps, seed)
@@ -343,14 +360,15 @@ def figures(cfg: ModelConfig, result: dict, peak: float) -> dict:
   if "train" in out:
     out["train"]["mfu"] = out["train"]["flops"] / out["train"]["seconds"] / peak
     out["train"]["hf_mfu"] = out["train"]["flops"] / out["train"]["hf_seconds"] / peak
-  if "grpo" in out and "step_s" in out["grpo"]:
-    grpo = out["grpo"]
-    gen = forward_flops(cfg, [PROMPT_LEN + NEW_TOKENS - 1] * SEQUENCES)
+  for name in ("grpo", "overlap"):
+    if "step_s" not in out.get(name, {}):
+      continue
+    run = out[name]
     train = flops.train_flops(cfg, np.tile(np.arange(PROMPT_LEN + NEW_TOKENS), SEQUENCES))
-    grpo.update(floor_s=(gen + train) / peak, train_mfu=train / grpo["train_s"] / peak)
-    grpo["floor_ratio"] = grpo["step_s"] / grpo["floor_s"]
+    run.update(floor_s=(gen_flops(cfg) + train) / peak, train_mfu=train / run["train_s"] / peak)
+    run["floor_ratio"] = run["step_s"] / run["floor_s"]
     if "trl" in out:
-      grpo["vs_trl"] = grpo["step_s"] / out["trl"]["sec_per_step"]
+      run["vs_trl"] = run["step_s"] / out["trl"]["sec_per_step"]
   return out
 
 
@@ -368,15 +386,17 @@ def print_tables(s: dict) -> None:
     print(f"\ntrain step: {t['seconds']:.2f} s ({t['tokens_per_s']:.0f} tokens/s, MFU "
           f"{t['mfu']:.0%}); transformers {t['hf_seconds']:.2f} s (MFU {t['hf_mfu']:.0%}); "
           f"{t['ratio']:.2f}x")
-  if "grpo" in s and "step_s" in s["grpo"]:
-    g = s["grpo"]
-    print(f"\nGRPO step: {g['step_s']:.2f} s (gen {g['gen_s']:.2f}, train {g['train_s']:.2f}, "
-          f"train MFU {g['train_mfu']:.0%}), {g['floor_ratio']:.2f}x its floor of "
-          f"{g['floor_s']:.2f} s; peak RSS {g['peak_rss_gb']:.2f} GiB")
-    if "trl" in s:
-      r = s["trl"]
-      print(f"TRL: {r['sec_per_step']:.2f} s (generate {r['gen_s']:.2f}, train "
-            f"{r['train_s']:.2f}); the library takes {g['vs_trl']:.2f}x TRL's time")
+  for name, mode in (("grpo", "η = 0"), ("overlap", "η = 1")):
+    if "step_s" not in s.get(name, {}):
+      continue
+    g = s[name]
+    vs_trl = f"; {g['vs_trl']:.2f}x TRL's time" if "vs_trl" in g else ""
+    print(f"\nGRPO step, {mode}: {g['step_s']:.2f} s (gen {g['gen_s']:.2f}, train "
+          f"{g['train_s']:.2f}, train MFU {g['train_mfu']:.0%}), {g['floor_ratio']:.2f}x its "
+          f"floor of {g['floor_s']:.2f} s{vs_trl}; peak RSS {g['peak_rss_gb']:.2f} GiB")
+  if "trl" in s:
+    r = s["trl"]
+    print(f"TRL: {r['sec_per_step']:.2f} s (generate {r['gen_s']:.2f}, train {r['train_s']:.2f})")
   if "first_step_cold" in s:
     print(f"\nto the first RL step: {s['first_step_cold']['to_first_step_s']:.1f} s cold, "
           f"{s['grpo']['to_first_step_s']:.1f} s with the compilation cache warm; peak RSS "

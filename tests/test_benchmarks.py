@@ -182,15 +182,17 @@ def test_real_model_runs_every_part_against_transformers_and_its_floor():
   assert t["flops"] == train and t["packed_tokens"] >= 32 * 104
   assert t["mfu"] == pytest.approx(train / t["seconds"] / peak, rel=1e-3)
   assert t["hf_seconds"] > 0 and t["grad_threads"] >= 1
-  # The GRPO run: every sample 64 new tokens, one timed step, its floor from both parts.
-  g = s["grpo"]
-  assert g["completion_lengths"] == [64] == s["first_step_cold"]["completion_lengths"]
-  assert g["floor_s"] == pytest.approx((32 * (103 * 2 * 9_437_184 + 4 * 1152 * sum(
-      range(1, 104))) + train) / peak, rel=1e-3)
-  assert 0 < g["gen_s"] < g["step_s"] and 0 < g["train_s"] < g["step_s"]
-  assert g["floor_ratio"] > 1 and g["peak_rss_gb"] > 0
+  # The GRPO runs: every sample 64 new tokens, one timed step; the floor's generation
+  # runs each of the 8 prompts once, then 63 token forwards per sample.
+  gen = (8 * (40 * 2 * 9_437_184 + 4 * 1152 * sum(range(1, 41)))
+         + 32 * (63 * 2 * 9_437_184 + 4 * 1152 * sum(range(41, 104))))
+  for g in (s["grpo"], s["overlap"]):
+    assert g["completion_lengths"] == [64] == s["first_step_cold"]["completion_lengths"]
+    assert g["floor_s"] == pytest.approx((gen + train) / peak, rel=1e-3)
+    assert 0 < g["gen_s"] < g["step_s"] and 0 < g["train_s"] < g["step_s"]
+    assert g["floor_ratio"] > 1 and g["peak_rss_gb"] > 0
   assert s["first_step_cold"]["to_first_step_s"] > 0 and g["to_first_step_s"] > 0
-  assert "GRPO step" in stdout and "S=8" in stdout  # the tables
+  assert "GRPO step, η = 1" in stdout and "S=8" in stdout  # the tables
 
 
 def test_faults_survives_every_in_process_fault(tmp_path):

@@ -13,7 +13,9 @@ Shared (`from conftest import ...`): the tiny models (`two_layer_model`,
 `one_layer_model`), `wait_until`, which polls a condition and fails the test when it
 does not come true in time, and `compiles`, which counts a jitted function's programs.
 Fixtures: `smollm2_gguf`, the shipped SmolLM2 GGUF file, fetched once into the model
-cache (`async-rl-fetch`) that every later run of the suite reuses, and `gpu_target`.
+cache (`async-rl-fetch`) that every later run of the suite reuses; `smollm2_two_blocks`,
+the same model cut to its first two blocks (its own vocabulary, tokenizer and chat
+template; seconds to load and step); and `gpu_target`.
 """
 
 import contextlib
@@ -135,3 +137,44 @@ def smollm2_gguf():
   pytest.importorskip("gguf", reason="GGUF files need the hf extra")
   from async_rl.models import pretrained  # noqa: PLC0415 (only the tests that use it)
   return pretrained.fetch("smollm2-135m-instruct")
+
+
+SMOLLM2_BLOCKS = 2
+
+
+def write_blocks(src: str, dst: str, n_blocks: int) -> None:
+  """A GGUF with `src`'s metadata and tensors up to block `n_blocks`, bytes unchanged."""
+  import gguf  # noqa: PLC0415 (the hf extra)
+  reader = gguf.GGUFReader(src)
+  writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes it
+      continue
+    value = n_blocks if key == "llama.block_count" else field.contents()
+    writer.add_key_value(key, value, field.types[0],
+                         field.types[-1] if len(field.types) > 1 else None)
+  for tensor in reader.tensors:
+    parts = tensor.name.split(".")
+    if parts[0] == "blk" and int(parts[1]) >= n_blocks:
+      continue
+    writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_two_blocks(smollm2_gguf, request):
+  """(the path of a GGUF holding the shipped SmolLM2's metadata, embedding and first
+  `SMOLLM2_BLOCKS` blocks, quantized as in the file; its converted directory), both
+  written once into pytest's cache."""
+  from async_rl.models import pretrained  # noqa: PLC0415 (the hf extra)
+  cache = request.config.cache.mkdir("async_rl_gguf")
+  digest = pretrained.SHIPPED["smollm2-135m-instruct"].sha256
+  path = cache / f"{digest[:16]}-{SMOLLM2_BLOCKS}-blocks.gguf"
+  if not path.exists():
+    part = path.with_suffix(f".{os.getpid()}.part")
+    write_blocks(smollm2_gguf, str(part), SMOLLM2_BLOCKS)
+    os.replace(part, path)
+  return str(path), pretrained.model_dir(str(path), cache=str(cache))

@@ -31,6 +31,7 @@ from async_rl.models.hf_tokenizer import HFTokenizer  # noqa: E402
 from async_rl.rl import build, workdir as workdir_lib  # noqa: E402
 from async_rl.rl.checkpoint import Checkpointer, Meta  # noqa: E402
 from async_rl.rl.export import export_hf  # noqa: E402
+from conftest import SMOLLM2_BLOCKS  # noqa: E402
 from hf_test_utils import load_hf, our_logits, torch_logits  # noqa: E402
 from rl_test_utils import small_config  # noqa: E402
 
@@ -38,7 +39,6 @@ ROOT = Path(__file__).parents[1]
 SHIPPED = "smollm2-135m-instruct"
 # float32 on both sides; differences are summation-order rounding.
 TOL = 1e-4
-N_BLOCKS = 2
 TEXTS = [
     "The capital of France is Paris. What is 12 + 7? It is 19.",
     "Ünïcödé: naïve café, 日本語のテキスト, Ελληνικά, emoji 🙂👨‍👩‍👧 🇫🇷, math ∑√∫≤ 𝔘𝔫𝔦",
@@ -59,54 +59,21 @@ CHATS = [
 ]
 
 
-def _write_blocks(src: str, dst: str, n_blocks: int) -> None:
-  """A GGUF with `src`'s metadata and tensors up to block `n_blocks`, bytes unchanged."""
-  reader = gguf.GGUFReader(src)
-  writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
-  for key, field in reader.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes it
-      continue
-    value = n_blocks if key == "llama.block_count" else field.contents()
-    writer.add_key_value(key, value, field.types[0],
-                         field.types[-1] if len(field.types) > 1 else None)
-  for tensor in reader.tensors:
-    parts = tensor.name.split(".")
-    if parts[0] == "blk" and int(parts[1]) >= n_blocks:
-      continue
-    writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
-
-
 @pytest.fixture(scope="module")
-def small(smollm2_gguf, request):
-  """(path of the two-block GGUF, its converted directory)."""
-  cache = request.config.cache.mkdir("async_rl_gguf")
-  path = cache / f"{pretrained.SHIPPED[SHIPPED].sha256[:16]}-{N_BLOCKS}-blocks.gguf"
-  if not path.exists():
-    part = path.with_suffix(f".{os.getpid()}.part")
-    _write_blocks(smollm2_gguf, str(part), N_BLOCKS)
-    os.replace(part, path)
-  return str(path), pretrained.model_dir(str(path), cache=str(cache))
-
-
-@pytest.fixture(scope="module")
-def reference(small):
+def reference(smollm2_two_blocks):
   """transformers' own load of the two-block GGUF: (model, tokenizer)."""
-  folder, name = os.path.split(small[0])
+  folder, name = os.path.split(smollm2_two_blocks[0])
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                             dtype=torch.float32).eval()
   return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
-def test_logits_match_transformers_load_of_the_file(small, reference):
-  _, model_dir = small
+def test_logits_match_transformers_load_of_the_file(smollm2_two_blocks, reference):
+  _, model_dir = smollm2_two_blocks
   ref_model, ref_tok = reference
   cfg, params = load_hf(model_dir)
   assert (cfg.n_layers, cfg.vocab_size, cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings) == (
-      N_BLOCKS, 49152, False, False, True)
+      SMOLLM2_BLOCKS, 49152, False, False, True)
   tok = HFTokenizer(model_dir)
   for text in TEXTS[:2] + [tok.render_chat(CHATS[0])]:
     ids = tok.encode(text)
@@ -115,8 +82,8 @@ def test_logits_match_transformers_load_of_the_file(small, reference):
     assert diff <= TOL, (text, diff)
 
 
-def test_text_round_trips_as_transformers_tokenizes_it(small, reference):
-  _, model_dir = small
+def test_text_round_trips_as_transformers_tokenizes_it(smollm2_two_blocks, reference):
+  _, model_dir = smollm2_two_blocks
   _, ref_tok = reference
   tok = HFTokenizer(model_dir)
   from_dir = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -136,8 +103,8 @@ def test_text_round_trips_as_transformers_tokenizes_it(small, reference):
   assert tok.decode(ids, skip_special_tokens=False) == ref_tok.decode(before_stop)
 
 
-def test_digits_are_split_off_as_llama_cpp_does(small, reference):
-  _, model_dir = small
+def test_digits_are_split_off_as_llama_cpp_does(smollm2_two_blocks, reference):
+  _, model_dir = smollm2_two_blocks
   tok = HFTokenizer(model_dir)
   # The file's vocabulary as transformers reads it; "\n" and " " are "Ċ" and "Ġ" in
   # the byte-level alphabet.
@@ -146,8 +113,8 @@ def test_digits_are_split_off_as_llama_cpp_does(small, reference):
   assert tok.encode("a  12") == vocab(["a", "ĠĠ", "1", "2"])
 
 
-def test_special_ids_and_chat_template_match_transformers(small, reference):
-  _, model_dir = small
+def test_special_ids_and_chat_template_match_transformers(smollm2_two_blocks, reference):
+  _, model_dir = smollm2_two_blocks
   _, ref_tok = reference
   tok = HFTokenizer(model_dir)
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2) == (
@@ -163,8 +130,8 @@ def test_special_ids_and_chat_template_match_transformers(small, reference):
       assert tok.encode(text) == list(want)
 
 
-def test_a_run_from_the_file_exports_a_directory_transformers_loads(small, tmp_path):
-  _, model_dir = small
+def test_a_run_from_the_file_exports_a_directory_transformers_loads(smollm2_two_blocks, tmp_path):
+  _, model_dir = smollm2_two_blocks
   cfg = build.resolve(small_config(hf_model_dir=model_dir))
   base = hf.load_hf(model_dir, cfg.model)
   # Moved off the file's weights, so the export cannot pass by echoing them.

@@ -16,6 +16,7 @@ resolving a Hugging Face directory or checking a data path is the builder's job.
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Optional
 
 # The names fields may take.
@@ -606,12 +607,18 @@ class EvalConfig:
       0, "evaluate every this many training steps; 0: only before and after.")
   num_prompts: int = _field(
       200, "held-out prompts per evaluation (fewer if the task has fewer).")
-  pass_k: int = _field(4, "samples per prompt for pass@k.")
+  pass_k: int = _field(
+      4, "samples per prompt for pass@k; 0: none (greedy accuracy alone, half the work).")
   correct_threshold: float = _field(
       1.0, "a completion is correct when its score is at least this.")
   correct_fn: Optional[str] = _field(
       None, "what scores correctness (a reward function's name, called as "
       "`rollout.reward_fn`'s are); None: the training reward.")
+  also_correct_fns: dict[str, str] = _field(
+      {}, "more criteria of correctness, by name: each greedy completion is also scored by "
+      "these functions (named and called as `correct_fn` is), and the share scoring at least "
+      "`correct_threshold` is reported as `accuracy_NAME` (a lenient score beside a strict "
+      "one, say).")
 
   def __post_init__(self):
     _check_finite("eval", self)
@@ -619,8 +626,12 @@ class EvalConfig:
       fail("eval.every_steps", self.every_steps, "must be >= 0")
     if self.num_prompts < 1:
       fail("eval.num_prompts", self.num_prompts, "must be >= 1")
-    if self.pass_k < 1:
-      fail("eval.pass_k", self.pass_k, "must be >= 1")
+    if self.pass_k < 0:
+      fail("eval.pass_k", self.pass_k, "must be >= 0")
+    for name, fn in self.also_correct_fns.items():
+      if not re.fullmatch(r"[A-Za-z_]\w*", str(name)) or not isinstance(fn, str) or not fn:
+        fail("eval.also_correct_fns", self.also_correct_fns,
+             "must map names (letters, digits, _) to reward function names")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -701,6 +712,57 @@ class ArithmeticConfig:
     if self.max_value < 2 * self.max_operand:
       fail(name + "max_value", self.max_value,
            f"must be >= 2 * {name}max_operand ({2 * self.max_operand})")
+    if not 0 < self.heldout_fraction < 1:
+      fail(name + "heldout_fraction", self.heldout_fraction, "must lie in (0, 1)")
+    if self.seed < 0:
+      fail(name + "seed", self.seed, "must be >= 0")
+
+
+# The answer formats of the chat arithmetic task: `<answer>N</answer>` or `\boxed{N}`.
+ANSWER_FORMATS = ("answer", "boxed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatArithmeticConfig:
+  """Arithmetic asked through a model's chat template (`task.name="arithmetic_chat"`,
+  `tasks.chat_arithmetic`)."""
+  ops: str = _field("+-*", "the operators, each drawn as often.")
+  min_operand: int = _field(0, "operands are drawn uniformly from [min_operand, max_operand].")
+  max_operand: int = _field(99, "the largest operand.")
+  answer_format: str = _field(
+      "answer", 'how the answer must be written (`ANSWER_FORMATS`): "answer" '
+      '(`<answer>N</answer>`) or "boxed" (`\\boxed{N}`).')
+  system: str = _field(
+      "Reply with only the result, written as {format}.",
+      "the system turn, `{format}` replaced by the answer format (`<answer>N</answer>`); "
+      "\"\" leaves it out (the chat template may then write its own).")
+  question: str = _field(
+      "What is {a} {op} {b}?", "the user's text, `{a}`, `{op}` and `{b}` filled in.")
+  examples: tuple[str, ...] = _field(
+      (), "worked examples, each `a op b`, asked and answered in the answer format as "
+      "earlier turns of the conversation, before the question.")
+  heldout_fraction: float = _field(
+      0.1, "share of all questions reserved for the held-out split.")
+  seed: int = _field(0, "seeds the training stream (the held-out set does not depend on it).")
+
+  def __post_init__(self):
+    name = "task.arithmetic_chat."
+    object.__setattr__(self, "examples", tuple(self.examples))
+    _check_finite(name[:-1], self)
+    if not self.ops or set(self.ops) - set("+-*") or len(set(self.ops)) < len(self.ops):
+      fail(name + "ops", self.ops, "must be distinct operators of '+-*'")
+    if self.min_operand < 0:
+      fail(name + "min_operand", self.min_operand, "must be >= 0")
+    if self.max_operand < self.min_operand:
+      fail(name + "max_operand", self.max_operand,
+           f"must be >= {name}min_operand ({self.min_operand})")
+    _check_choice(name + "answer_format", self.answer_format, ANSWER_FORMATS)
+    for key in ("{a}", "{op}", "{b}"):
+      if key not in self.question:
+        fail(name + "question", self.question, f"must contain {key!r}")
+    for example in self.examples:
+      if not re.fullmatch(r"\d+ [-+*] \d+", example):
+        fail(name + "examples", example, "must each be `a op b` (for example '3 + 5')")
     if not 0 < self.heldout_fraction < 1:
       fail(name + "heldout_fraction", self.heldout_fraction, "must lie in (0, 1)")
     if self.seed < 0:
@@ -867,7 +929,9 @@ class TaskConfig:
   name: str = _field(
       "arithmetic", 'a key of `tasks.registry.TASKS` — "arithmetic" (`arithmetic`, the '
       'character tokenizer), "arithmetic_tool" (the same problems with a calculator tool over '
-      'several turns), "code" (`code`, small programs run in the sandbox), "math" (`math`, '
+      'several turns), "arithmetic_chat" (`arithmetic_chat`, questions through a pretrained '
+      "model's chat template, the answer in a strict format), \"code\" (`code`, small "
+      'programs run in the sandbox), "math" (`math`, '
       "GSM8K/MATH JSONL files, the tokenizer of `hf_model_dir`), \"data\" (`data`, a user's "
       "own JSONL or Parquet rows), \"agent\" (`agent`, an agent written for the OpenAI client, "
       "on the task `agent.task`) — or \"module:attr\" naming a user's task factory, called "
@@ -876,6 +940,7 @@ class TaskConfig:
       {}, "a user task's own options (plain data: strings, numbers, bools, None, lists and "
       "mappings, as config.json holds them); the factory checks them.")
   arithmetic: ArithmeticConfig = ArithmeticConfig()
+  arithmetic_chat: ChatArithmeticConfig = ChatArithmeticConfig()
   math: MathConfig = MathConfig()
   code: CodeConfig = CodeConfig()
   data: DataConfig = DataConfig()

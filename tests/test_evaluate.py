@@ -45,3 +45,19 @@ def test_accuracy_and_pass_at_k_are_fractions_of_prompts(pool):
   solved = {"p0", "p2"}
   metrics = _run(pool, lambda p, text: float(p.name in solved))
   assert metrics["accuracy"] == 0.5 and metrics["pass_at_3"] == 0.5
+
+
+def test_other_criteria_score_the_greedy_completions_and_pass_k_zero_samples_none(pool):
+  scored = []
+
+  def strict(pairs):
+    scored.append(len(pairs))
+    return [float(p.name == "p0") for p, _ in pairs]
+
+  metrics = evaluate(pool, PROMPTS, max_new_tokens=6, stop_token_ids=(2,), pass_k=0,
+                     decode=lambda tokens: ",".join(map(str, tokens)), score=strict,
+                     also_scores={"lenient": lambda pairs: [1.0 for _ in pairs],
+                                  "none": lambda pairs: [0.5 for _ in pairs]})
+  assert metrics == {"accuracy": 0.25, "accuracy_lenient": 1.0, "accuracy_none": 0.0,
+                     "completion_len": metrics["completion_len"]}
+  assert scored == [len(PROMPTS)], "with pass_k=0 only the greedy completions are scored"

@@ -38,6 +38,8 @@ class _ByPath(Mapping[str, RewardFn]):
 REWARD_FNS: Mapping[str, RewardFn] = _ByPath({
     "arithmetic": "async_rl.tasks.arithmetic:verify",
     "arithmetic_steps": "async_rl.tasks.arithmetic:step_credit",
+    "arithmetic_chat": "async_rl.tasks.chat_arithmetic:strict_answer",
+    "arithmetic_chat_lenient": "async_rl.tasks.chat_arithmetic:lenient_answer",
     "code_tests": "async_rl.rewards.code_tests:code_tests_reward",
     "code_tests_all": "async_rl.rewards.code_tests:code_tests_all_reward",
     "math": "async_rl.tasks.math_data:math_reward",

@@ -138,6 +138,7 @@ def preflight(cfg: ExperimentConfig, task=None):
   with _config_errors():
     reward_fn(cfg, task)
     correct_fn(cfg, task)
+    also_correct_fns(cfg)
     check_wandb(cfg.log.wandb_project)
   if task.workflow is not None and not isinstance(task.workflow, Workflow):
     missing = [m for m in ("run", "metrics", "close") if not hasattr(task.workflow, m)]
@@ -377,6 +378,12 @@ def correct_fn(cfg: ExperimentConfig, task) -> Reward:
   return Reward(cfg.eval.correct_fn, field="eval.correct_fn")
 
 
+def also_correct_fns(cfg: ExperimentConfig) -> dict[str, Reward]:
+  """The evaluation's other criteria of correctness (`eval.also_correct_fns`), by name."""
+  return {name: Reward(fn, field=f"eval.also_correct_fns[{name!r}]")
+          for name, fn in cfg.eval.also_correct_fns.items()}
+
+
 def reward_service(cfg: ExperimentConfig, num_workers: int) -> RewardService:
   """A reward service of `num_workers` worker processes, as `rollout` configures them."""
   r = cfg.rollout
@@ -391,7 +398,7 @@ def make_evaluator(cfg: ExperimentConfig, task, params, *, engines=None, version
   """The held-out evaluator of `params` (at `version`) on `task`, as `cfg.eval` says: a
   generator pool over `engines` (None: one new engine), a reward service of
   `reward_workers` processes as `rollout` configures them (`reward_service`), and
-  `correct_fn` to score with. Its waits end as `wait(future, what)` says (None: never
+  `correct_fn` (and `also_correct_fns`) to score with. Its waits end as `wait(future, what)` says (None: never
   time out)."""
   rewards = reward_service(cfg, num_workers=reward_workers)
   try:
@@ -400,6 +407,7 @@ def make_evaluator(cfg: ExperimentConfig, task, params, *, engines=None, version
     rewards.close()
     raise
   return Evaluator(pool, rewards, task, cfg.eval, reward_fn=correct_fn(cfg, task),
+                   also_correct=also_correct_fns(cfg),
                    max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.seed,
                    vocab_size=cfg.model.vocab_size, max_prompt_len=cfg.task.max_prompt_len,
                    wait=wait)

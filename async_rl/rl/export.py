@@ -117,7 +117,7 @@ def score(policy: Policy, *, num_prompts: Optional[int] = None,
   task = build.preflight(cfg)
   cfg = dataclasses.replace(cfg, eval=dataclasses.replace(
       cfg.eval, num_prompts=num_prompts or cfg.eval.num_prompts,
-      pass_k=pass_k or cfg.eval.pass_k))
+      pass_k=cfg.eval.pass_k if pass_k is None else pass_k))
   evaluator = build.make_evaluator(cfg, task, policy.params, engines=[policy.engine()],
                                    reward_workers=cfg.rollout.reward_workers)
   try:

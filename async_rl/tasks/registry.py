@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from async_rl import named
-from async_rl.tasks import arithmetic, code_task, data_task, math_task, tool_task
+from async_rl.tasks import (arithmetic, chat_arithmetic, code_task, data_task, math_task,
+                            tool_task)
 
 
 class _Entry(NamedTuple):
@@ -28,6 +29,7 @@ class _Entry(NamedTuple):
 TASKS: dict[str, _Entry] = {
     "agent": _Entry("async_rl.agents.task:make", "async_rl.agents.task:check"),
     "arithmetic": _Entry(arithmetic.make, arithmetic.check),
+    "arithmetic_chat": _Entry(chat_arithmetic.make, chat_arithmetic.check),
     "arithmetic_tool": _Entry(tool_task.make, arithmetic.check),
     "code": _Entry(code_task.make, code_task.check),
     "data": _Entry(data_task.make, data_task.check),

@@ -77,8 +77,8 @@ def test_bad_settings_name_their_field(overrides, field):
 
 
 class _Template:
-  """A stand-in tokenizer for the splits and streams: ChatML text, one id per character."""
-  vocab_size, stop_ids, eos_id = 0x110000, (0,), 0
+  """A stand-in tokenizer for the splits and streams: a conversation's text, one id per
+  character."""
 
   @staticmethod
   def render_chat(messages, add_generation_prompt=True):
@@ -88,15 +88,9 @@ class _Template:
   def encode(text):
     return [ord(c) for c in text]
 
-  @staticmethod
-  def decode(ids):
-    return "".join(map(chr, ids))
-
 
 def _questions(prompts):
-  """The user's question of each prompt (the stand-in tokenizer's text after `<user>`)."""
-  return [_Template.decode(p.tokens).rsplit("<user>", 1)[1].removesuffix("<assistant>")
-          for p in prompts]
+  return [p.problem.question for p in prompts]
 
 
 def test_splits_are_disjoint_resumable_and_the_heldout_set_ignores_the_seed():
@@ -154,7 +148,7 @@ def test_prompts_are_the_models_template_as_transformers_renders_it(smollm2_dir)
     task = ca.make(TaskConfig(name="arithmetic_chat", tokenizer_dir=smollm2_dir,
                               arithmetic_chat=ChatArithmeticConfig(**overrides)))
     for prompt in task.heldout(3):
-      problem = ca._problem(task.cfg, True, 0, int(prompt.id.split("/")[1]))
+      problem = prompt.problem
       messages = task.messages(problem)
       expected = reference.apply_chat_template(messages, add_generation_prompt=True,
                                                tokenize=True, return_dict=False)

@@ -103,10 +103,12 @@ class Prompt:
     id: unique within a run: `train/{seed}/{index}` or `heldout/{index}`.
     tokens: the conversation's ids, up to where the assistant begins.
     answer: the reference.
+    problem: what was asked (`ChatArithmeticTask.messages` gives the conversation).
   """
   id: str
   tokens: tuple[int, ...]
   answer: Answer
+  problem: Problem
 
 
 _TRAIN_STREAM, _HELDOUT_STREAM = 0, 1
@@ -179,7 +181,7 @@ class ChatArithmeticTask:
   def prompt(self, id_: str, problem: Problem) -> Prompt:
     text = self.tokenizer.render_chat(self.messages(problem), add_generation_prompt=True)
     return Prompt(id_, tuple(self.tokenizer.encode(text)),
-                  Answer(problem.value, self.cfg.answer_format))
+                  Answer(problem.value, self.cfg.answer_format), problem)
 
   @staticmethod
   def reference(prompt: Prompt) -> Answer:

@@ -1,7 +1,8 @@
-"""notebooks/quickstart.ipynb runs headless from top to bottom, with a reward function
-defined in one of its cells: every cell as written, but for the run lengths and the
-batch, which the test shortens (the whole notebook takes minutes on a 2-core CPU; the code
-paths are the same at any length).
+"""The notebooks run headless from top to bottom, every cell as written but for the run
+lengths and the batch, which the tests shorten (a whole notebook takes minutes on a
+2-core CPU; the code paths are the same at any length): notebooks/quickstart.ipynb, with
+a reward function defined in one of its cells, and notebooks/real_model.ipynb, the
+shipped SmolLM2 on the chat arithmetic task (its GGUF fetched into the model cache once).
 
 Needs the `notebook` extra (nbclient, nbformat, ipykernel, matplotlib); skipped without it.
 """
@@ -16,15 +17,18 @@ nbformat = pytest.importorskip("nbformat", reason="needs nbformat (the notebook 
 pytest.importorskip("ipykernel", reason="needs ipykernel (the notebook extra)")
 pytest.importorskip("matplotlib", reason="needs matplotlib (the notebook extra)")
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOK = NOTEBOOKS / "quickstart.ipynb"
+REAL_MODEL = NOTEBOOKS / "real_model.ipynb"
 
 
 def _outputs(nb):
   return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
 
 
-def test_notebook_is_saved_without_outputs():
-  nb = nbformat.read(NOTEBOOK, as_version=4)
+@pytest.mark.parametrize("path", [NOTEBOOK, REAL_MODEL], ids=lambda p: p.name)
+def test_notebook_is_saved_without_outputs(path):
+  nb = nbformat.read(path, as_version=4)
   assert not _outputs(nb), "clear the notebook's outputs before saving it"
 
 
@@ -38,9 +42,9 @@ SHORTER = {"c = tiny.get_config()": "c = tiny.get_config()\nc.batch_groups = 4",
            "c.checkpoint.every_steps = 20": "c.checkpoint.every_steps = 2"}
 
 
-def _shortened(nb):
+def _shortened(nb, shorter=SHORTER):
   for cell in nb.cells:
-    for long, short in SHORTER.items():
+    for long, short in shorter.items():
       if long in cell.source:
         cell.source = cell.source.replace(long, short)
         yield long
@@ -61,3 +65,29 @@ def test_quickstart_notebook_runs():
   assert re.search(r"^LoRA trained versions 0 -> 2$", text, re.M), text[-2000:]
   # The notebook's own reward function scored every sample in the reward workers.
   assert re.search(r"^inline reward: [1-9]\d* calls, 0 errors, 0 timeouts$", text, re.M), text
+
+
+# The real-model notebook's run lengths, and the test's: two steps of two questions x four
+# samples, four held-out questions evaluated before and after, two shown.
+REAL_MODEL_SHORTER = {
+    "c.num_steps = 8": "c.num_steps = 2\nc.batch_groups = 2\nc.generation.group_size = 4",
+    "num_prompts=100, every_steps=4": "num_prompts=4, every_steps=2",
+    "c.checkpoint.every_steps = 8": "c.checkpoint.every_steps = 2",
+    "task.heldout(6)": "task.heldout(2)"}
+
+
+def test_real_model_notebook_runs(smollm2_gguf):
+  nb = nbformat.read(REAL_MODEL, as_version=4)
+  assert sorted(_shortened(nb, REAL_MODEL_SHORTER)) == sorted(REAL_MODEL_SHORTER), (
+      "the notebook's run lengths changed")
+  client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                   resources={"metadata": {"path": str(NOTEBOOKS)}})
+  client.execute()
+  outputs = _outputs(nb)
+  assert any("image/png" in o.get("data", {}) for o in outputs), "expected the learning curve"
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  assert "<|im_start|>user\nWhat is " in text and "<|im_start|>assistant\n" in text
+  for when in ("before", "after"):
+    assert re.search(rf"^held-out {when} RL: strict [01]\.\d{{3}}, lenient [01]\.\d{{3}}$",
+                     text, re.M), text[-3000:]
+  assert len(re.findall(r"^What is \d+ [-+*] \d+\? -> .* \| (correct|wrong)$", text, re.M)) == 4

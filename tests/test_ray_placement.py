@@ -167,7 +167,7 @@ def test_two_rollout_workers_train_a_user_task_shipped_by_the_runtime_env(
   assert all(w["rewards"]["errors"] == 0 for w in workers)
   # Every prompt that either worker's stream gave out, by the last checkpoint, was
   # trained once, rejected, or is queued to be issued again.
-  server = checkpoint_meta(tmp_path)["server"]
+  server = checkpoint_meta(tmp_path).server
   rows = len(train.read_text().splitlines())
   drawn = sum(c["epoch"] * rows + c["index"] for c in server["ledger"]["cursor"].values())
   queued = sum(len(r) for r in server["ledger"]["replay"].values())

@@ -88,9 +88,9 @@ fills, where nothing is padding and the model FLOPs are exactly known:
   per token  6 N; plus 2 (N - D V - L D F - L S) when remat recomputes the layers'
              forward pass (all of it but the MLP's down projection, whose output
              the backward pass does not need, and S, the matmuls whose outputs
-             `model.remat_saves` keeps: `models.config.REMAT_SAVES`); plus 2 D V
-             when log-probs are chunked (each chunk's LM head is recomputed in the
-             backward pass);
+             `model.remat_saves` keeps: `models.config.REMAT_SAVES`); plus 2 D V,
+             the LM head's logits scored again in the backward pass, whose
+             gradient `policy` writes in closed form from them;
   attention  per row and layer 4 H E C^2 n (n + 1) / 2 forward (`blockwise`: query
              block i of n scores the (i + 1) C keys before it), times 3 for forward
              and backward, plus 1 under remat.
@@ -122,7 +122,6 @@ from async_rl.compiled_memory import (compile_train_step, generator, trainer,  #
                                       with_dtype)
 from async_rl.models import attention, flops  # noqa: E402
 from async_rl.models.memory import GIB  # noqa: E402
-from async_rl.policy import chunk_len  # noqa: E402
 
 _CONFIGS = flags.DEFINE_list("configs", ["qwen2_5:1.5b", "qwen2_5:7b"],
                              "Shipped configs (NAME:VARIANT) of the per-device table.")
@@ -226,7 +225,6 @@ def implementation_flops(model_cfg, rows, row_len) -> dict:
   m = model_cfg
   N, head = flops.matmul_params(m), m.d_model * m.vocab_size
   tokens = rows * row_len
-  chunked = chunk_len(rows, row_len, m.vocab_size) < row_len
   n = attention.num_blocks(row_len)
   C = row_len // n
   attn_fwd = m.n_layers * rows * 4 * m.n_heads * m.head_dim * C * C * n * (n + 1) / 2
@@ -236,7 +234,7 @@ def implementation_flops(model_cfg, rows, row_len) -> dict:
   recomputed = 2 * m.n_layers * tokens * (
       (N - head) / m.n_layers - D * F - sum(kept[s] for s in m.remat_saves)) + attn_fwd
   return dict(weights=6 * N * tokens, remat=recomputed * m.remat,
-              head_recompute=2 * head * tokens * chunked, attention=3 * attn_fwd)
+              head_recompute=2 * head * tokens, attention=3 * attn_fwd)
 
 
 def measure(cfg, tokens):

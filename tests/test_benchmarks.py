@@ -88,7 +88,8 @@ def test_memory_reads_the_compiler_and_its_flop_count_checks_out():
   assert set(summary["temp_gib"]) == {"80", "160"}
   assert summary["count_check"] < 1e-3
   breakdown = summary["flops_breakdown"]
-  assert breakdown["remat"] > 0 and breakdown["head_recompute"] == 0
+  # The LM head's logits are scored again in the backward pass, chunked or not.
+  assert breakdown["remat"] > 0 and breakdown["head_recompute"] > 0
   assert abs(sum(breakdown.values()) - summary["flops_ratio"]) < 1e-3
   assert "walk/closed form" in stdout  # the table
   assert "temp_gib_16bit" not in summary  # a float32 config

@@ -2,7 +2,9 @@
 lengths and the batch, which the tests shorten (a whole notebook takes minutes on a
 2-core CPU; the code paths are the same at any length): notebooks/quickstart.ipynb, with
 a reward function defined in one of its cells, and notebooks/real_model.ipynb, the
-shipped SmolLM2 on the chat arithmetic task (its GGUF fetched into the model cache once).
+SmolLM2 recipe on the chat arithmetic task, run on the shipped model's first two blocks
+(`conftest.smollm2_two_blocks`: its vocabulary, tokenizer and template; a whole run of
+the 30 blocks adds minutes and no code path).
 
 Needs the `notebook` extra (nbclient, nbformat, ipykernel, matplotlib); skipped without it.
 """
@@ -70,16 +72,18 @@ def test_quickstart_notebook_runs():
 # The real-model notebook's run lengths, and the test's: two steps of two questions x four
 # samples, four held-out questions evaluated before and after, two shown.
 REAL_MODEL_SHORTER = {
-    "c.num_steps = 8": "c.num_steps = 2\nc.batch_groups = 2\nc.generation.group_size = 4",
+    "c.num_steps = 8": "c.num_steps = 2\nc.batch_groups = 2\nc.generation.group_size = 4\n"
+                       "c.hf_model_dir = TWO_BLOCKS",
     "num_prompts=100, every_steps=4": "num_prompts=4, every_steps=2",
     "c.checkpoint.every_steps = 8": "c.checkpoint.every_steps = 2",
     "task.heldout(6)": "task.heldout(2)"}
 
 
-def test_real_model_notebook_runs(smollm2_gguf):
+def test_real_model_notebook_runs(smollm2_two_blocks):
   nb = nbformat.read(REAL_MODEL, as_version=4)
   assert sorted(_shortened(nb, REAL_MODEL_SHORTER)) == sorted(REAL_MODEL_SHORTER), (
       "the notebook's run lengths changed")
+  nb.cells.insert(0, nbformat.v4.new_code_cell(f"TWO_BLOCKS = {smollm2_two_blocks[1]!r}"))
   client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                    resources={"metadata": {"path": str(NOTEBOOKS)}})
   client.execute()

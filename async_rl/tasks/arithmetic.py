@@ -41,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 from async_rl.config import ArithmeticConfig, ExperimentConfig, TaskConfig
-from async_rl.tasks.protocol import RewardFnLike, is_heldout, supervised
+from async_rl.tasks.protocol import RewardFnLike, draw_in_split, supervised
 from async_rl.tasks.tokenizer import CharTokenizer
 from async_rl.trajectory import Trajectory
 
@@ -167,7 +167,6 @@ def answer_correct(completion: str, problem: Problem) -> float:
 
 
 _TRAIN_STREAM, _HELDOUT_STREAM = 0, 1
-_MAX_ATTEMPTS = 10_000
 _TOKENIZER = CharTokenizer()
 
 
@@ -189,15 +188,9 @@ class Prompt:
 
 
 def _problem(cfg: ArithmeticConfig, heldout: bool, index: int) -> Problem:
-  key = [_HELDOUT_STREAM, index] if heldout else [_TRAIN_STREAM, cfg.seed, index]
-  rng = np.random.default_rng(key)
-  for _ in range(_MAX_ATTEMPTS):
-    problem = make_problem(rng, cfg)
-    if is_heldout(problem.prompt, cfg.heldout_fraction) == heldout:
-      return problem
-  raise RuntimeError(f"no {'held-out' if heldout else 'train'} problem in {_MAX_ATTEMPTS} "
-                     f"draws; task.arithmetic.heldout_fraction={cfg.heldout_fraction} is too "
-                     f"extreme")
+  return draw_in_split([_HELDOUT_STREAM, index] if heldout else [_TRAIN_STREAM, cfg.seed, index],
+                       lambda rng: make_problem(rng, cfg), lambda p: p.prompt, heldout,
+                       cfg.heldout_fraction, "task.arithmetic.heldout_fraction")
 
 
 def _prompt(id_: str, problem: Problem) -> Prompt:

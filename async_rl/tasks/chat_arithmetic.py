@@ -40,7 +40,7 @@ import numpy as np
 
 from async_rl.config import ChatArithmeticConfig, ExperimentConfig, TaskConfig
 from async_rl.models.hf_tokenizer import HFTokenizer
-from async_rl.tasks.protocol import TextTokenizer, is_heldout
+from async_rl.tasks.protocol import TextTokenizer, draw_in_split
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _SPANS = {"answer": re.compile(r"<answer>(.*?)</answer>", re.S),
@@ -112,22 +112,15 @@ class Prompt:
 
 
 _TRAIN_STREAM, _HELDOUT_STREAM = 0, 1
-_MAX_ATTEMPTS = 10_000
 _WORKER_SEED_STRIDE = 1000
 # Held-out draws repeat questions; a split of fewer than n questions ends the search here.
 _HELDOUT_DRAWS_PER_PROMPT = 20
 
 
 def _problem(cfg: ChatArithmeticConfig, heldout: bool, seed: int, index: int) -> Problem:
-  rng = np.random.default_rng([_HELDOUT_STREAM, index] if heldout
-                              else [_TRAIN_STREAM, seed, index])
-  for _ in range(_MAX_ATTEMPTS):
-    problem = make_problem(rng, cfg)
-    if is_heldout(problem.question, cfg.heldout_fraction) == heldout:
-      return problem
-  raise RuntimeError(f"no {'held-out' if heldout else 'train'} problem in {_MAX_ATTEMPTS} "
-                     f"draws; task.arithmetic_chat.heldout_fraction={cfg.heldout_fraction} "
-                     f"is too extreme")
+  return draw_in_split([_HELDOUT_STREAM, index] if heldout else [_TRAIN_STREAM, seed, index],
+                       lambda rng: make_problem(rng, cfg), lambda p: p.question, heldout,
+                       cfg.heldout_fraction, "task.arithmetic_chat.heldout_fraction")
 
 
 class ChatArithmeticStream:

@@ -28,7 +28,7 @@ import numpy as np
 
 from async_rl.config import CodeConfig, ExperimentConfig, TaskConfig
 from async_rl.tasks.arithmetic import SFT_SEED_OFFSET, WORKER_SEED_STRIDE, check_char_task
-from async_rl.tasks.protocol import RewardFnLike, is_heldout, supervised
+from async_rl.tasks.protocol import RewardFnLike, draw_in_split, supervised
 from async_rl.tasks.tokenizer import CODE_CHARS, CharTokenizer
 from async_rl.trajectory import Trajectory
 
@@ -38,7 +38,6 @@ _MULTIPLICATIVE = ("*", "//", "%")
 _HEADER = "n=int(input())\nprint("
 _MAX_INPUT = 99
 _TRAIN_STREAM, _HELDOUT_STREAM = 0, 1
-_MAX_ATTEMPTS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +87,14 @@ class _Problems:
     self.cfg, self.tokenizer = cfg, tokenizer
 
   def prompt(self, heldout: bool, seed: int, index: int) -> CodePrompt:
-    key = [_HELDOUT_STREAM, index] if heldout else [_TRAIN_STREAM, seed, index]
-    rng = np.random.default_rng(key)
-    for _ in range(_MAX_ATTEMPTS):
-      text, solution, tests = make_program(rng, self.cfg)
-      if is_heldout(text, self.cfg.heldout_fraction) == heldout:
-        tok = self.tokenizer
-        return CodePrompt(f"heldout/{index}" if heldout else f"train/{seed}/{index}",
-                          (tok.bos_id, *tok.encode(text)), (*tok.encode(solution), tok.eos_id),
-                          tests)
-    raise RuntimeError(f"no {'held-out' if heldout else 'train'} problem in {_MAX_ATTEMPTS} "
-                       f"draws; code.heldout_fraction={self.cfg.heldout_fraction} is too extreme")
+    text, solution, tests = draw_in_split(
+        [_HELDOUT_STREAM, index] if heldout else [_TRAIN_STREAM, seed, index],
+        lambda rng: make_program(rng, self.cfg), lambda program: program[0], heldout,
+        self.cfg.heldout_fraction, "code.heldout_fraction")
+    tok = self.tokenizer
+    return CodePrompt(f"heldout/{index}" if heldout else f"train/{seed}/{index}",
+                      (tok.bos_id, *tok.encode(text)), (*tok.encode(solution), tok.eos_id),
+                      tests)
 
 
 class CodeStream:

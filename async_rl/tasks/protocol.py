@@ -129,3 +129,21 @@ def is_heldout(prompt: str, fraction: float) -> bool:
   prompt alone decides, so a prompt keeps its side whatever else changes."""
   digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
   return int.from_bytes(digest, "big") < fraction * 2 ** 64
+
+
+# Draws a split gets before it is called too small for its fraction.
+MAX_SPLIT_DRAWS = 10_000
+
+
+def draw_in_split(key: list[int], draw, text, heldout: bool, fraction: float, field: str):
+  """The first `draw(rng)` on the given side of the split (`is_heldout(text(item),
+  fraction)`), from the generator seeded by `key`, so that item i of a stream is a
+  function of its key alone. `field` names the fraction in the error raised when
+  `MAX_SPLIT_DRAWS` draws find none."""
+  rng = np.random.default_rng(key)
+  for _ in range(MAX_SPLIT_DRAWS):
+    item = draw(rng)
+    if is_heldout(text(item), fraction) == heldout:
+      return item
+  raise RuntimeError(f"no {'held-out' if heldout else 'train'} problem in {MAX_SPLIT_DRAWS} "
+                     f"draws; {field}={fraction} is too extreme")
